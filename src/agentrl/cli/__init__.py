@@ -1,0 +1,1 @@
+"""Command-line entry points (`agentrl ...`). Nothing in the package imports this sub-package."""

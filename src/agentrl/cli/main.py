@@ -1,0 +1,45 @@
+"""`agentrl` console script: dispatches to one module per sub-command.
+
+Each module in ``SUBCOMMANDS`` exposes ``add_parser(subparsers)``, which registers its parser and sets
+``func`` (called with the parsed namespace, returns the exit code). Heavy imports happen inside ``func``
+so that ``agentrl --help`` stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from agentrl.log import setup_logging
+
+SUBCOMMANDS: tuple[str, ...] = (
+    "agentrl.cli.db",
+    "agentrl.cli.tasks",
+    "agentrl.cli.export",
+    "agentrl.cli.status",
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="agentrl", description="AgentRL: asynchronous reinforcement learning for multi-turn tool-using LLM agents")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for module_name in SUBCOMMANDS:
+        importlib.import_module(module_name).add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    setup_logging(verbose=args.verbose)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The MongoDB trajectory store: document models, atomic operations, the embedded server (DESIGN §3)."""
+
+from agentrl.store.connection import database_name, resolve_connection_string, sync_client, with_database
+from agentrl.store.errors import InvalidTransition, LeaseLost, NotFound, StoreError
+from agentrl.store.models import (
+    CallStatus,
+    DBRecordData,
+    DispatchedSamplingTask,
+    InferenceService,
+    Metric,
+    Record,
+    RecordStatus,
+    Run,
+    RunStatus,
+    SampleStatus,
+    ServiceStatus,
+    Task,
+    TaskStatus,
+)
+from agentrl.store.slots import GroupLease, SlotLease
+from agentrl.store.store import Store
+
+__all__ = [
+    "CallStatus", "DBRecordData", "DispatchedSamplingTask", "GroupLease", "InferenceService", "InvalidTransition",
+    "LeaseLost", "Metric", "NotFound", "Record", "RecordStatus", "Run", "RunStatus", "SampleStatus",
+    "ServiceStatus", "SlotLease", "Store", "StoreError", "Task", "TaskStatus", "database_name",
+    "resolve_connection_string", "sync_client", "with_database",
+]

@@ -1,0 +1,331 @@
+"""Pydantic models of the documents AgentRL keeps in MongoDB (one collection per class, DESIGN §3).
+
+Documents are stored with their ``id`` as ``_id``. Dates are timezone-aware UTC datetimes, so they show as real
+dates in Mongo Compass. Every state change goes through the store's atomic operations, never through a
+whole-document save.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from enum import StrEnum
+from typing import Annotated, Any, ClassVar
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+
+
+def utcnow() -> datetime:
+    """Current time as an aware UTC datetime, truncated to milliseconds (BSON date precision)."""
+    now = datetime.now(timezone.utc)
+    return now.replace(microsecond=now.microsecond // 1000 * 1000)
+
+
+def _as_utc(value: datetime) -> datetime:
+    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+
+
+UTCDatetime = Annotated[datetime, AfterValidator(_as_utc)]
+"""A datetime read back as aware UTC (drivers return naive UTC; some servers return ISO strings)."""
+
+EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+
+
+class Document(BaseModel):
+    """Base of every stored document: ``id`` maps to MongoDB's ``_id``."""
+
+    model_config = ConfigDict(populate_by_name=True, extra="allow")
+    collection: ClassVar[str]
+
+    id: Any = Field(alias="_id")
+
+    def to_mongo(self) -> dict[str, Any]:
+        """The document as stored (``_id`` key, enums as strings)."""
+        return self.model_dump(by_alias=True, mode="python", exclude_none=False)
+
+    @classmethod
+    def from_mongo(cls, doc: dict[str, Any] | None):
+        """Parse a raw document (``None`` stays ``None``); dates come back as aware UTC datetimes."""
+        if doc is None:
+            return None
+        return cls.model_validate(doc)
+
+
+
+
+# ----------------------------------------------------------------------------------------------------------- Task
+
+
+class TaskStatus(StrEnum):
+    CREATED = "created"
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+
+
+class Task(Document):
+    """One prompt to be sampled ``num_generations`` times (a GRPO group).
+
+    A claim appends a lease id to ``claim_ids``; its index is the slot number. The lease itself (owner, expiry,
+    heartbeats) lives on the slot's ``Record``. ``unclaimed`` counts slots never handed out, ``remaining`` slots
+    not yet settled (scored or given up); the caller whose settlement brings ``remaining`` to 0 is told to run
+    the group stage, guarded by its own lease (``group_lease_*``) so a crash there is recovered too.
+    """
+
+    collection: ClassVar[str] = "Task"
+
+    split: str = "train"
+    order: int = Field(0, description="upload sequence number; claims fill groups in this order")
+    query: str
+    answer: str | None = None
+    system_prompt: str | None = None
+    scorer: str = "math"
+    answer_schema: str = "boxed"
+    task_type: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    content_hash: str
+
+    num_generations: int = 1
+    max_attempts: int = 3
+    unclaimed: int
+    remaining: int
+    claim_ids: list[str] = Field(default_factory=list)
+    settled_slots: list[int] = Field(default_factory=list)
+    completed_slots: list[int] = Field(default_factory=list)
+    failed_slots: list[int] = Field(default_factory=list)
+
+    status: TaskStatus = TaskStatus.CREATED
+    group_stage_done: bool = False
+    group_lease_owner: str | None = None
+    group_lease_expires_at: UTCDatetime = Field(default_factory=lambda: EPOCH)
+    created_at: UTCDatetime = Field(default_factory=utcnow)
+    updated_at: UTCDatetime = Field(default_factory=utcnow)
+
+
+# --------------------------------------------------------------------------------------------------------- Record
+
+
+class RecordStatus(StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    SCORED = "scored"
+    READY = "ready"
+    ABANDONED = "abandoned"
+    TRAINED = "trained"
+
+
+RECORD_TRANSITIONS: dict[RecordStatus, frozenset[RecordStatus]] = {
+    RecordStatus.RUNNING: frozenset({RecordStatus.COMPLETED, RecordStatus.FAILED}),
+    RecordStatus.COMPLETED: frozenset({RecordStatus.SCORED, RecordStatus.FAILED}),
+    RecordStatus.FAILED: frozenset({RecordStatus.SCORED, RecordStatus.ABANDONED}),
+    RecordStatus.SCORED: frozenset({RecordStatus.READY, RecordStatus.ABANDONED}),
+    RecordStatus.READY: frozenset({RecordStatus.TRAINED, RecordStatus.ABANDONED}),
+    RecordStatus.ABANDONED: frozenset(),
+    RecordStatus.TRAINED: frozenset(),
+}
+"""Allowed Record transitions (DESIGN §3: running → completed | failed → scored → ready | abandoned → trained)."""
+
+
+class Record(Document):
+    """One trajectory: the sample in slot ``slot`` of a Task, attempt ``attempt``.
+
+    ``_id`` is ``"{task_id}/{slot}/{attempt}"``: the unique key makes every (re)claim of a slot exactly-once.
+    While ``leased`` is true the sampler ``lease_owner`` holds the slot until ``lease_expires_at`` (extended by
+    heartbeats); an expired lease is reclaimed by another sampler as attempt ``attempt + 1``. Turns live in
+    ``DispatchedSamplingTask`` (one document per LLM call), not here.
+    """
+
+    collection: ClassVar[str] = "Record"
+
+    task_id: str
+    split: str = "train"
+    slot: int
+    attempt: int
+    failures: int = Field(0, description="failed attempts of this slot before this one (release does not count)")
+    lease_id: str
+    lease_owner: str
+    leased: bool = True
+    lease_expires_at: UTCDatetime
+    released: bool = False
+    status: RecordStatus = RecordStatus.RUNNING
+    num_turns: int = 0
+    outcome: str | None = Field(None, description="answer | turns_limit_error | length_limit_error | ...")
+    final_answer: str | None = None
+    score: float | None = None
+    score_error: str | None = Field(None, description="scorer/judge failure; never silently a 0 reward")
+    score_details: dict[str, Any] = Field(default_factory=dict)
+    advantage: float | None = Field(None, description="set by the group stage")
+    group_decision: str | None = Field(None, description="why the group stage kept or dropped this sample")
+    policy_version: int | None = Field(None, description="policy version at the first LLM call")
+    error: str | None = None
+    meta: dict[str, Any] = Field(default_factory=dict)
+    created_at: UTCDatetime = Field(default_factory=utcnow)
+    updated_at: UTCDatetime = Field(default_factory=utcnow)
+    finished_at: UTCDatetime | None = None
+
+
+# -------------------------------------------------------------------------------------------- DispatchedSamplingTask
+
+
+class CallStatus(StrEnum):
+    RUNNING = "running"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    FORMATERROR = "formaterror"
+    TOOLFAILED = "toolfailed"
+    REPEATERROR = "repeaterror"
+
+
+CALL_TRANSITIONS: dict[CallStatus, frozenset[CallStatus]] = {
+    CallStatus.RUNNING: frozenset({CallStatus.COMPLETED, CallStatus.FAILED}),
+    CallStatus.COMPLETED: frozenset({CallStatus.FORMATERROR, CallStatus.TOOLFAILED, CallStatus.REPEATERROR}),
+    CallStatus.FAILED: frozenset(),
+    CallStatus.FORMATERROR: frozenset(),
+    CallStatus.TOOLFAILED: frozenset(),
+    CallStatus.REPEATERROR: frozenset(),
+}
+"""Allowed DispatchedSamplingTask transitions (a completed call may be re-labelled by the tool stage)."""
+
+
+class DispatchedSamplingTask(Document):
+    """One LLM call of a trajectory, token-exact.
+
+    The prompt is stored either whole (``input_ids``, first turn of a branch) or as the previous call of the same
+    branch plus ``prompt_delta_ids`` (its tool/user messages rendered by the chat template), so that
+    ``prompt(turn) == prompt(turn-1) + output(turn-1) + delta``. Decoded texts sit next to the ids for audits.
+    """
+
+    collection: ClassVar[str] = "DispatchedSamplingTask"
+
+    record_id: str
+    task_id: str
+    turn: int
+    branch: int = 0
+    status: CallStatus = CallStatus.RUNNING
+    previous_call_id: str | None = None
+    input_ids: list[int] | None = None
+    prompt_delta_ids: list[int] = Field(default_factory=list)
+    prompt_delta_text: str = ""
+    output_ids: list[int] = Field(default_factory=list)
+    output_logprobs: list[float] = Field(default_factory=list)
+    output_text: str = ""
+    weight_version: int | None = None
+    finish_reason: str | None = None
+    sampling_params: dict[str, Any] = Field(default_factory=dict)
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    tool_results: list[dict[str, Any]] = Field(default_factory=list)
+    service_id: str | None = None
+    error: str | None = None
+    created_at: UTCDatetime = Field(default_factory=utcnow)
+    finished_at: UTCDatetime | None = None
+    latency_s: float | None = None
+
+
+# ---------------------------------------------------------------------------------------------------- DBRecordData
+
+
+class SampleStatus(StrEnum):
+    QUEUED = "queued"
+    CLAIMED = "claimed"
+    TRAINED = "trained"
+
+
+class DBRecordData(Document):
+    """One training sample: a trajectory branch merged into one sequence, with per-token training labels."""
+
+    collection: ClassVar[str] = "DBRecordData"
+
+    record_id: str
+    task_id: str
+    split: str = "train"
+    branch: int = 0
+    seq: int = Field(description="enqueue order; trainers claim the oldest first")
+    input_ids: list[int]
+    loss_mask: list[int]
+    logprobs: list[float] = Field(description="behaviour-policy logprob per token (0 where loss_mask is 0)")
+    versions: list[int] = Field(description="policy version that produced each token (-1 for prompt tokens)")
+    advantages: list[float]
+    reward: float | None = None
+    turn_boundaries: list[int] = Field(default_factory=list, description="token offset where each turn starts")
+    num_tokens: int
+    status: SampleStatus = SampleStatus.QUEUED
+    claimed_rank: int | None = None
+    claimed_step: int | None = None
+    claimed_at: UTCDatetime | None = None
+    created_at: UTCDatetime = Field(default_factory=utcnow)
+    trained_at: UTCDatetime | None = None
+
+
+# ------------------------------------------------------------------------------------------------ InferenceService
+
+
+class ServiceStatus(StrEnum):
+    UP = "UP"
+    DOWN = "DOWN"
+
+
+class InferenceService(Document):
+    """An inference server (SGLang or ``agentrl engine``) that samplers may send requests to.
+
+    ``_id`` is the service's base URL. ``running_requests`` is the load counter samplers maintain; a service is
+    live while ``status == UP`` and its ``heartbeat_at`` is recent.
+    """
+
+    collection: ClassVar[str] = "InferenceService"
+
+    base_url: str
+    kind: str = "sglang"
+    models: list[str] = Field(default_factory=list)
+    status: ServiceStatus = ServiceStatus.UP
+    weight_version: int = 0
+    running_requests: int = 0
+    total_requests: int = 0
+    engine_load: dict[str, Any] = Field(default_factory=dict, description="load the server reports about itself")
+    heartbeat_at: UTCDatetime = Field(default_factory=utcnow)
+    started_at: UTCDatetime = Field(default_factory=utcnow)
+
+
+# ----------------------------------------------------------------------------------------------------- Run, Metric
+
+
+class RunStatus(StrEnum):
+    CREATED = "created"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+
+
+class Run(Document):
+    """The one document describing a run (the database is the run): config snapshot and policy version."""
+
+    collection: ClassVar[str] = "Run"
+
+    name: str
+    config: dict[str, Any] = Field(default_factory=dict)
+    policy_version: int = 0
+    weights_path: str | None = None
+    status: RunStatus = RunStatus.CREATED
+    created_at: UTCDatetime = Field(default_factory=utcnow)
+    updated_at: UTCDatetime = Field(default_factory=utcnow)
+
+
+class Metric(Document):
+    """Metrics of one trainer step (``_id`` is ``"{split}/{step}"``)."""
+
+    collection: ClassVar[str] = "Metric"
+
+    step: int
+    split: str = "train"
+    values: dict[str, float] = Field(default_factory=dict)
+    created_at: UTCDatetime = Field(default_factory=utcnow)
+
+
+ALL_DOCUMENTS: tuple[type[Document], ...] = (
+    Task,
+    Record,
+    DispatchedSamplingTask,
+    DBRecordData,
+    InferenceService,
+    Run,
+    Metric,
+)

@@ -1,0 +1,56 @@
+"""The ``Run`` document (config snapshot, policy version, status) and per-step ``Metric`` documents."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pymongo import ReturnDocument
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import DuplicateKeyError
+
+from agentrl.store.errors import NotFound
+from agentrl.store.models import Metric, Run, RunStatus, utcnow
+
+RUN_ID = "run"
+
+
+class Runs:
+    def __init__(self, db: AsyncDatabase):
+        self.collection = db[Run.collection]
+        self.metrics = db[Metric.collection]
+
+    async def get_or_create(self, name: str, config: dict[str, Any] | None = None) -> Run:
+        """The run's document, created on first use with ``config`` as its snapshot (never overwritten)."""
+        now = utcnow()
+        fresh = Run(id=RUN_ID, name=name, config=config or {}, created_at=now, updated_at=now)
+        try:
+            await self.collection.insert_one(fresh.to_mongo())
+            return fresh
+        except DuplicateKeyError:
+            return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+
+    async def get(self) -> Run | None:
+        return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+
+    async def policy_version(self) -> int:
+        run = await self.get()
+        return run.policy_version if run else 0
+
+    async def bump_policy_version(self, weights_path: str | None = None) -> int:
+        """Atomically increment ``policy_version`` (recording where the new weights are); returns the new one."""
+        fields: dict[str, Any] = {"updated_at": utcnow()}
+        if weights_path is not None:
+            fields["weights_path"] = weights_path
+        doc = await self.collection.find_one_and_update(
+            {"_id": RUN_ID}, {"$inc": {"policy_version": 1}, "$set": fields}, return_document=ReturnDocument.AFTER)
+        if doc is None:
+            raise NotFound("no Run document: create the run first (get_or_create)")
+        return doc["policy_version"]
+
+    async def set_status(self, status: RunStatus) -> None:
+        await self.collection.update_one({"_id": RUN_ID}, {"$set": {"status": str(status), "updated_at": utcnow()}})
+
+    async def log_metrics(self, step: int, values: dict[str, float], split: str = "train") -> None:
+        """Store the metrics of ``step`` (re-logging a step, e.g. after a resume, replaces it)."""
+        metric = Metric(id=f"{split}/{step}", step=step, split=split, values=values)
+        await self.metrics.replace_one({"_id": metric.id}, metric.to_mongo(), upsert=True)

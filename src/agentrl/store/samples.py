@@ -1,0 +1,81 @@
+"""The DBRecordData queue between conversion and trainer ranks: ``queued → claimed(rank, step) → trained``.
+
+A rank claims the samples of a step one atomic ``find_one_and_update`` at a time (oldest first), so concurrent
+ranks never get the same sample. Claims are keyed by (rank, step): asking again for the same step returns the
+samples already claimed for it, which is what makes a resumed trainer see exactly the data it saw before.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from pymongo import ReturnDocument
+from pymongo.asynchronous.database import AsyncDatabase
+
+from agentrl.store.errors import StoreError
+from agentrl.store.models import DBRecordData, SampleStatus, utcnow
+
+
+class SampleQueue:
+    def __init__(self, db: AsyncDatabase):
+        self.collection = db[DBRecordData.collection]
+
+    async def enqueue(self, samples: list[DBRecordData]) -> int:
+        """Insert samples (``seq`` is assigned in enqueue order when left at 0). Returns how many were queued."""
+        if not samples:
+            return 0
+        base = time.time_ns()
+        docs = []
+        for i, sample in enumerate(samples):
+            doc = sample.to_mongo()
+            doc["status"] = str(SampleStatus.QUEUED)
+            if not doc.get("seq"):
+                doc["seq"] = base + i
+            docs.append(doc)
+        await self.collection.insert_many(docs, ordered=True)
+        return len(docs)
+
+    async def claim_batch(self, rank: int, step: int, size: int, split: str = "train") -> list[DBRecordData]:
+        """Samples for ``rank``'s ``step``: those it already claimed for that step, topped up to ``size``."""
+        claimed = [DBRecordData.from_mongo(doc) async for doc in self.collection.find(
+            {"status": str(SampleStatus.CLAIMED), "claimed_rank": rank, "claimed_step": step}, sort=[("seq", 1)])]
+        while len(claimed) < size:
+            doc = await self.collection.find_one_and_update(
+                {"split": split, "status": str(SampleStatus.QUEUED)},
+                {"$set": {"status": str(SampleStatus.CLAIMED), "claimed_rank": rank, "claimed_step": step,
+                          "claimed_at": utcnow()}},
+                sort=[("seq", 1)],
+                return_document=ReturnDocument.AFTER,
+            )
+            if doc is None:
+                break
+            claimed.append(DBRecordData.from_mongo(doc))
+        return claimed
+
+    async def mark_trained(self, rank: int, step: int, sample_ids: list[Any]) -> None:
+        """``claimed(rank, step) → trained`` for exactly these samples; raises if any was not so claimed."""
+        result = await self.collection.update_many(
+            {"_id": {"$in": list(sample_ids)}, "status": str(SampleStatus.CLAIMED), "claimed_rank": rank,
+             "claimed_step": step},
+            {"$set": {"status": str(SampleStatus.TRAINED), "trained_at": utcnow()}},
+        )
+        if result.modified_count != len(sample_ids):
+            raise StoreError(f"rank {rank} step {step}: {len(sample_ids) - result.modified_count} of "
+                             f"{len(sample_ids)} samples were not claimed by it (already trained or requeued)")
+
+    async def requeue(self, *, rank: int | None = None, from_step: int = 0) -> int:
+        """Return claims of steps ``>= from_step`` (of ``rank``, or all ranks) to the queue, e.g. when resuming a
+        trainer from the checkpoint of step ``from_step - 1``. Returns how many were requeued."""
+        query: dict[str, Any] = {"status": str(SampleStatus.CLAIMED), "claimed_step": {"$gte": from_step}}
+        if rank is not None:
+            query["claimed_rank"] = rank
+        result = await self.collection.update_many(
+            query, {"$set": {"status": str(SampleStatus.QUEUED), "claimed_rank": None, "claimed_step": None,
+                             "claimed_at": None}})
+        return result.modified_count
+
+    async def counts(self, split: str | None = None) -> dict[str, int]:
+        query = {"split": split} if split else {}
+        return {str(status): await self.collection.count_documents({**query, "status": str(status)})
+                for status in SampleStatus}

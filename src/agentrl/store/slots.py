@@ -1,0 +1,265 @@
+"""Sample slots of Tasks handed out as leases, and the once-per-Task group stage.
+
+A Task wants ``num_generations`` samples. ``claim`` hands a sampler one slot:
+
+1. an expired lease (its sampler died or stalled) is taken over as a new attempt of the same slot — looked for
+   at most every ``lease_s / 4`` seconds per process, or whenever no never-claimed slot is left;
+2. else a never-claimed slot of the oldest open Task (groups fill up in upload order);
+3. else a slot whose claim was interrupted by a crash is recovered (``sweep``).
+
+Every path ends with inserting the slot's Record ``{task_id}/{slot}/{attempt}``; its unique ``_id`` is what makes
+a claim exactly-once across processes. The lease lives on that Record (``lease_id``, ``lease_owner``,
+``lease_expires_at``); ``heartbeat`` extends it, ``finish`` settles the slot, ``release`` gives it back early.
+The caller whose settlement completes a Task's group gets the group-stage lease (exactly one caller; if it dies,
+``claim_group_stage`` hands the stage to another sampler after the lease expires).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from pymongo import ReturnDocument
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import DuplicateKeyError
+
+from agentrl.store.errors import LeaseLost
+from agentrl.store.models import EPOCH, Record, RecordStatus, Task, TaskStatus, utcnow
+
+DEFAULT_LEASE_S = 60.0
+_LIVE = [str(RecordStatus.RUNNING), str(RecordStatus.COMPLETED)]
+
+
+def record_id(task_id: str, slot: int, attempt: int) -> str:
+    return f"{task_id}/{slot}/{attempt}"
+
+
+@dataclass(frozen=True)
+class SlotLease:
+    """A sampler's hold on one sample slot; pass it back to ``heartbeat`` / ``finish`` / ``release``."""
+
+    task: Task
+    slot: int
+    attempt: int
+    lease_id: str
+    owner: str
+    record_id: str
+
+
+@dataclass(frozen=True)
+class GroupLease:
+    """The right (and duty) to run the group stage of ``task`` once all its slots are settled."""
+
+    task: Task
+    owner: str
+
+
+class SlotLeases:
+    """Lease operations on the ``Task`` and ``Record`` collections of one database."""
+
+    def __init__(self, db: AsyncDatabase, lease_s: float = DEFAULT_LEASE_S):
+        self.tasks = db[Task.collection]
+        self.records = db[Record.collection]
+        self.lease_s = lease_s
+        self._next_expiry_probe = 0.0
+
+    # ------------------------------------------------------------------------------------------------- claiming
+
+    async def claim(self, split: str, owner: str) -> SlotLease | None:
+        """Claim one sample slot of ``split`` for ``owner``; ``None`` when no slot is available."""
+        if time.monotonic() >= self._next_expiry_probe:
+            self._next_expiry_probe = time.monotonic() + self.lease_s / 4
+            lease = await self._take_over_expired(split, owner)
+            if lease is not None:
+                return lease
+        lease = await self._claim_unclaimed(split, owner)
+        if lease is not None:
+            return lease
+        return await self._take_over_expired(split, owner) or await self.sweep(split, owner)
+
+    async def _take_over_expired(self, split: str, owner: str, max_candidates: int = 8) -> SlotLease | None:
+        for _ in range(max_candidates):
+            expired = await self.records.find_one(
+                {"split": split, "leased": True, "lease_expires_at": {"$lt": utcnow()}},
+                sort=[("lease_expires_at", 1)],
+            )
+            if expired is None:
+                break
+            lease = await self._take_over(Record.from_mongo(expired), owner)
+            if lease is not None:
+                return lease
+        return None
+
+    async def _claim_unclaimed(self, split: str, owner: str) -> SlotLease | None:
+        lease_id = uuid.uuid4().hex
+        doc = await self.tasks.find_one_and_update(
+            {"split": split, "status": {"$in": [str(TaskStatus.CREATED), str(TaskStatus.RUNNING)]},
+             "unclaimed": {"$gt": 0}},
+            {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
+             "$set": {"status": str(TaskStatus.RUNNING), "updated_at": utcnow()}},
+            sort=[("order", 1)],
+            return_document=ReturnDocument.AFTER,
+        )
+        if doc is None:
+            return None
+        task = Task.from_mongo(doc)
+        slot = task.claim_ids.index(lease_id)
+        return await self._insert_record(task, slot, attempt=1, failures=0, owner=owner, lease_id=lease_id)
+
+    async def _insert_record(self, task: Task, slot: int, *, attempt: int, failures: int, owner: str,
+                             lease_id: str | None = None) -> SlotLease | None:
+        """Insert the slot's Record for ``attempt``; ``None`` if another claimer inserted it first."""
+        lease_id = lease_id or uuid.uuid4().hex
+        now = utcnow()
+        record = Record(
+            id=record_id(task.id, slot, attempt), task_id=task.id, split=task.split, slot=slot, attempt=attempt,
+            failures=failures, lease_id=lease_id, lease_owner=owner, lease_expires_at=now + self._ttl(),
+            created_at=now, updated_at=now,
+        )
+        try:
+            await self.records.insert_one(record.to_mongo())
+        except DuplicateKeyError:
+            return None
+        return SlotLease(task=task, slot=slot, attempt=attempt, lease_id=lease_id, owner=owner, record_id=record.id)
+
+    async def _take_over(self, expired: Record, owner: str) -> SlotLease | None:
+        """Retire an expired attempt and claim the next attempt of its slot (or give the slot up)."""
+        task = Task.from_mongo(await self.tasks.find_one({"_id": expired.task_id}))
+        failures = expired.failures + (0 if expired.released else 1)
+        reason = "released by its sampler" if expired.released else (
+            f"lease of sampler {expired.lease_owner} expired without heartbeat")
+        if task is None or failures >= task.max_attempts:
+            retired = await self._retire(expired, f"{reason}; slot given up after {failures} failed attempts")
+            if retired and task is not None:
+                await self.settle(task.id, expired.slot, failed=True)
+            return None
+        lease = await self._insert_record(task, expired.slot, attempt=expired.attempt + 1, failures=failures,
+                                          owner=owner)
+        # Retire the old attempt whether we or another claimer inserted its successor (idempotent).
+        await self._retire(expired, f"{reason}; taken over by attempt {expired.attempt + 1}")
+        return lease
+
+    async def _retire(self, record: Record, reason: str) -> bool:
+        result = await self.records.update_one(
+            {"_id": record.id, "lease_id": record.lease_id, "leased": True, "status": {"$in": _LIVE}},
+            {"$set": {"leased": False, "status": str(RecordStatus.FAILED), "error": reason,
+                      "updated_at": utcnow(), "finished_at": utcnow()}},
+        )
+        return result.modified_count == 1
+
+    async def sweep(self, split: str, owner: str, *, max_tasks: int = 32) -> SlotLease | None:
+        """Recover slots whose claim was cut off by a crash (claimed but no live or settled Record).
+
+        Only Tasks untouched for longer than a lease are examined, so a claim in progress is never taken.
+        """
+        stale = self.tasks.find(
+            {"split": split, "status": str(TaskStatus.RUNNING), "updated_at": {"$lt": utcnow() - self._ttl()}},
+            limit=max_tasks,
+        )
+        async for doc in stale:
+            task = Task.from_mongo(doc)
+            latest: dict[int, dict[str, Any]] = {}
+            async for rec in self.records.find({"task_id": task.id}, {"slot": 1, "attempt": 1, "status": 1,
+                                                                       "failures": 1, "leased": 1}):
+                if rec["slot"] not in latest or rec["attempt"] > latest[rec["slot"]]["attempt"]:
+                    latest[rec["slot"]] = rec
+            for slot in range(len(task.claim_ids)):
+                if slot in task.settled_slots:
+                    continue
+                rec = latest.get(slot)
+                if rec is None:
+                    lease = await self._insert_record(task, slot, attempt=1, failures=0, owner=owner)
+                elif rec["status"] == str(RecordStatus.FAILED) and not rec["leased"]:
+                    failures = rec.get("failures", 0) + 1
+                    if failures >= task.max_attempts:
+                        await self.settle(task.id, slot, failed=True)
+                        continue
+                    lease = await self._insert_record(task, slot, attempt=rec["attempt"] + 1, failures=failures,
+                                                      owner=owner)
+                else:
+                    continue
+                if lease is not None:
+                    return lease
+        return None
+
+    # --------------------------------------------------------------------------------------------- lease holder
+
+    async def heartbeat(self, lease: SlotLease) -> None:
+        """Extend the lease; raises ``LeaseLost`` if it was taken over or released meanwhile."""
+        result = await self.records.update_one(
+            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
+            {"$set": {"lease_expires_at": utcnow() + self._ttl()}},
+        )
+        if result.matched_count != 1:
+            raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
+
+    async def finish(self, lease: SlotLease, status: RecordStatus, **fields: Any) -> GroupLease | None:
+        """Settle the slot: its Record goes to ``status`` (``scored`` or ``failed``) with ``fields``.
+
+        Returns a ``GroupLease`` when this settlement completed the Task's group (exactly one caller gets it).
+        Raises ``LeaseLost`` if the lease was lost; nothing is written then.
+        """
+        if status not in (RecordStatus.SCORED, RecordStatus.FAILED):
+            raise ValueError(f"a slot is settled as scored or failed, not {status}")
+        now = utcnow()
+        result = await self.records.update_one(
+            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True, "status": {"$in": _LIVE}},
+            {"$set": {**fields, "status": str(status), "leased": False, "updated_at": now, "finished_at": now}},
+        )
+        if result.modified_count != 1:
+            raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
+        completed = await self.settle(lease.task.id, lease.slot, failed=status == RecordStatus.FAILED)
+        return await self.claim_group_stage(lease.task.id, lease.owner) if completed else None
+
+    async def release(self, lease: SlotLease, reason: str = "sampler shutting down") -> None:
+        """Give the slot back now (e.g. on shutdown): another sampler retakes it at once; no failed attempt."""
+        await self.records.update_one(
+            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
+            {"$set": {"lease_expires_at": EPOCH, "released": True, "error": reason, "updated_at": utcnow()}},
+        )
+
+    # ------------------------------------------------------------------------------------------------ group stage
+
+    async def settle(self, task_id: str, slot: int, *, failed: bool) -> bool:
+        """Count ``slot`` as settled once (idempotent); ``True`` if this call settled the Task's last slot."""
+        doc = await self.tasks.find_one_and_update(
+            {"_id": task_id, "settled_slots": {"$nin": [slot]}},
+            {"$push": {"settled_slots": slot, ("failed_slots" if failed else "completed_slots"): slot},
+             "$inc": {"remaining": -1}, "$set": {"updated_at": utcnow()}},
+            return_document=ReturnDocument.AFTER,
+        )
+        return doc is not None and doc["remaining"] == 0
+
+    async def claim_group_stage(self, task_id: str | None, owner: str, *, split: str | None = None
+                                ) -> GroupLease | None:
+        """Take the group-stage lease of ``task_id`` (or of any finished Task of ``split`` whose stage is pending)."""
+        query: dict[str, Any] = {"remaining": 0, "group_stage_done": False,
+                                 "group_lease_expires_at": {"$lt": utcnow()}}
+        if task_id is not None:
+            query["_id"] = task_id
+        if split is not None:
+            query["split"] = split
+        doc = await self.tasks.find_one_and_update(
+            query,
+            {"$set": {"group_lease_owner": owner, "group_lease_expires_at": utcnow() + self._ttl()}},
+            return_document=ReturnDocument.AFTER,
+        )
+        return GroupLease(task=Task.from_mongo(doc), owner=owner) if doc is not None else None
+
+    async def complete_group(self, group: GroupLease, **fields: Any) -> Task:
+        """Close the Task after its group stage: ``completed``, or ``failed`` when no slot produced a sample."""
+        status = TaskStatus.COMPLETED if group.task.completed_slots else TaskStatus.FAILED
+        doc = await self.tasks.find_one_and_update(
+            {"_id": group.task.id, "group_stage_done": False, "group_lease_owner": group.owner},
+            {"$set": {**fields, "status": str(status), "group_stage_done": True, "updated_at": utcnow()}},
+            return_document=ReturnDocument.AFTER,
+        )
+        if doc is None:
+            raise LeaseLost(f"group stage of Task {group.task.id} is no longer held by {group.owner}")
+        return Task.from_mongo(doc)
+
+    def _ttl(self) -> timedelta:
+        return timedelta(seconds=self.lease_s)

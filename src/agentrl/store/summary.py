@@ -1,0 +1,69 @@
+"""Where a run stands: counts per collection and state, leases, inference services, policy version."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta
+from typing import Any
+
+from pymongo.database import Database
+
+from agentrl.store.models import (
+    CallStatus,
+    DBRecordData,
+    DispatchedSamplingTask,
+    InferenceService,
+    Metric,
+    Record,
+    RecordStatus,
+    Run,
+    SampleStatus,
+    Task,
+    TaskStatus,
+    utcnow,
+)
+from agentrl.store.runs import RUN_ID
+from agentrl.store.services import DEFAULT_HEARTBEAT_TTL_S
+
+STATES: dict[str, list[str]] = {
+    Task.collection: [str(s) for s in TaskStatus],
+    Record.collection: [str(s) for s in RecordStatus],
+    DispatchedSamplingTask.collection: [str(s) for s in CallStatus],
+    DBRecordData.collection: [str(s) for s in SampleStatus],
+}
+
+
+def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
+    """A JSON-able summary of the run stored in ``db``."""
+    now = now or utcnow()
+    counts = {name: {state: db[name].count_documents({"status": state}) for state in states}
+              for name, states in STATES.items()}
+    records = db[Record.collection]
+    leases = {
+        "live": records.count_documents({"leased": True, "lease_expires_at": {"$gt": now}}),
+        "expired": records.count_documents({"leased": True, "lease_expires_at": {"$lte": now}}),
+    }
+    services = []
+    for doc in db[InferenceService.collection].find({}, sort=[("_id", 1)]):
+        service = InferenceService.from_mongo(doc)
+        age = (now - service.heartbeat_at).total_seconds()
+        live = str(service.status) == "UP" and age < DEFAULT_HEARTBEAT_TTL_S
+        services.append({"id": service.id, "kind": service.kind, "status": str(service.status), "live": live,
+                         "heartbeat_age_s": round(age, 1), "weight_version": service.weight_version,
+                         "running_requests": service.running_requests, "total_requests": service.total_requests})
+    run = Run.from_mongo(db[Run.collection].find_one({"_id": RUN_ID}))
+    last_metric = db[Metric.collection].find_one({}, sort=[("step", -1)])
+    pending_groups = db[Task.collection].count_documents(
+        {"remaining": 0, "group_stage_done": False})
+    return {
+        "database": db.name,
+        "run": None if run is None else {"name": run.name, "status": str(run.status),
+                                         "policy_version": run.policy_version, "weights_path": run.weights_path},
+        "counts": counts,
+        "leases": leases,
+        "pending_group_stages": pending_groups,
+        "services": services,
+        "last_metric": None if last_metric is None else {"step": last_metric["step"],
+                                                         "values": last_metric.get("values", {})},
+        "recent_records_per_min": records.count_documents(
+            {"finished_at": {"$gt": now - timedelta(minutes=1)}}),
+    }

@@ -1,0 +1,70 @@
+"""Shared fixtures: a real MongoDB-protocol server process for the whole session.
+
+By default the embedded NX-27017 server is started on a free port in a temporary directory. Set
+``AGENTRL_TEST_MONGO_URI`` (e.g. ``mongodb://localhost:27017``) to run the same tests against another server,
+such as a real MongoDB. Each test gets its own database name, so tests never see each other's data.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pymongo import MongoClient
+from pymongo.uri_parser import parse_uri
+
+from agentrl.store.embedded import EmbeddedServer
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def mongo_server_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Connection string (no database) of the session's server."""
+    external = os.environ.get("AGENTRL_TEST_MONGO_URI")
+    if external:
+        yield external
+        return
+    server = EmbeddedServer(data_dir=Path(tmp_path_factory.mktemp("nx27017")), port=free_port())
+    server.start()
+    try:
+        yield server.uri()
+    finally:
+        server.stop()
+
+
+def with_database(server_uri: str, database: str) -> str:
+    """``server_uri`` with its path (the database name) replaced by ``database``."""
+    head, _, query = server_uri.partition("?")
+    scheme, _, rest = head.partition("://")
+    hosts = rest.split("/", 1)[0]
+    return f"{scheme}://{hosts}/{database}" + (f"?{query}" if query else "")
+
+
+@pytest.fixture
+def db_uri(mongo_server_uri: str, request: pytest.FixtureRequest) -> Iterator[str]:
+    """A connection string whose database is fresh for this test (dropped afterwards)."""
+    name = "t_" + uuid.uuid4().hex[:12]
+    uri = with_database(mongo_server_uri, name)
+    yield uri
+    client: MongoClient = MongoClient(mongo_server_uri)
+    try:
+        client.drop_database(name)
+    finally:
+        client.close()
+
+
+@pytest.fixture
+def db_name(db_uri: str) -> str:
+    return parse_uri(db_uri)["database"]

@@ -1,0 +1,139 @@
+"""Record / call transitions, the DBRecordData queue, services, the Run document, indexes."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from agentrl.store import (
+    CallStatus,
+    DBRecordData,
+    DispatchedSamplingTask,
+    InvalidTransition,
+    NotFound,
+    RecordStatus,
+    Store,
+    StoreError,
+)
+from agentrl.store.indexes import INDEXES
+from agentrl.store.models import utcnow
+from store_helpers import insert_tasks
+
+
+async def test_record_transitions_follow_the_state_machine(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        await insert_tasks(store, 1, num_generations=1)
+        lease = await store.slots.claim("train", "s")
+        record = await store.records.transition(lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id,
+                                                num_turns=3, outcome="answer")
+        assert record.status == RecordStatus.COMPLETED and record.num_turns == 3
+        with pytest.raises(InvalidTransition) as error:
+            await store.records.transition(lease.record_id, RecordStatus.TRAINED)
+        assert "'completed' -> 'trained'" in str(error.value)
+        with pytest.raises(NotFound):  # right state, wrong lease: refused too
+            await store.records.transition(lease.record_id, RecordStatus.SCORED, lease_id="not-mine")
+        unchanged = await store.records.get(lease.record_id)
+        assert unchanged.status == RecordStatus.COMPLETED and unchanged.score is None
+        await store.slots.finish(lease, RecordStatus.SCORED, score=1.0)
+        await store.records.transition(lease.record_id, RecordStatus.READY, advantage=0.5)
+        await store.records.transition(lease.record_id, RecordStatus.TRAINED)
+        with pytest.raises(InvalidTransition):
+            await store.records.transition(lease.record_id, RecordStatus.READY, advantage=-1.0)
+        final = await store.records.get(lease.record_id)
+        assert final.status == RecordStatus.TRAINED and final.advantage == 0.5
+        with pytest.raises(NotFound):
+            await store.records.transition("nope", RecordStatus.COMPLETED)
+
+
+async def test_call_transitions_and_relabels(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        call = DispatchedSamplingTask(id="r/0/1#0", record_id="r/0/1", task_id="t", turn=0, input_ids=[1, 2, 3])
+        await store.calls.start(call)
+        done = await store.calls.finish(call.id, CallStatus.COMPLETED, output_ids=[4, 5], output_logprobs=[-0.1, -0.2],
+                                        weight_version=3, finish_reason="stop")
+        assert done.output_ids == [4, 5] and done.finished_at is not None
+        relabelled = await store.calls.relabel(call.id, CallStatus.FORMATERROR, error="bad json")
+        assert relabelled.status == CallStatus.FORMATERROR
+        with pytest.raises(InvalidTransition):
+            await store.calls.relabel(call.id, CallStatus.TOOLFAILED)
+        with pytest.raises(InvalidTransition):
+            await store.calls.finish(call.id, CallStatus.COMPLETED, output_ids=[9])
+        assert (await store.calls.for_record("r/0/1"))[0].output_ids == [4, 5]
+
+
+def _sample(i: int) -> DBRecordData:
+    return DBRecordData(id=f"s{i}", record_id=f"r{i}", task_id="t", seq=0, input_ids=[1, 2, 3], loss_mask=[0, 1, 1],
+                        logprobs=[0.0, -0.1, -0.2], versions=[-1, 0, 0], advantages=[0.0, 1.0, 1.0], num_tokens=3)
+
+
+async def test_sample_queue_claims_are_exactly_once_and_resumable(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        assert await store.samples.enqueue([_sample(i) for i in range(10)]) == 10
+        batches = await asyncio.gather(*(store.samples.claim_batch(rank, 0, 3) for rank in range(3)))
+        ids = [s.id for batch in batches for s in batch]
+        assert len(ids) == len(set(ids)) == 9
+        # Asking again for the same (rank, step) returns the same samples: a resumed rank sees the same data.
+        again = await store.samples.claim_batch(1, 0, 3)
+        assert [s.id for s in again] == [s.id for s in batches[1]]
+        await store.samples.mark_trained(0, 0, [s.id for s in batches[0]])
+        with pytest.raises(StoreError):
+            await store.samples.mark_trained(0, 0, [s.id for s in batches[0]])
+        # rank 2 crashed before training step 0: its claims go back to the queue on resume
+        assert await store.samples.requeue(rank=2, from_step=0) == 3
+        counts = await store.samples.counts()
+        assert counts == {"queued": 4, "claimed": 3, "trained": 3}
+        leftover = await store.samples.claim_batch(2, 0, 10)
+        assert len(leftover) == 4 and {s.id for s in leftover} >= {s.id for s in batches[2]}
+        assert leftover[0].claimed_rank == 2 and leftover[0].input_ids == [1, 2, 3]
+
+
+async def test_services_least_loaded_live_pick(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        await store.services.register("http://127.0.0.1:1/", kind="agentrl-engine", models=["m"])
+        await store.services.register("http://127.0.0.1:2", kind="sglang", models=["m"])
+        first = await store.services.acquire()
+        second = await store.services.acquire()
+        assert {first.id, second.id} == {"http://127.0.0.1:1", "http://127.0.0.1:2"}
+        third = await store.services.acquire()
+        assert third.running_requests == 2
+        await store.services.release(third.id)
+        await store.services.release(third.id)
+        assert (await store.services.acquire()).id == third.id  # back to the least loaded
+        await store.services.mark_down("http://127.0.0.1:2")
+        assert [s.id for s in await store.services.live()] == ["http://127.0.0.1:1"]
+        # a service whose heartbeat stopped is not picked
+        await store.services.heartbeat("http://127.0.0.1:2", weight_version=4, engine_load={"running": 0})
+        await store.db.InferenceService.update_one(
+            {"_id": "http://127.0.0.1:1"}, {"$set": {"heartbeat_at": utcnow() - timedelta(minutes=5)}})
+        picks = {(await store.services.acquire()).id for _ in range(3)}
+        assert picks == {"http://127.0.0.1:2"}
+        assert not await store.services.heartbeat("http://127.0.0.1:9")
+
+
+async def test_run_policy_version_bumps_are_atomic(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        with pytest.raises(NotFound):
+            await store.runs.bump_policy_version()
+        run = await store.runs.get_or_create("demo", {"lr": 1e-6})
+        assert run.policy_version == 0 and run.config == {"lr": 1e-6}
+        again = await store.runs.get_or_create("demo", {"lr": 5.0})
+        assert again.config == {"lr": 1e-6}  # the snapshot is never overwritten
+        versions = await asyncio.gather(*(store.runs.bump_policy_version(f"/ckpt/{i}") for i in range(20)))
+        assert sorted(versions) == list(range(1, 21))
+        assert await store.runs.policy_version() == 20
+        await store.runs.log_metrics(1, {"loss": 0.5})
+        await store.runs.log_metrics(1, {"loss": 0.25})
+        assert (await store.db.Metric.find_one({"_id": "train/1"}))["values"] == {"loss": 0.25}
+
+
+async def test_indexes_exist_for_every_claim_and_fetch_query(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        await store.ensure_indexes()  # idempotent
+        for collection, indexes in INDEXES.items():
+            # compared by key pattern: NX-27017 names indexes its own way
+            present = [list(dict(info["key"])) for info in (await store.db[collection].index_information()).values()]
+            for index in indexes:
+                spec = index.document
+                assert list(spec["key"]) in present, f"{collection}: missing index {spec['name']} {spec['key']}"
