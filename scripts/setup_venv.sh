@@ -4,7 +4,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv || { echo "cannot create .venv with $PY (on Debian/Ubuntu: apt-get install python3-venv)" >&2; exit 1; }
+fi
 stamp=.venv/.agentrl-installed
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then

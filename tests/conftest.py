@@ -19,6 +19,8 @@ from pymongo.uri_parser import parse_uri
 
 from agentrl.store.embedded import EmbeddedServer
 
+pytest_plugins = ["inference_fixtures", "rollout_fixtures"]  # shared session fixtures (tiny models, engines)
+
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

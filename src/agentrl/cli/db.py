@@ -14,7 +14,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         action.add_argument("--data_dir", default=None,
                             help="where the server keeps its files (default: $AGENTRL_HOME/db or ~/.agentrl/db)")
         action.add_argument("--port", type=int, default=None,
-                            help="port on 127.0.0.1 (default: the port last used with this data dir, else 27017)")
+                            help="port on 127.0.0.1 (default: the port last used with this data dir, else 27017; "
+                                 "0: a free port)")
         action.set_defaults(func=run)
 
 

@@ -72,6 +72,10 @@ def render(summary: dict[str, Any], where: str) -> None:
         console.print(services)
     else:
         console.print("inference services: none registered")
+    if summary["reward_by_version"]:
+        shown = ", ".join(f"v{r['policy_version']} {r['mean_score']:.3f} ({r['records']})"
+                          for r in summary["reward_by_version"])
+        console.print(f"mean score by policy version (trajectories): {shown}")
     if summary["last_metric"]:
         values = summary["last_metric"]["values"]
         shown = ", ".join(f"{k}={v:.4g}" for k, v in list(values.items())[:8])

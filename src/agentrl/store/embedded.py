@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -128,9 +129,14 @@ class EmbeddedServer:
 
 
 def embedded_server(data_dir: str | Path | None = None, port: int | None = None) -> EmbeddedServer:
-    """The embedded server for ``data_dir`` (default ``~/.agentrl/db``); the port defaults to the one it last used."""
+    """The embedded server for ``data_dir`` (default ``~/.agentrl/db``); the port defaults to the one it last used,
+    and ``0`` picks a free one."""
     directory = Path(data_dir).expanduser().resolve() if data_dir else default_data_dir()
-    if port is None:
+    if port == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+    elif port is None:
         try:
             port = int((directory / "nx-27017.port").read_text().strip())
         except (OSError, ValueError):

@@ -228,6 +228,7 @@ class SampleStatus(StrEnum):
     QUEUED = "queued"
     CLAIMED = "claimed"
     TRAINED = "trained"
+    SKIPPED = "skipped"  # claimed, then not trained on purpose (e.g. too stale); ``skip_reason`` says why
 
 
 class DBRecordData(Document):
@@ -252,6 +253,8 @@ class DBRecordData(Document):
     claimed_rank: int | None = None
     claimed_step: int | None = None
     claimed_at: UTCDatetime | None = None
+    epoch: int = Field(0, description="pass over the data this sample is queued for (offline multi-epoch training)")
+    skip_reason: str | None = None
     created_at: UTCDatetime = Field(default_factory=utcnow)
     trained_at: UTCDatetime | None = None
 

@@ -63,6 +63,12 @@ class Calls:
         return DispatchedSamplingTask.from_mongo(
             await transition(self.collection, CALL_TRANSITIONS, call_id, target, set_fields=fields))
 
+    async def annotate(self, call_id: str, **fields: Any) -> None:
+        """Add non-state fields (e.g. tool calls and results) to a call; its status is left as it is."""
+        if "status" in fields:
+            raise ValueError("annotate does not change a call's status; use finish or relabel")
+        await self.collection.update_one({"_id": call_id}, {"$set": fields})
+
     async def for_record(self, record_id: str) -> list[DispatchedSamplingTask]:
         cursor = self.collection.find({"record_id": record_id}, sort=[("turn", 1)])
         return [DispatchedSamplingTask.from_mongo(doc) async for doc in cursor]

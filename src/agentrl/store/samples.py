@@ -1,4 +1,5 @@
-"""The DBRecordData queue between conversion and trainer ranks: ``queued → claimed(rank, step) → trained``.
+"""The DBRecordData queue between conversion and trainer ranks: ``queued → claimed(rank, step) → trained``
+(or ``→ skipped``, with a reason, when a trainer decides not to train a claimed sample).
 
 A rank claims the samples of a step one atomic ``find_one_and_update`` at a time (oldest first), so concurrent
 ranks never get the same sample. Claims are keyed by (rank, step): asking again for the same step returns the
@@ -22,7 +23,14 @@ class SampleQueue:
         self.collection = db[DBRecordData.collection]
 
     async def enqueue(self, samples: list[DBRecordData]) -> int:
-        """Insert samples (``seq`` is assigned in enqueue order when left at 0). Returns how many were queued."""
+        """Insert samples (``seq`` is assigned in enqueue order when left at 0). Returns how many were queued.
+
+        Idempotent: samples whose ``_id`` is already stored are skipped (a group stage redone after a crash
+        enqueues nothing twice).
+        """
+        existing = {doc["_id"] async for doc in self.collection.find(
+            {"_id": {"$in": [sample.id for sample in samples]}}, {"_id": 1})} if samples else set()
+        samples = [sample for sample in samples if sample.id not in existing]
         if not samples:
             return 0
         base = time.time_ns()
@@ -64,6 +72,37 @@ class SampleQueue:
             raise StoreError(f"rank {rank} step {step}: {len(sample_ids) - result.modified_count} of "
                              f"{len(sample_ids)} samples were not claimed by it (already trained or requeued)")
 
+    async def mark_trained_through(self, rank: int, step: int) -> int:
+        """``claimed(rank, s) → trained`` for every step ``s <= step`` (e.g. once a checkpoint of ``step`` holds
+        their updates). Returns how many samples changed."""
+        result = await self.collection.update_many(
+            {"status": str(SampleStatus.CLAIMED), "claimed_rank": rank, "claimed_step": {"$lte": step}},
+            {"$set": {"status": str(SampleStatus.TRAINED), "trained_at": utcnow()}},
+        )
+        return result.modified_count
+
+    async def skip(self, rank: int, step: int, sample_ids: list[Any], reason: str) -> int:
+        """``claimed(rank, step) → skipped`` with ``reason``: claimed samples the trainer decided not to train.
+        Returns how many changed."""
+        if not sample_ids:
+            return 0
+        result = await self.collection.update_many(
+            {"_id": {"$in": list(sample_ids)}, "status": str(SampleStatus.CLAIMED), "claimed_rank": rank,
+             "claimed_step": step},
+            {"$set": {"status": str(SampleStatus.SKIPPED), "skip_reason": reason}},
+        )
+        return result.modified_count
+
+    async def start_epoch(self, split: str, epoch: int) -> int:
+        """Queue the trained samples of ``split`` from earlier epochs again, for pass ``epoch`` (offline training
+        over a fixed data set). Idempotent; returns how many were queued."""
+        result = await self.collection.update_many(
+            {"split": split, "status": str(SampleStatus.TRAINED), "epoch": {"$lt": epoch}},
+            {"$set": {"status": str(SampleStatus.QUEUED), "epoch": epoch, "claimed_rank": None,
+                      "claimed_step": None, "claimed_at": None, "trained_at": None}},
+        )
+        return result.modified_count
+
     async def requeue(self, *, rank: int | None = None, from_step: int = 0) -> int:
         """Return claims of steps ``>= from_step`` (of ``rank``, or all ranks) to the queue, e.g. when resuming a
         trainer from the checkpoint of step ``from_step - 1``. Returns how many were requeued."""
@@ -76,6 +115,10 @@ class SampleQueue:
         return result.modified_count
 
     async def counts(self, split: str | None = None) -> dict[str, int]:
+        """Samples per status (``skipped`` is listed only when there are some)."""
         query = {"split": split} if split else {}
-        return {str(status): await self.collection.count_documents({**query, "status": str(status)})
-                for status in SampleStatus}
+        counts = {str(status): await self.collection.count_documents({**query, "status": str(status)})
+                  for status in SampleStatus}
+        if not counts[str(SampleStatus.SKIPPED)]:
+            del counts[str(SampleStatus.SKIPPED)]
+        return counts

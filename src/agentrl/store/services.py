@@ -53,11 +53,18 @@ class ServiceRegistry:
         cursor = self.collection.find(self._live_query(), sort=[("running_requests", 1)])
         return [InferenceService.from_mongo(doc) async for doc in cursor]
 
-    async def acquire(self, exclude: list[str] | None = None) -> InferenceService | None:
-        """Pick the least-loaded live service and count one more request on it (release it afterwards)."""
+    async def acquire(self, exclude: list[str] | None = None, max_running: int | None = None
+                      ) -> InferenceService | None:
+        """Pick the least-loaded live service and count one more request on it (release it afterwards).
+
+        ``exclude`` skips services (e.g. ones that just failed); with ``max_running``, services already running
+        that many requests are not picked (``None`` when all are that busy).
+        """
         query = self._live_query()
         if exclude:
             query["_id"] = {"$nin": list(exclude)}
+        if max_running is not None:
+            query["running_requests"] = {"$lt": max_running}
         doc = await self.collection.find_one_and_update(
             query, {"$inc": {"running_requests": 1, "total_requests": 1}},
             sort=[("running_requests", 1)], return_document=ReturnDocument.AFTER)

@@ -185,6 +185,14 @@ class SlotLeases:
                     return lease
         return None
 
+    async def sampling_finished(self, split: str) -> bool:
+        """Whether ``split`` has Tasks and every one of them is done (all slots settled, group stage run)."""
+        if await self.tasks.count_documents({"split": split}, limit=1) == 0:
+            return False
+        open_tasks = await self.tasks.count_documents(
+            {"split": split, "status": {"$in": [str(TaskStatus.CREATED), str(TaskStatus.RUNNING)]}}, limit=1)
+        return open_tasks == 0
+
     # --------------------------------------------------------------------------------------------- lease holder
 
     async def heartbeat(self, lease: SlotLease) -> None:
@@ -213,6 +221,13 @@ class SlotLeases:
             raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
         completed = await self.settle(lease.task.id, lease.slot, failed=status == RecordStatus.FAILED)
         return await self.claim_group_stage(lease.task.id, lease.owner) if completed else None
+
+    async def abandon(self, lease: SlotLease, reason: str) -> None:
+        """Give the slot up after a failure: another sampler retakes it at once, as a failed attempt."""
+        await self.records.update_one(
+            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
+            {"$set": {"lease_expires_at": EPOCH, "error": reason, "updated_at": utcnow()}},
+        )
 
     async def release(self, lease: SlotLease, reason: str = "sampler shutting down") -> None:
         """Give the slot back now (e.g. on shutdown): another sampler retakes it at once; no failed attempt."""

@@ -8,6 +8,7 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from agentrl.store.connection import database_name
+from agentrl.store.evals import Evals
 from agentrl.store.indexes import ensure_indexes
 from agentrl.store.records import Calls, Records
 from agentrl.store.runs import Runs
@@ -37,6 +38,7 @@ class Store:
         self.samples = SampleQueue(self.db)
         self.services = ServiceRegistry(self.db)
         self.runs = Runs(self.db)
+        self.evals = Evals(self.db)
 
     async def ensure_indexes(self) -> None:
         await ensure_indexes(self.db)

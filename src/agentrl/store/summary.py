@@ -5,6 +5,7 @@ from __future__ import annotations
 from datetime import datetime, timedelta
 from typing import Any
 
+from pymongo.collection import Collection
 from pymongo.database import Database
 
 from agentrl.store.models import (
@@ -30,6 +31,15 @@ STATES: dict[str, list[str]] = {
     DispatchedSamplingTask.collection: [str(s) for s in CallStatus],
     DBRecordData.collection: [str(s) for s in SampleStatus],
 }
+
+
+def reward_by_version(records: Collection) -> list[dict[str, Any]]:
+    """Mean score of the scored trajectories per policy version that sampled them (ascending versions)."""
+    sums: dict[int, list[float]] = {}
+    for doc in records.find({"score": {"$ne": None}}, {"policy_version": 1, "score": 1}):
+        sums.setdefault(doc.get("policy_version") or 0, []).append(float(doc["score"]))
+    return [{"policy_version": v, "records": len(scores), "mean_score": sum(scores) / len(scores)}
+            for v, scores in sorted(sums.items())]
 
 
 def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
@@ -64,6 +74,7 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
         "services": services,
         "last_metric": None if last_metric is None else {"step": last_metric["step"],
                                                          "values": last_metric.get("values", {})},
+        "reward_by_version": reward_by_version(records),
         "recent_records_per_min": records.count_documents(
             {"finished_at": {"$gt": now - timedelta(minutes=1)}}),
     }
