@@ -1,0 +1,168 @@
+"""Benchmark ``agentrl engine``: generated tokens/s at 1, 4 and 16 concurrent requests vs sequential generate.
+
+Usage: ``.venv/bin/python bench/engine.py [--model_name_or_path DIR] [--device cpu|cuda] [--repeats 3]``
+
+In one run, with the same model, device, dtype and thread count:
+
+* baseline: sequential ``model.generate`` calls (batch size 1, sampling at temperature 1, exactly
+  ``--max_new_tokens`` tokens each) in this process;
+* engine: a real ``agentrl engine`` subprocess, fed through its HTTP API (``SGLangClient``) with rounds of
+  N concurrent ``/generate`` requests of the same length (``ignore_eos``), for N in ``--concurrency``;
+* weight load: ``/update_weights_from_disk`` of the model directory, timed end to end;
+* logprob mismatch: the engine's logprobs vs this process's fp32 forward pass (``logprob_mismatch``).
+
+Every figure is the median over ``--repeats`` rounds. The table is printed and written as JSON under
+``bench/results/`` (not versioned).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from agentrl.inference import SGLangClient
+from agentrl.inference.consistency import logprob_mismatch
+from agentrl.inference.embedded_model import default_model_path
+from agentrl.inference.engine import resolve_device, resolve_dtype
+from agentrl.inference.process import EngineProcess
+
+QUESTIONS = [
+    "What is 17 times 23?", "Name three prime numbers above 50.", "Explain what a hash table is.",
+    "Write a haiku about the sea.", "How many days are in a leap year?", "What is the capital of Peru?",
+    "Give me a synonym for 'rapid'.", "Why is the sky blue?", "Convert 100 Fahrenheit to Celsius.",
+    "What does HTTP stand for?", "List the planets of the solar system.", "What is 2 to the power of 10?",
+    "Summarise the plot of Hamlet in one sentence.", "What is a neural network?", "Spell 'necessary' backwards.",
+    "What is the square root of 144?",
+]
+
+
+def prompts(tokenizer, count: int) -> list[list[int]]:
+    rendered = []
+    for i in range(count):
+        messages = [{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        rendered.append(tokenizer.encode(text, add_special_tokens=False))
+    return rendered
+
+
+def baseline(model, tokenizer, device: torch.device, max_new_tokens: int, repeats: int) -> list[float]:
+    """Tokens/s of sequential ``model.generate`` calls, one per round (the median is reported)."""
+    rates = []
+    for ids in prompts(tokenizer, repeats + 1):
+        input_ids = torch.tensor([ids], device=device)
+        started = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
+                                 temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
+                                 min_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)
+        elapsed = time.perf_counter() - started
+        rates.append((out.shape[1] - input_ids.shape[1]) / elapsed)
+    return rates[1:]  # the first call warms up
+
+
+async def engine_rounds(client: SGLangClient, tokenizer, concurrency: int, max_new_tokens: int,
+                        repeats: int) -> tuple[list[float], list]:
+    """Tokens/s of rounds of ``concurrency`` simultaneous requests; also returns the last round's results."""
+    params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
+    rates, results = [], []
+    for round_index in range(repeats):
+        batch = prompts(tokenizer, concurrency)
+        started = time.perf_counter()
+        results = await asyncio.gather(*[
+            client.generate(ids, {**params, "sampling_seed": round_index * 1000 + i}) for i, ids in enumerate(batch)])
+        elapsed = time.perf_counter() - started
+        rates.append(sum(r.completion_tokens for r in results) / elapsed)
+    return rates, list(zip(batch, results, strict=True))
+
+
+async def run_engine(url: str, model_dir: str, tokenizer, model, concurrencies: list[int], max_new_tokens: int,
+                     repeats: int) -> dict:
+    report: dict = {"concurrency": {}}
+    async with SGLangClient(url, timeout_s=3600) as client:
+        await client.generate(prompts(tokenizer, 1)[0], {"max_new_tokens": 8})  # warm up
+        for concurrency in concurrencies:
+            rates, last = await engine_rounds(client, tokenizer, concurrency, max_new_tokens, repeats)
+            report["concurrency"][concurrency] = rates
+            if concurrency == max(concurrencies):
+                mismatches = [logprob_mismatch(model, ids, r.output_ids, r.output_token_logprobs) for ids, r in last]
+                report["logprob_max_abs_diff"] = max(m["max_abs_diff"] for m in mismatches)
+                report["logprob_mean_abs_diff"] = statistics.fmean(m["mean_abs_diff"] for m in mismatches)
+        loads = []
+        for version in range(1, repeats + 1):
+            started = time.perf_counter()
+            await client.update_weights_from_disk(model_dir, weight_version=version)
+            loads.append(time.perf_counter() - started)
+        report["weight_load_s"] = loads
+    return report
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
+    parser.add_argument("--num_threads", type=int, default=os.cpu_count(), help="torch CPU threads, both sides")
+    parser.add_argument("--max_new_tokens", type=int, default=64)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--output", default=None, help="JSON file (default: bench/results/engine-<time>.json)")
+    args = parser.parse_args()
+
+    torch.set_num_threads(args.num_threads)
+    model_dir = args.model_name_or_path or str(default_model_path())
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
+
+    baseline_rates = baseline(model, tokenizer, device, args.max_new_tokens, args.repeats)
+    engine_args = ["--num_threads", str(args.num_threads), "--dtype", args.dtype, "--no_register",
+                   "--max_running_requests", str(max(args.concurrency)), "--weight_version", "0"]
+    if args.device:
+        engine_args += ["--device", args.device]
+    with EngineProcess(model_dir, *engine_args) as engine:
+        report = asyncio.run(run_engine(engine.url, model_dir, tokenizer, reference, args.concurrency,
+                                        args.max_new_tokens, args.repeats))
+
+    base = statistics.median(baseline_rates)
+    rows = [("sequential model.generate", 1, base, 1.0)]
+    for concurrency, rates in report["concurrency"].items():
+        rows.append(("agentrl engine (HTTP)", concurrency, statistics.median(rates), statistics.median(rates) / base))
+    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    print(f"\nmodel {model_dir}\ndevice {device} ({device_name}), dtype {dtype}, {args.num_threads} threads, "
+          f"{args.max_new_tokens} new tokens per request, median of {args.repeats} rounds\n")
+    print("| mode | concurrent requests | generated tokens/s | vs baseline |")
+    print("|---|---:|---:|---:|")
+    for mode, concurrency, rate, ratio in rows:
+        print(f"| {mode} | {concurrency} | {rate:.1f} | {ratio:.2f}x |")
+    load = statistics.median(report["weight_load_s"])
+    print(f"\nweight load (/update_weights_from_disk, idle engine): {load:.2f} s median")
+    print(f"logprob mismatch engine vs fp32 forward ({max(args.concurrency)} sampled sequences): "
+          f"max {report['logprob_max_abs_diff']:.2e}, mean {report['logprob_mean_abs_diff']:.2e}")
+
+    output = Path(args.output) if args.output else (
+        Path(__file__).parent / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps({
+        "model": model_dir, "device": str(device), "device_name": device_name, "dtype": str(dtype),
+        "num_threads": args.num_threads, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
+        "baseline_tokens_per_s": baseline_rates,
+        "engine_tokens_per_s": {str(k): v for k, v in report["concurrency"].items()},
+        "weight_load_s": report["weight_load_s"], "logprob_max_abs_diff": report["logprob_max_abs_diff"],
+        "logprob_mean_abs_diff": report["logprob_mean_abs_diff"]}, indent=2))
+    print(f"\nwritten to {output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,62 @@
+"""`agentrl engine`: serve a Hugging Face causal LM over SGLang's native HTTP API (plus OpenAI chat)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "engine", help="serve a model over SGLang's HTTP API (token ids in, token ids and logprobs out)",
+        description="Serve a causal LM with transformers continuous batching, speaking SGLang's native API "
+                    "(/generate, /update_weights_from_disk, /health, /health_generate, /get_model_info, "
+                    "/flush_cache, /release_memory_occupation, /resume_memory_occupation) and "
+                    "/v1/chat/completions.")
+    parser.add_argument("--model_name_or_path", default=None,
+                        help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
+    parser.add_argument("--served_model_name", default=None, help="model name reported to clients")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=30000, help="port to listen on, 0 for a free one (default: 30000)")
+    parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                        help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)")
+    parser.add_argument("--weight_version", default="0", help="version reported for the initial weights")
+    parser.add_argument("--max_total_tokens", type=int, default=32768,
+                        help="KV cache capacity in tokens, all requests together (default: 32768)")
+    parser.add_argument("--max_batch_tokens", type=int, default=2048,
+                        help="tokens per forward pass, i.e. the prefill chunk (default: 2048)")
+    parser.add_argument("--max_running_requests", type=int, default=64,
+                        help="requests decoded together at most (default: 64)")
+    parser.add_argument("--num_threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--db_connection_string", default=None, metavar="URI",
+                        help="register the engine in this run database's InferenceService collection, heartbeat, "
+                             "mark it DOWN on exit (default: $AGENTRL_DB if set, else no registration)")
+    parser.add_argument("--no_register", action="store_true",
+                        help="do not register in the database even if $AGENTRL_DB is set")
+    parser.add_argument("--advertise_url", default=None,
+                        help="URL to register in the database (default: http://HOST:PORT)")
+    parser.add_argument("--heartbeat_interval_s", type=float, default=5.0,
+                        help="seconds between heartbeats to the database (default: 5)")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import torch
+
+    from agentrl.inference.embedded_model import default_model_path
+    from agentrl.inference.engine import EngineConfig
+    from agentrl.inference.server import ServerConfig, serve
+
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    db = None if args.no_register else (args.db_connection_string or os.environ.get("AGENTRL_DB"))
+    engine_config = EngineConfig(
+        model_name_or_path=args.model_name_or_path or str(default_model_path()),
+        served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+        weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
+        max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests)
+    server_config = ServerConfig(host=args.host, port=args.port, db_connection_string=db,
+                                 advertise_url=args.advertise_url, heartbeat_interval_s=args.heartbeat_interval_s)
+    return serve(engine_config, server_config)

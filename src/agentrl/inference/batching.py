@@ -1,0 +1,246 @@
+"""transformers' continuous batching, with SGLang's sampling and logprob semantics plugged in.
+
+The scheduler, paged KV cache, prefix sharing and batching are transformers' ``ContinuousBatchingManager``
+(transformers 5.23, ``generation/continuous_batching``). Two small extensions make it behave like SGLang:
+
+* per-request sampling values (temperature, top-k, top-p, min-p, seed, position) travel through the manager's own
+  per-request tensor mechanism (``ContinuousBatchingLogitsProcessor.prepare_tensor_args``), so they stay aligned
+  with the logits rows of every batch;
+* the model runner's sampling step is replaced by :func:`agentrl.inference.sampling.sample`, which draws the token
+  and reports its logprob exactly as SGLang does (see that module), reproducibly for a given seed.
+
+CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
+is used as is: requests are added from any thread, results come back through ``register_result_handler``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from math import ceil
+
+import torch
+from transformers import GenerationConfig, PreTrainedModel
+from transformers.generation.configuration_utils import ContinuousBatchingConfig
+from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cb_logits_processors import (
+    ContinuousBatchingLogitsProcessor,
+    ContinuousBatchingLogitsProcessorList,
+)
+from transformers.generation.continuous_batching.model_runner import ModelRunner
+from transformers.generation.continuous_batching.requests import FutureRequestState, GenerationOutput
+from transformers.generation.logits_process import LogitsProcessorList
+
+from agentrl.inference.sampling import RowParams, sample
+
+
+class EngineStopped(RuntimeError):
+    """The generation loop is not running (stopped, or died with an error)."""
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """Normalised sampling values of one request (greedy is ``top_k == 1``; ``top_k <= 0`` disables top-k)."""
+
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class BatchingConfig:
+    """Sizing of the continuous-batching cache and batches."""
+
+    max_total_tokens: int = 32768
+    max_batch_tokens: int = 2048
+    max_running_requests: int = 64
+    page_size: int = 256
+
+
+class _RequestValue(ContinuousBatchingLogitsProcessor):
+    """Carries one per-request value into the batch tensors; it does not touch the scores (sampling does)."""
+
+    ignored_kwargs: tuple[str, ...] = ()
+
+    def __init__(self, name: str, kind: type, default: float | int):
+        self.name, self.kind, self.default = name, kind, default
+        # ``position`` is read from the request state, not passed by the caller.
+        self.supported_kwargs = {} if name == "position" else {name: kind}
+
+    def _value(self, request: FutureRequestState) -> float | int:
+        if self.name == "position":
+            return request.state.position_offset  # index of the token being generated (prompt length + generated)
+        return request.state.logit_processor_kwargs.get(self.name, self.default)
+
+    def _as_int32(self, values: list) -> torch.Tensor:
+        if self.kind is float:
+            return torch.tensor(values, dtype=torch.float32).view(torch.int32)
+        return torch.tensor(values, dtype=torch.int32)
+
+    def fill_defaults(self, int32_tensor: torch.Tensor) -> None:
+        int32_tensor.copy_(self._as_int32([self.default]).expand_as(int32_tensor))
+
+    def prepare_tensor_args(self, requests_with_new_token: list[FutureRequestState]) -> torch.Tensor:
+        return self._as_int32([self._value(request) for request in requests_with_new_token])
+
+    def __call__(self, scores: torch.Tensor, tensor_arg: torch.Tensor) -> torch.Tensor:
+        return scores
+
+
+# Order matters: rows of ``logits_processor_args`` follow it.
+_VALUES = (("temperature", float, 1.0), ("top_k", int, 0), ("top_p", float, 1.0), ("min_p", float, 0.0),
+           ("seed", int, 0), ("position", int, 0))
+
+
+class _RequestValues(ContinuousBatchingLogitsProcessorList):
+    """The manager's processor list: only the per-request values, one tensor row each."""
+
+    def __init__(self) -> None:
+        super().__init__(LogitsProcessorList([_RequestValue(*spec) for spec in _VALUES]))
+        self.tensors_required = len(_VALUES)
+
+
+def _row_params(args: torch.Tensor, rows: int) -> RowParams:
+    """Decode ``logits_processor_args`` ([len(_VALUES), n] int32) for the first ``rows`` logits rows."""
+    columns = {name: args[i, :rows].view(torch.float32) if kind is float else args[i, :rows]
+               for i, (name, kind, _) in enumerate(_VALUES)}
+    return RowParams(**columns)
+
+
+class _SGLangSamplingRunner(ModelRunner):
+    """transformers' model runner with the sampling step replaced by :func:`sample`."""
+
+    def _forward_process_and_sample(self, model: torch.nn.Module, batch_data: dict, carry_over_ids: torch.Tensor,
+                                    prev_output_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
+        self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
+        logits = model(**batch_data).logits
+        if "logits_to_keep" not in batch_data:
+            logits = logits[:, batch_data["logits_indices"], :]
+        logits = logits[0].float()  # [rows, vocab]
+        tokens, logprobs = sample(logits, _row_params(batch_data["logits_processor_args"], logits.size(0)))
+        rows = tokens.size(0)
+        output_ids[0, :rows].copy_(tokens)
+        output_ids[1, :rows].copy_(logprobs.view(torch.int32))
+
+
+class _Manager(ContinuousBatchingManager):
+    """transformers' manager with our per-request values and our sampling runner."""
+
+    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig):
+        super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
+        self.logit_processor = _RequestValues()
+
+    def _create_batch_processor(self):
+        processor = super()._create_batch_processor()
+        if not isinstance(processor.model_runner, _SGLangSamplingRunner):
+            processor.model_runner = _SGLangSamplingRunner(
+                logit_processor=processor.logit_processor, cb_config=processor.cb_config,
+                inputs_and_outputs=processor.inputs_and_outputs, cache=processor.cache, do_sample=True,
+                return_logprobs=True)
+        return processor
+
+
+class ContinuousBatcher:
+    """Serves generation requests for one model from a background continuous-batching loop.
+
+    ``generate`` may be awaited concurrently from one event loop; the requests are batched together. Weights can
+    be swapped with :meth:`load_state_dict`, which pauses the loop between two steps.
+    """
+
+    def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None):
+        self.model = model.eval()
+        self.config = config or BatchingConfig()
+        self._manager = _Manager(self.model, self._cb_config())
+        self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
+
+    def _cb_config(self) -> ContinuousBatchingConfig:
+        config = self.config
+        return ContinuousBatchingConfig(
+            page_size=config.page_size, num_blocks=ceil(config.max_total_tokens / config.page_size),
+            max_batch_tokens=config.max_batch_tokens, max_requests_per_batch=config.max_running_requests,
+            max_blocks_per_request=0, use_cuda_graph=False, use_async_batching=False, return_logprobs=True,
+            auto_switch_to_flash=False, allow_block_sharing=True)
+
+    def start(self) -> None:
+        """Start the generation loop (again, after :meth:`stop`: the KV cache is allocated anew)."""
+        self._manager.start()
+
+    def stop(self) -> None:
+        """Stop the generation loop and free its KV cache."""
+        if self._manager.is_running():
+            self._manager.stop(block=True, timeout=30)
+
+    def is_running(self) -> bool:
+        return self._manager.is_running()
+
+    async def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids: list[int],
+                       sampling: RequestSampling,
+                       should_stop: Callable[[list[int]], bool] | None = None) -> GenerationOutput:
+        """Generate for one prompt; finished when a token of ``stop_token_ids`` is sampled or at the length limit.
+
+        With ``should_stop``, the request is streamed internally and stops early (cancelled) as soon as
+        ``should_stop(generated_tokens)`` is true; the returned output then holds the tokens up to that point.
+        """
+        if not self._manager.is_running():
+            raise EngineStopped("the generation loop is not running")
+        done: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
+        request_id = uuid.uuid4().hex
+
+        def on_output(output: GenerationOutput) -> None:
+            if done.done():
+                return
+            if output.is_finished():
+                done.set_result(output)
+            elif should_stop is not None and should_stop(output.generated_tokens):
+                done.set_result(output)
+                self._manager.cancel_request(request_id)
+
+        seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
+        self._manager.register_result_handler(request_id, on_output)
+        self.in_flight += 1
+        try:
+            added = self._manager.add_request(
+                list(input_ids), request_id=request_id, max_new_tokens=max_new_tokens,
+                streaming=should_stop is not None, eos_token_id=list(stop_token_ids),
+                temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p),
+                min_p=float(sampling.min_p), seed=int(seed) & 0x7FFFFFFF)
+            if added is None:
+                raise EngineStopped("the generation loop refused the request (it is stopping or died)")
+            output = await done
+        except asyncio.CancelledError:
+            self._manager.cancel_request(request_id)
+            raise
+        finally:
+            self.in_flight -= 1
+            with self._manager.output_router._lock:
+                self._manager.output_router.result_handlers.pop(request_id, None)
+        if output.error is not None:
+            raise RuntimeError(f"generation failed: {output.error}")
+        return output
+
+    @contextmanager
+    def _paused(self) -> Iterator[None]:
+        """Hold the generation loop between two steps, if it runs (blocking: call from a worker thread)."""
+        if not self._manager.is_running():
+            yield
+            return
+        with self._manager.pause():
+            yield
+
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Copy new weights into the model in place, between two generation steps (blocking)."""
+        with self._paused(), torch.no_grad():
+            self.model.load_state_dict(state_dict, strict=True)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached KV blocks (prefix sharing); only call while no request is in flight (blocking)."""
+        with self._paused():
+            processor = self._manager.batch_processor
+            if processor is not None:
+                processor.cache.reset()

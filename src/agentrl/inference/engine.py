@@ -1,0 +1,387 @@
+"""The ``agentrl engine`` core: one Hugging Face causal LM served with SGLang's request semantics.
+
+* ``generate`` validates a request (token ids inside the vocabulary, context length), maps SGLang's sampling
+  parameters onto the continuous batcher and builds SGLang's response (finish reasons, ``meta_info``).
+  Output logprobs are ``log_softmax(logits / temperature)`` of the sampled token, as SGLang reports them (see
+  :mod:`agentrl.inference.sampling`).
+* ``update_weights_from_disk`` reads the new checkpoint while generation goes on, then closes the admission gate:
+  requests already running finish with the old weights, new ones wait (none is dropped), the weights are
+  swapped in place and the prefix cache is flushed. Each response carries the ``weight_version`` that produced
+  all its tokens.
+* ``release_memory`` / ``resume_memory`` (colocated layout) drain the same way, then free the KV cache (and move
+  the weights to host memory on an accelerator).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from pydantic import BaseModel, Field
+
+from agentrl.inference.admission import AdmissionGate
+from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
+from agentrl.inference.protocol import (
+    ChatCompletionRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    MetaInfo,
+    ModelInfo,
+    SamplingParams,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDiskResponse,
+)
+from agentrl.inference.sampling import GREEDY_EPS
+
+logger = logging.getLogger(__name__)
+
+HEALTH_GENERATE_TIMEOUT_S = 20.0
+
+
+class BadRequest(ValueError):
+    """The request cannot be served as asked (answered with HTTP 400 and this message)."""
+
+
+class IncompatibleWeights(ValueError):
+    """A checkpoint's parameters do not match the served model's names and shapes."""
+
+
+class EngineConfig(BaseModel):
+    """What the engine serves and how (the ``agentrl engine`` flags)."""
+
+    model_name_or_path: str
+    served_model_name: str | None = Field(None, description="model name reported to clients (default: dir name)")
+    device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    weight_version: str = "0"
+    max_total_tokens: int = Field(32768, gt=0, description="KV cache capacity in tokens, all requests together")
+    max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
+    max_running_requests: int = Field(64, gt=0)
+    page_size: int = Field(256, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
+
+
+def resolve_device(device: str | None) -> torch.device:
+    return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, dtype)
+
+
+class InferenceEngine:
+    """A loaded model, its tokenizer and the continuous batcher, plus the weight version and admission gate."""
+
+    def __init__(self, config: EngineConfig):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        path = config.model_name_or_path
+        self.model_name = config.served_model_name or Path(path.rstrip("/")).name
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+        self.model = model.to(self.device).eval()
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
+        self.eos_token_ids = self._eos_token_ids()
+        self.batcher = ContinuousBatcher(self.model, BatchingConfig(
+            max_total_tokens=config.max_total_tokens, max_batch_tokens=config.max_batch_tokens,
+            max_running_requests=config.max_running_requests, page_size=config.page_size))
+        self.weight_version = config.weight_version
+        self.gate = AdmissionGate()
+        self.released = False
+        self._exclusive = asyncio.Lock()
+
+    def _eos_token_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for value in (self.model.generation_config.eos_token_id, self.model.config.eos_token_id,
+                      self.tokenizer.eos_token_id):
+            if isinstance(value, int):
+                ids.add(value)
+            elif value:
+                ids.update(int(v) for v in value)
+        return {i for i in ids if 0 <= i < self.vocab_size}
+
+    # ------------------------------------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        self.batcher.start()
+
+    def stop(self) -> None:
+        self.batcher.stop()
+
+    @property
+    def healthy(self) -> bool:
+        """The generation loop runs, or was stopped on purpose by a memory release."""
+        return self.released or self.batcher.is_running()
+
+    def load(self) -> dict[str, int]:
+        """Requests being generated and requests waiting (at the gate during an update or release)."""
+        return {"running": self.batcher.in_flight, "queued": self.gate.waiting}
+
+    def model_info(self) -> ModelInfo:
+        return ModelInfo(model_path=self.config.model_name_or_path, tokenizer_path=self.config.model_name_or_path,
+                         weight_version=self.weight_version)
+
+    # ----------------------------------------------------------------------------------------------- generation
+
+    async def generate(self, request: GenerateRequest) -> GenerateResponse:
+        """Serve one ``/generate`` request."""
+        if request.input_ids is not None:
+            input_ids = list(request.input_ids)
+        else:
+            input_ids = self.tokenizer.encode(request.text)
+            if not input_ids:
+                raise BadRequest("text encodes to no tokens")
+        started = time.perf_counter()
+        output_ids, logprobs, finish, version = await self._run(input_ids, request.sampling_params)
+        params = request.sampling_params
+        text = self._text(output_ids, finish, params)
+        meta = MetaInfo(
+            id=request.rid or uuid.uuid4().hex, finish_reason=finish, prompt_tokens=len(input_ids),
+            completion_tokens=len(output_ids), cached_tokens=0, weight_version=version,
+            e2e_latency=time.perf_counter() - started)
+        if request.return_logprob:
+            meta.output_token_logprobs = [
+                (lp, tok, self.tokenizer.decode([tok]) if request.return_text_in_logprobs else None)
+                for lp, tok in zip(logprobs, output_ids, strict=True)]
+        return GenerateResponse(text=text, output_ids=output_ids, meta_info=meta)
+
+    async def health_generate(self) -> bool:
+        """Generate one token (SGLang's ``/health_generate``); false when that fails or takes too long."""
+        if self.released:
+            return False
+        try:
+            await asyncio.wait_for(
+                self._run([0], SamplingParams(max_new_tokens=1, temperature=0.0)), HEALTH_GENERATE_TIMEOUT_S)
+        except Exception as error:  # any failure means unhealthy; say why in the log
+            logger.warning("health_generate failed: %s", error)
+            return False
+        return True
+
+    def _validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        bad = [i for i in input_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise BadRequest(f"input_ids contains {len(bad)} token id(s) outside the vocabulary [0, "
+                             f"{self.vocab_size}): {bad[:5]}")
+        for token in params.stop_token_ids or []:
+            if not 0 <= token < self.vocab_size:
+                raise BadRequest(f"stop_token_ids contains {token}, outside the vocabulary [0, {self.vocab_size})")
+        total = len(input_ids) + params.max_new_tokens
+        if self.context_length and total > self.context_length:
+            raise BadRequest(
+                f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens."
+                f" You requested a total of {total} tokens: {len(input_ids)} tokens from the input and "
+                f"{params.max_new_tokens} tokens for the completion.")
+        if total > self.config.max_total_tokens:
+            raise BadRequest(f"the request needs {total} tokens of KV cache but the engine holds at most "
+                             f"{self.config.max_total_tokens} (raise --max_total_tokens)")
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        if params.ignore_eos:  # as in SGLang: ignore_eos also disables stop_token_ids
+            return []
+        return sorted(self.eos_token_ids | set(params.stop_token_ids or []))
+
+    @staticmethod
+    def _sampling(params: SamplingParams) -> RequestSampling:
+        if params.temperature < GREEDY_EPS or params.top_k == 1:  # SGLang normalises greedy to top_k = 1
+            return RequestSampling(temperature=1.0, top_k=1, seed=params.sampling_seed)
+        return RequestSampling(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
+                               min_p=params.min_p, seed=params.sampling_seed)
+
+    async def _run(self, input_ids: list[int], params: SamplingParams
+                   ) -> tuple[list[int], list[float], FinishReason, str]:
+        """Generate under an admission; return output ids, logprobs, finish reason and weight version."""
+        self._validate(input_ids, params)
+        stop_ids = self._stop_token_ids(params)
+        matcher = self._stop_string_matcher(params.stop_strings)
+        async with self.gate.admit():
+            version = self.weight_version  # constant while admitted: updates wait for admitted requests
+            if params.max_new_tokens == 0:
+                return [], [], FinishReason(type="length", length=0), version
+            output = await self.batcher.generate(
+                input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids,
+                sampling=self._sampling(params), should_stop=(lambda ids: matcher(ids) is not None)
+                if matcher else None)
+        tokens, logprobs = list(output.generated_tokens), list(output.logprobs)
+        return tokens, logprobs, self._finish_reason(tokens, params, stop_ids, matcher), version
+
+    def _stop_string_matcher(self, stops: list[str]) -> Callable[[list[int]], str | None] | None:
+        """A function telling which stop string (if any) the end of the generated tokens contains."""
+        stops = [s for s in stops if s]
+        if not stops:
+            return None
+        window = max(len(s) for s in stops) + 1  # a token is at least one character
+
+        def matched(token_ids: list[int]) -> str | None:
+            tail = self.tokenizer.decode(token_ids[-window:])
+            return next((s for s in stops if s in tail), None)
+
+        return matched
+
+    @staticmethod
+    def _finish_reason(tokens: list[int], params: SamplingParams, stop_ids: list[int],
+                       matcher: Callable[[list[int]], str | None] | None) -> FinishReason:
+        # Same precedence as SGLang's Req.check_finished: length, then stop token, then stop string.
+        if len(tokens) >= params.max_new_tokens:
+            return FinishReason(type="length", length=params.max_new_tokens)
+        if tokens and tokens[-1] in stop_ids:
+            return FinishReason(type="stop", matched=tokens[-1])
+        matched = matcher(tokens) if matcher and tokens else None
+        if matched is not None:
+            return FinishReason(type="stop", matched=matched)
+        return FinishReason(type="abort", message="generation ended without reaching a stop condition")
+
+    def _text(self, output_ids: list[int], finish: FinishReason, params: SamplingParams) -> str:
+        ids = output_ids
+        trim = not params.no_stop_trim
+        if trim and isinstance(finish.matched, int) and ids:
+            ids = ids[:-1]  # SGLang drops the matched stop token from the text
+        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
+        if trim and isinstance(finish.matched, str):
+            position = text.find(finish.matched)
+            text = text[:position] if position >= 0 else text
+        return text
+
+    # ------------------------------------------------------------------------------------------------- chat
+
+    async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
+        """Serve one OpenAI ``/v1/chat/completions`` request with the model's chat template."""
+        try:
+            prompt = self.tokenizer.apply_chat_template(
+                request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False,
+                **(request.chat_template_kwargs or {}))
+        except Exception as error:  # template errors are the caller's: bad roles, missing content ...
+            raise BadRequest(f"cannot apply the chat template to these messages: {error}") from error
+        input_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        max_new = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
+        if max_new is None:
+            limit = min(self.context_length or self.config.max_total_tokens, self.config.max_total_tokens)
+            max_new = max(limit - len(input_ids), 0)
+        params = SamplingParams(
+            max_new_tokens=max_new, temperature=1.0 if request.temperature is None else request.temperature,
+            top_p=1.0 if request.top_p is None else request.top_p,
+            top_k=-1 if request.top_k is None else request.top_k,
+            min_p=0.0 if request.min_p is None else request.min_p, stop=request.stop,
+            stop_token_ids=request.stop_token_ids, sampling_seed=request.seed,
+            skip_special_tokens=request.skip_special_tokens)
+        output_ids, logprobs, finish, version = await self._run(input_ids, params)
+        choice: dict[str, Any] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": self._text(output_ids, finish, params)},
+            "finish_reason": "length" if finish.type == "length" else "stop",
+            "logprobs": None,
+        }
+        if request.logprobs:
+            pieces = [self.tokenizer.decode([tok]) for tok in output_ids]
+            choice["logprobs"] = {"content": [
+                {"token": piece, "logprob": lp, "bytes": list(piece.encode()), "top_logprobs": []}
+                for piece, lp in zip(pieces, logprobs, strict=True)]}
+        return {
+            "id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [choice],
+            "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(output_ids),
+                      "total_tokens": len(input_ids) + len(output_ids)},
+            "metadata": {"weight_version": version},
+        }
+
+    # ------------------------------------------------------------------------------------------ weight updates
+
+    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsFromDiskResponse:
+        """Load a checkpoint directory into the served model without dropping any request."""
+        if request.abort_all_requests:
+            return UpdateWeightsFromDiskResponse(
+                success=False, message="abort_all_requests is not supported: running requests always finish")
+        if request.load_format not in (None, "auto"):
+            return UpdateWeightsFromDiskResponse(
+                success=False, message=f"load_format {request.load_format!r} is not supported (use auto)")
+        new_version = request.weight_version
+        if new_version is None:
+            if not self.weight_version.isdigit():
+                return UpdateWeightsFromDiskResponse(success=False, message=(
+                    f"the current weight_version {self.weight_version!r} is not a number: give weight_version"))
+            new_version = str(int(self.weight_version) + 1)
+        started = time.perf_counter()
+        try:
+            state_dict = await asyncio.to_thread(self._read_checkpoint, request.model_path)
+        except IncompatibleWeights as error:
+            return UpdateWeightsFromDiskResponse(
+                success=False, message=f"weights in {request.model_path} do not fit the model: {error}")
+        except Exception as error:  # reported to the caller, who asked for this path
+            return UpdateWeightsFromDiskResponse(
+                success=False, message=f"failed to read weights from {request.model_path}: {error}")
+        async with self._exclusive:
+            held_before = self.gate.held
+            async with self.gate.closed():  # running requests finish on the old weights; new ones wait
+                await asyncio.to_thread(self.batcher.load_state_dict, state_dict)
+                await asyncio.to_thread(self.batcher.reset_prefix_cache)
+                self.weight_version = new_version
+            paused = self.gate.held - held_before
+        message = (f"loaded weights from {request.model_path} as weight_version {new_version} in "
+                   f"{time.perf_counter() - started:.2f}s")
+        logger.info(message)
+        return UpdateWeightsFromDiskResponse(success=True, message=message, num_paused_requests=paused)
+
+    def _read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
+        """Load a checkpoint's state dict on the host and check it matches the served model key for key."""
+        from transformers import AutoModelForCausalLM
+
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"{path} is not a directory")
+        state_dict = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).state_dict()
+        served = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
+        loaded = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
+        problems = [f"missing {name}" for name in served.keys() - loaded.keys()]
+        problems += [f"unexpected {name}" for name in loaded.keys() - served.keys()]
+        problems += [f"{name}: shape {loaded[name]} instead of {shape}" for name, shape in served.items()
+                     if name in loaded and loaded[name] != shape]
+        if problems:
+            raise IncompatibleWeights(f"{len(problems)} mismatch(es), e.g. {'; '.join(sorted(problems)[:3])}")
+        return state_dict
+
+    async def flush_cache(self) -> bool:
+        """Forget the prefix cache; like SGLang, refuse (false) while requests are running or waiting."""
+        if self.gate.active or self.gate.waiting:
+            return False
+        async with self._exclusive, self.gate.closed():
+            await asyncio.to_thread(self.batcher.reset_prefix_cache)
+        return True
+
+    # ------------------------------------------------------------------------------------- memory occupation
+
+    async def release_memory(self) -> None:
+        """Drain, then free the KV cache (and move weights to host memory on an accelerator)."""
+        async with self._exclusive:
+            if self.released:
+                return
+            await self.gate.close()  # stays closed until resume: requests wait
+            await asyncio.to_thread(self.batcher.stop)
+            if self.device.type != "cpu":
+                await asyncio.to_thread(self._move_weights, torch.device("cpu"))
+            self.released = True
+
+    async def resume_memory(self) -> None:
+        """Undo :meth:`release_memory` and admit requests again."""
+        async with self._exclusive:
+            if not self.released:
+                return
+            if self.device.type != "cpu":
+                await asyncio.to_thread(self._move_weights, self.device)
+            await asyncio.to_thread(self.batcher.start)
+            self.released = False
+            await self.gate.open()
+
+    def _move_weights(self, device: torch.device) -> None:
+        self.model.to(device)
+        if device.type == "cpu" and torch.cuda.is_available():
+            torch.cuda.empty_cache()

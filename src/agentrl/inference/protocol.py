@@ -1,0 +1,215 @@
+"""Wire format of the SGLang native API subset we use (DESIGN §4), shared by the client and the engine.
+
+Names, defaults and shapes follow SGLang's source (checked against SGLang v0.5.x, sgl-project/sglang):
+
+* ``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput`` (``text``/``input_ids``, ``sampling_params``,
+  ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``stream``,
+  ``rid``), ``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``, ``abort_all_requests``,
+  ``weight_version``, ``flush_cache``) and its output (``success``, ``message``, ``num_paused_requests``),
+  ``Release/ResumeMemoryOccupationReqInput`` (``tags``);
+* ``python/sglang/srt/sampling/sampling_params.py``: ``SamplingParams`` fields, defaults (``max_new_tokens=128``,
+  ``temperature=1``, ``top_p=1``, ``top_k=-1``, ``min_p=0``) and the checks of ``verify()``;
+* ``python/sglang/srt/managers/tokenizer_manager.py``: ``meta_info`` keys (``id``, ``finish_reason``,
+  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency``,
+  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples);
+* ``python/sglang/srt/managers/schedule_batch.py``: finish reasons ``{"type": "stop", "matched": id-or-str}``,
+  ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ...}``;
+* ``python/sglang/srt/entrypoints/http_server.py``: endpoints, status codes (400 on a bad request or a failed
+  weight update) and the error body ``{"error": {"message": ...}}``.
+
+The request models reject unknown fields, so a misspelt or unsupported parameter is a 400, not silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    SerializerFunctionWrapHandler,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
+
+# SGLang's TOP_K_ALL sentinel is -1 on the wire.
+TOP_K_ALL = -1
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+
+class _Request(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SamplingParams(_Request):
+    """SGLang ``sampling_params`` (the subset the agentrl engine implements)."""
+
+    max_new_tokens: int = Field(128, ge=0)
+    temperature: float = Field(1.0, ge=0.0, description="0 means greedy")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(TOP_K_ALL, description="-1 disables top-k")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = Field(False, description="as in SGLang, also ignores stop_token_ids")
+    skip_special_tokens: bool = True
+    no_stop_trim: bool = False
+    sampling_seed: int | None = Field(None, description="makes the request reproducible")
+    n: int = Field(1, ge=1, le=1, description="only 1: send n requests instead")
+
+    @field_validator("temperature")
+    @classmethod
+    def _finite(cls, value: float) -> float:
+        if not math.isfinite(value):
+            raise ValueError(f"temperature must be a non-negative finite number, got {value}")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, value: int) -> int:
+        if value != TOP_K_ALL and value < 1:
+            raise ValueError(f"top_k must be -1 (disable) or at least 1, got {value}")
+        return value
+
+    @property
+    def stop_strings(self) -> list[str]:
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+
+class GenerateRequest(_Request):
+    """Body of ``POST /generate`` (one prompt; SGLang's batched form is not supported)."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: SamplingParams = Field(default_factory=SamplingParams)
+    return_logprob: bool = False
+    logprob_start_len: int | None = Field(None, description="only -1 (output tokens only) is supported")
+    top_logprobs_num: int | None = Field(None, description="only 0 is supported")
+    return_text_in_logprobs: bool = False
+    stream: Literal[False] = False
+    rid: str | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> GenerateRequest:
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("give exactly one of text and input_ids")
+        if self.input_ids is not None and not self.input_ids:
+            raise ValueError("input_ids is empty")
+        if self.input_ids is not None and min(self.input_ids) < 0:
+            raise ValueError(f"input_ids contains a negative token id ({min(self.input_ids)})")
+        if self.logprob_start_len not in (None, -1):
+            raise ValueError("logprob_start_len: only -1 (logprobs of the output tokens) is supported")
+        if self.top_logprobs_num not in (None, 0):
+            raise ValueError("top_logprobs_num: only 0 is supported")
+        return self
+
+
+class FinishReason(BaseModel):
+    """Why generation stopped: ``stop`` (a stop token or string matched), ``length`` or ``abort``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    type: Literal["stop", "length", "abort"]
+    matched: int | str | None = None
+    length: int | None = None
+    message: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class MetaInfo(BaseModel):
+    """``meta_info`` of a ``/generate`` response (extra keys that SGLang adds are kept)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    id: str
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    weight_version: str | None = None
+    e2e_latency: float | None = None
+    output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+
+
+class GenerateResponse(BaseModel):
+    """Body of a ``/generate`` response."""
+
+    model_config = ConfigDict(extra="allow")
+
+    text: str
+    output_ids: list[int]
+    meta_info: MetaInfo
+
+
+class UpdateWeightsFromDiskRequest(_Request):
+    """Body of ``POST /update_weights_from_disk``."""
+
+    model_path: str = Field(min_length=1)
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class UpdateWeightsFromDiskResponse(BaseModel):
+    success: bool
+    message: str
+    num_paused_requests: int = 0
+
+
+class MemoryOccupationRequest(_Request):
+    """Body of ``POST /release_memory_occupation`` and ``/resume_memory_occupation``."""
+
+    tags: list[Literal["weights", "kv_cache", "cuda_graph"]] | None = None
+
+
+class ModelInfo(BaseModel):
+    """Body of ``GET /get_model_info``."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model_path: str
+    tokenizer_path: str | None = None
+    is_generation: bool = True
+    preferred_sampling_params: str | None = None
+    weight_version: str | None = None
+    has_image_understanding: bool = False
+    has_audio_understanding: bool = False
+
+
+class ChatCompletionRequest(_Request):
+    """Body of ``POST /v1/chat/completions`` (the OpenAI fields the engine implements, plus SGLang's extras)."""
+
+    model: str
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=0)
+    max_completion_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=1)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=0)
+    stream: Literal[False] = False
+    user: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    skip_special_tokens: bool = True

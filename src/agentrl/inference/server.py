@@ -1,0 +1,211 @@
+"""The ``agentrl engine`` HTTP server: SGLang's native endpoints plus ``/v1/chat/completions`` (FastAPI/uvicorn).
+
+Endpoints and status codes mirror SGLang's ``python/sglang/srt/entrypoints/http_server.py`` (v0.5.x): a bad
+request (validation error, unknown field, token id outside the vocabulary, over-long request) is a 400 with
+``{"error": {"message": ...}}``; ``/update_weights_from_disk`` answers ``{success, message,
+num_paused_requests}`` with 200 or 400; ``/health`` and ``/health_generate`` answer an empty 200 or 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import sys
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request, Response
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, Field
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from agentrl.inference.batching import EngineStopped
+from agentrl.inference.engine import BadRequest, EngineConfig, InferenceEngine
+from agentrl.inference.protocol import (
+    ChatCompletionRequest,
+    GenerateRequest,
+    GenerateResponse,
+    MemoryOccupationRequest,
+    ModelInfo,
+    UpdateWeightsFromDiskRequest,
+)
+from agentrl.inference.registration import ServiceRegistration, check_database
+from agentrl.log import redact
+
+logger = logging.getLogger(__name__)
+
+FLUSH_MESSAGE = ("Cache flushed.\nPlease check backend logs for more details. (When there are running or waiting "
+                 "requests, the operation will not be performed.)\n")
+
+
+def error_response(status: int, message: str) -> JSONResponse:
+    """SGLang's error body, with the OpenAI ``type``/``code`` keys so the ``openai`` client reads it too."""
+    kind = "BadRequestError" if status < 500 else "InternalServerError"
+    return JSONResponse({"error": {"message": message, "type": kind, "code": status}}, status_code=status)
+
+
+def _validation_message(error: RequestValidationError) -> str:
+    parts = []
+    for item in error.errors():
+        location = ".".join(str(p) for p in item.get("loc", ()) if p != "body")
+        parts.append(f"{location or 'body'}: {item.get('msg')}")
+    return "invalid request: " + "; ".join(parts)
+
+
+def create_app(engine: InferenceEngine, registration: ServiceRegistration | None = None,
+               on_ready: Callable[[], None] | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine``; the generation loop runs for the app's lifetime.
+
+    With ``registration``, the engine registers itself on startup, heartbeats, and is marked down on shutdown.
+    """
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        engine.start()
+        try:
+            if registration is not None:
+                await registration.start()
+            if on_ready is not None:
+                on_ready()
+            yield
+        finally:
+            if registration is not None:
+                await registration.stop()
+            await asyncio.to_thread(engine.stop)
+
+    app = FastAPI(title="agentrl engine", lifespan=lifespan)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
+        return error_response(HTTPStatus.BAD_REQUEST, _validation_message(error))
+
+    @app.exception_handler(BadRequest)
+    async def _bad(request: Request, error: BadRequest) -> JSONResponse:
+        return error_response(HTTPStatus.BAD_REQUEST, str(error))
+
+    @app.exception_handler(EngineStopped)
+    async def _stopped(request: Request, error: EngineStopped) -> JSONResponse:
+        return error_response(HTTPStatus.SERVICE_UNAVAILABLE, str(error))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, error: StarletteHTTPException) -> JSONResponse:
+        return error_response(error.status_code, str(error.detail))
+
+    @app.exception_handler(Exception)
+    async def _crash(request: Request, error: Exception) -> JSONResponse:
+        logger.exception("%s %s failed", request.method, request.url.path)
+        return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if engine.healthy else 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        return Response(status_code=200 if await engine.health_generate() else 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> ModelInfo:
+        return engine.model_info()
+
+    @app.post("/generate", response_model_exclude_none=True)
+    async def generate(request: GenerateRequest) -> GenerateResponse:
+        return await engine.generate(request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: ChatCompletionRequest) -> JSONResponse:
+        return JSONResponse(await engine.chat(request))
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        result = await engine.update_weights_from_disk(request)
+        if registration is not None and result.success:
+            await registration.heartbeat()
+        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        flushed = await engine.flush_cache()
+        return Response(content=FLUSH_MESSAGE, status_code=200 if flushed else 400)
+
+    @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
+    async def release_memory_occupation(request: MemoryOccupationRequest | None = None) -> Response:
+        await engine.release_memory()
+        return Response(status_code=200)
+
+    @app.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+    async def resume_memory_occupation(request: MemoryOccupationRequest | None = None) -> Response:
+        await engine.resume_memory()
+        return Response(status_code=200)
+
+    return app
+
+
+class ServerConfig(BaseModel):
+    """Where the engine listens and whom it tells."""
+
+    host: str = "127.0.0.1"
+    port: int = Field(30000, ge=0, le=65535, description="0 picks a free port")
+    db_connection_string: str | None = None
+    heartbeat_interval_s: float = Field(5.0, gt=0)
+    advertise_url: str | None = Field(None, description="URL registered in the database (default: from host/port)")
+
+
+def advertised_url(host: str, port: int) -> str:
+    if host in ("0.0.0.0", "::", ""):
+        host = socket.getfqdn()
+    return f"http://{host}:{port}"
+
+
+def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+    """Load the model, then serve until SIGINT/SIGTERM; print ``agentrl engine ready at URL`` once listening."""
+    import uvicorn
+
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # transformers' per-start chatter
+    family = socket.AF_INET6 if ":" in server_config.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((server_config.host, server_config.port))
+    except OSError as error:
+        sock.close()
+        print(f"error: cannot listen on {server_config.host}:{server_config.port}: {error}", file=sys.stderr)
+        return 1
+    sock.listen(2048)  # connections queue from now on, until uvicorn accepts them
+    port = sock.getsockname()[1]
+    url = server_config.advertise_url or advertised_url(server_config.host, port)
+    if server_config.db_connection_string:
+        try:
+            asyncio.run(check_database(server_config.db_connection_string))
+        except RuntimeError as error:
+            sock.close()
+            print(f"error: {error}", file=sys.stderr)
+            return 1
+    engine = InferenceEngine(engine_config)
+    registration = None
+    if server_config.db_connection_string:
+        registration = ServiceRegistration(
+            server_config.db_connection_string, url, kind="agentrl-engine", models=[engine.model_name],
+            status=engine.load, weight_version=lambda: engine.weight_version,
+            interval_s=server_config.heartbeat_interval_s)
+        logger.info("registering in %s", redact(server_config.db_connection_string))
+
+    def announce() -> None:
+        print(f"agentrl engine ready at {url} serving {engine.model_name} ({engine.device}, {engine.dtype})",
+              flush=True)
+
+    app = create_app(engine, registration, on_ready=announce)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30))
+    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the handlers it found
+    # installed; these make that re-raise a no-op, so a graceful stop exits with status 0.
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        asyncio.run(server.serve(sockets=[sock]))
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1

@@ -1,0 +1,54 @@
+"""Shared inference fixtures: tiny model directories and real ``agentrl engine`` subprocesses.
+
+Registered as a plugin by ``conftest.py`` (so session fixtures are shared by
+all modules). Engines run exactly as a user starts them (``python -m agentrl.cli.main engine``) on a free port,
+with one CPU thread, and are stopped by PID (:class:`agentrl.inference.process.EngineProcess`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from agentrl.inference.process import EngineProcess
+from agentrl.inference.tiny_model import build_tiny_model
+
+TEST_FLAGS = ("--num_threads", "1", "--max_total_tokens", "8192")
+TEST_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def start_engine(model_dir: Path | None, *args: str) -> EngineProcess:
+    """``agentrl engine`` on ``model_dir`` (None: the embedded model) with test sizing; not registered unless a
+    database is given. The caller stops it."""
+    register = () if "--db_connection_string" in args else ("--no_register",)
+    return EngineProcess(model_dir, *TEST_FLAGS, *register, *args, env=TEST_ENV)
+
+
+@pytest.fixture(scope="session")
+def launch_engine() -> Callable[..., EngineProcess]:
+    """:func:`start_engine`, for tests and fixtures that start their own engine."""
+    return start_engine
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama with the embedded model's tokenizer (seed 0)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-a"), seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_b_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same architecture with other weights (seed 1): a checkpoint to load with update_weights_from_disk."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-b"), seed=1)
+
+
+@pytest.fixture(scope="session")
+def engine_url(tiny_model_dir: Path) -> Iterator[str]:
+    """URL of an ``agentrl engine`` serving the tiny model for the whole session (do not change its state)."""
+    engine = start_engine(tiny_model_dir)
+    try:
+        yield engine.url
+    finally:
+        engine.stop()
