@@ -1,0 +1,170 @@
+"""Generator of the built-in task set ``assets/tasks/arith_tools.jsonl``: arithmetic word problems.
+
+The numbers are large enough that a calculator helps (multi-digit products, percentages, decimals), and every
+answer is exact (an integer or a short decimal). Each task carries the calculator ``expression`` that computes
+its answer (kept in the Task's metadata), which makes tool-use demonstrations for a supervised warm start easy
+to generate and lets tests check every answer with the calculator.
+
+Regenerate the shipped file with ``python -m agentrl.envs.arith --out assets/tasks/arith_tools.jsonl``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from collections.abc import Callable
+from decimal import Decimal
+from pathlib import Path
+from typing import Any
+
+INSTRUCTION = "Give the final answer as a number in \\boxed{}."
+
+Problem = tuple[str, Decimal, str]
+"""(question, exact answer, calculator expression)"""
+
+
+def _money(cents: int) -> Decimal:
+    return Decimal(cents) / 100
+
+
+def _bulk_order(rng: random.Random) -> Problem:
+    crates, per_crate = rng.randint(120, 980), rng.randint(12, 96)
+    item = rng.choice(["bottles", "jars", "cans", "boxes"])
+    question = (
+        f"A warehouse ships {crates} crates, and each crate holds {per_crate} {item}. "
+        f"How many {item} are shipped in total?"
+    )
+    return question, Decimal(crates * per_crate), f"{crates} * {per_crate}"
+
+
+def _shared_bill(rng: random.Random) -> Problem:
+    people, share_cents = rng.randint(6, 48), rng.randint(1505, 9875)
+    total = _money(people * share_cents)
+    question = f"A club of {people} members splits a bill of ${total} equally. How many dollars does each member pay?"
+    return question, _money(share_cents), f"{total} / {people}"
+
+
+def _discount(rng: random.Random) -> Problem:
+    price, percent = rng.randint(140, 2400), rng.choice([5, 10, 12, 15, 20, 25, 30, 35, 40])
+    item = rng.choice(["laptop", "bicycle", "sofa", "camera", "washing machine"])
+    sale = Decimal(price) * (100 - percent) / 100
+    question = f"A {item} costs ${price}. It is sold at {percent}% off. What is the sale price in dollars?"
+    return question, sale, f"{price} * (100 - {percent}) / 100"
+
+
+def _revenue(rng: random.Random) -> Problem:
+    loaves, cakes = rng.randint(40, 400), rng.randint(12, 150)
+    loaf_cents, cake_cents = rng.randint(175, 690), rng.randint(1250, 4599)
+    loaf, cake = _money(loaf_cents), _money(cake_cents)
+    question = (
+        f"A bakery sells {loaves} loaves of bread at ${loaf} each and {cakes} cakes at ${cake} each. "
+        "What is its total revenue in dollars?"
+    )
+    return question, loaves * loaf + cakes * cake, f"{loaves} * {loaf} + {cakes} * {cake}"
+
+
+def _travel(rng: random.Random) -> Problem:
+    speed, hours, minutes = rng.randint(18, 160) * 4, rng.randint(2, 11), rng.choice([15, 30, 45])
+    vehicle = rng.choice(["train", "truck", "ferry", "bus"])
+    distance = Decimal(speed) * (hours + Decimal(minutes) / 60)
+    question = (
+        f"A {vehicle} travels at {speed} km per hour for {hours} hours and {minutes} minutes. "
+        "How many kilometres does it cover?"
+    )
+    return question, distance, f"{speed} * ({hours} + {minutes} / 60)"
+
+
+def _growth(rng: random.Random) -> Problem:
+    start, rate = rng.randint(12, 950) * 100, rng.randint(2, 15)
+    things = rng.choice(["a savings account balance", "an investment fund's value", "a company's yearly revenue"])
+    value = Decimal(start) * (100 + rate) ** 2 / 10000
+    question = (
+        f"{things[0].upper()}{things[1:]} is ${start} and grows by {rate}% each year. "
+        "What is it in dollars after 2 years?"
+    )
+    return question, value, f"{start} * (1 + {rate} / 100) ** 2"
+
+
+def _cartons(rng: random.Random) -> Problem:
+    per_carton = rng.choice([6, 8, 12, 18, 24, 30, 36])
+    count = rng.randint(1000, 60000)
+    if count % per_carton == 0:
+        count += 1
+    question = (
+        f"A farm collects {count} eggs and packs them into cartons of {per_carton}. "
+        "How many cartons are needed to pack all the eggs?"
+    )
+    return question, Decimal(-(-count // per_carton)), f"ceil({count} / {per_carton})"
+
+
+def _average(rng: random.Random) -> Problem:
+    days = rng.choice([4, 5, 8])
+    values = [rng.randint(1200, 9800) for _ in range(days)]
+    listing = ", ".join(str(v) for v in values[:-1]) + f" and {values[-1]}"
+    question = (
+        f"A shop's daily sales over {days} days were {listing} dollars. "
+        "What were its average daily sales in dollars?"
+    )
+    return question, Decimal(sum(values)) / days, f"({' + '.join(str(v) for v in values)}) / {days}"
+
+
+TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
+    "bulk_order": _bulk_order,
+    "shared_bill": _shared_bill,
+    "discount": _discount,
+    "revenue": _revenue,
+    "travel": _travel,
+    "growth": _growth,
+    "cartons": _cartons,
+    "average": _average,
+}
+
+
+def format_answer(value: Decimal) -> str:
+    """An exact decimal without exponent or trailing zeros (``37.50`` → ``37.5``, ``1E+3`` → ``1000``)."""
+    text = format(value.normalize(), "f")
+    return text.rstrip("0").rstrip(".") if "." in text else text
+
+
+def generate_arith_tasks(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
+    """``n`` tasks, cycling over the templates, reproducible for a given ``seed``."""
+    rng = random.Random(seed)
+    names = list(TEMPLATES)
+    tasks = []
+    for index in range(n):
+        task_type = names[index % len(names)]
+        question, answer, expression = TEMPLATES[task_type](rng)
+        tasks.append({
+            "id": f"arith-{index:04d}",
+            "query": f"{question} {INSTRUCTION}",
+            "answer": format_answer(answer),
+            "scorer": "math",
+            "answer_schema": "boxed",
+            "task_type": task_type,
+            "expression": expression,
+        })
+    return tasks
+
+
+def write_jsonl(tasks: list[dict[str, Any]], path: str | Path) -> None:
+    """Write one JSON object per line (UTF-8)."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", encoding="utf-8") as handle:
+        for task in tasks:
+            handle.write(json.dumps(task, ensure_ascii=False) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Generate the arithmetic tool-use task set.")
+    parser.add_argument("--out", default="assets/tasks/arith_tools.jsonl")
+    parser.add_argument("--n", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    write_jsonl(generate_arith_tasks(args.n, args.seed), args.out)
+    print(f"wrote {args.n} tasks to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

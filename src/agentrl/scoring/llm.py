@@ -1,0 +1,68 @@
+"""Chat completions over a pool of OpenAI-compatible endpoints with ordered fail-over, retries and timeouts."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import openai
+
+from agentrl.log import redact
+from agentrl.scoring.agent_config import LLMPoolConfig
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class LLMUnavailableError(RuntimeError):
+    """No model of the pool gave a usable answer; ``failures`` lists what went wrong with each attempt."""
+
+    def __init__(self, failures: list[str]):
+        self.failures = failures
+        super().__init__("no model answered: " + "; ".join(failures))
+
+
+async def chat_with_failover(
+    pool: LLMPoolConfig,
+    messages: list[dict[str, Any]],
+    parse: Callable[[str], T],
+    **params: Any,
+) -> tuple[T, str]:
+    """``(parse(reply), model)`` from the first model whose reply ``parse`` accepts.
+
+    Every model of ``pool`` (in order) gets ``pool.max_retries`` attempts; an attempt fails on a transport or
+    API error, a timeout (``pool.timeout``), an empty reply, or when ``parse`` raises ``ValueError``. Waits
+    between attempts grow by ``backoff_factor``. ``params`` go to ``chat.completions.create``.
+    """
+    failures: list[str] = []
+    for endpoint in pool.models:
+        try:
+            api_key = endpoint.api_key()
+        except KeyError as exc:
+            failures.append(f"{endpoint.model}: {exc.args[0]}")
+            continue
+        client = openai.AsyncOpenAI(base_url=endpoint.base_url, api_key=api_key, timeout=pool.timeout, max_retries=0)
+        try:
+            delay = pool.retry_delay
+            for attempt in range(1, pool.max_retries + 1):
+                try:
+                    response = await client.chat.completions.create(
+                        model=endpoint.model, messages=messages, extra_body=pool.extra_body or None, **params
+                    )
+                    reply = response.choices[0].message.content if response.choices else None
+                    if not reply:
+                        raise ValueError("empty reply")
+                    return parse(reply), endpoint.model
+                except (openai.OpenAIError, ValueError, TimeoutError) as exc:
+                    message = redact(f"{endpoint.model} attempt {attempt}: {type(exc).__name__}: {exc}")
+                    failures.append(message[:500])
+                    logger.warning("LLM call failed: %s", message[:500])
+                if attempt < pool.max_retries:
+                    await asyncio.sleep(delay)
+                    delay *= pool.backoff_factor
+        finally:
+            await client.close()
+    raise LLMUnavailableError(failures)
