@@ -1,0 +1,204 @@
+"""Trainer throughput at the embedded model's size (SmolLM2-135M) against a plain Hugging Face loop, same run.
+
+    .venv/bin/python bench/trainer.py [--model_name_or_path DIR] [--steps 4] [--samples_per_step 4]
+                                      [--turns 4] [--turn_tokens 64] [--max_tokens 4096] [--loss_calculater GRPO]
+
+Both sides train on the same synthetic multi-turn samples (random tokens, ``--turns`` calls of about
+``--turn_tokens`` new prompt + output tokens each, merged into one sequence per trajectory as the samplers' group
+stage does, behaviour logprobs from the model itself) in the same micro-batches:
+
+* ``trainer``: ``agentrl.train`` itself, in this process, on an embedded NX-27017 database holding the samples
+  (``--enable_sampling false``: no weight publishing; claims, loss, clipping, AdamW, metrics, all included).
+  Throughput: the step's tokens over its compute time (``step_s``) and over the wall time between two steps'
+  metrics (everything the trainer does per step);
+* ``baseline``: a bare loop over the same micro-batches: ``model(input_ids).logits`` → token logprobs → mean
+  negative logprob of the loss tokens → backward → clip → AdamW step.
+
+The first step of each side is a warm-up and is not counted; figures are medians over the other steps. On CUDA
+both use bf16 autocast-equivalent compute (the trainer: ``--bf16``) and the script prints the MFU estimate
+``6 × parameters × tokens/s / peak bf16 FLOP/s`` (attention FLOPs left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import random
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from agentrl.store import DBRecordData, Metric, sync_client, with_database
+from agentrl.store.embedded import EmbeddedServer
+from agentrl.training.batching import pack_micro_batches
+from agentrl.training.data import to_merged
+from agentrl.training.logprobs import token_logprobs
+from agentrl.training.merge import CallTokens, merge_trajectory
+
+PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def make_samples(model: torch.nn.Module, count: int, turns: int, turn_tokens: int, seed: int) -> list[DBRecordData]:
+    """``count`` merged trajectories of ``turns`` calls with random tokens; behaviour logprobs from ``model``."""
+    rng = random.Random(seed)
+    samples = []
+    for index in range(count):
+        calls, previous = [], None
+        for turn in range(turns):
+            def tokens(n: int) -> list[int]:
+                return [rng.randrange(100, 40000) for _ in range(n)]
+
+            output = tokens(turn_tokens // 2)
+            calls.append(CallTokens(
+                call_id=f"{index}/{turn}", output_ids=output, output_logprobs=[0.0] * len(output),
+                input_ids=tokens(turn_tokens) if previous is None else None, previous_call_id=previous,
+                prompt_delta_ids=tokens(turn_tokens // 2) if previous else (), weight_version=0,
+                advantage=1.0 if index % 2 else -1.0))
+            previous = calls[-1].call_id
+        (merged,) = merge_trajectory(calls).samples
+        with torch.no_grad():
+            ids = torch.tensor([merged.input_ids], device=model.device)
+            behaviour = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
+        samples.append(DBRecordData(
+            id=f"bench{index}", record_id=f"bench{index}", task_id="bench", seq=index + 1,
+            input_ids=merged.input_ids, loss_mask=merged.loss_mask,
+            logprobs=[lp if m else 0.0 for lp, m in zip(behaviour, merged.loss_mask)], versions=merged.versions,
+            advantages=merged.advantages, reward=float(index % 2), turn_boundaries=merged.turn_boundaries,
+            num_tokens=merged.num_tokens))
+    return samples
+
+
+def baseline(model_path: Path, steps: list[list[DBRecordData]], max_tokens: int, lr: float, bf16: bool,
+             device: torch.device) -> list[float]:
+    """Tokens/s of each step of a plain Hugging Face forward+backward+AdamW loop on the same micro-batches."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    rates = []
+    for samples in steps:
+        batches = pack_micro_batches([to_merged(s) for s in samples], max_tokens)
+        tokens = sum(s.num_tokens for s in samples)
+        synchronize(device)
+        started = time.perf_counter()
+        for batch in batches:
+            batch = batch.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logprobs = token_logprobs(model(input_ids=batch.input_ids, use_cache=False).logits,
+                                          batch.input_ids)
+            loss = -(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        synchronize(device)
+        rates.append(tokens / (time.perf_counter() - started))
+    return rates
+
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def trainer(uri: str, model_path: Path, output_dir: Path, args: argparse.Namespace, bf16: bool
+            ) -> tuple[list[float], list[float]]:
+    """Run ``agentrl.train`` on the queued samples; (compute tokens/s, wall tokens/s) of each step."""
+    from agentrl.train import main
+
+    flags = ["--db_connection_string", uri, "--model_name_or_path", str(model_path), "--output_dir",
+             str(output_dir), "--train_batch_size", str(args.samples_per_step), "--max_steps", str(args.steps + 1),
+             "--max_tokens", str(args.max_tokens), "--save_steps", "0", "--enable_sampling", "false",
+             "--loss_calculater", args.loss_calculater, "--learning_rate", "1e-5", "--bf16", str(bf16).lower()]
+    if main(flags) != 0:
+        raise SystemExit("the trainer failed")
+    client = sync_client(uri)
+    try:
+        docs = sorted((Metric.from_mongo(d) for d in client.get_default_database().Metric.find()),
+                      key=lambda m: m.step)
+    finally:
+        client.close()
+    compute = [m.values["tokens"] / m.values["step_s"] for m in docs]
+    wall = [b.values["tokens"] / (b.created_at - a.created_at).total_seconds() for a, b in itertools.pairwise(docs)]
+    return compute, [compute[0], *wall]
+
+
+def peak_flops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((flops for key, flops in PEAK_BF16_FLOPS.items() if key in name), None)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M")
+    parser.add_argument("--steps", type=int, default=4, help="measured steps (plus one warm-up step)")
+    parser.add_argument("--samples_per_step", type=int, default=4)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--turn_tokens", type=int, default=64)
+    parser.add_argument("--max_tokens", type=int, default=4096, help="padded tokens per micro-batch")
+    parser.add_argument("--loss_calculater", default="GRPO")
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.embedded_model import default_model_path
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    bf16 = device.type == "cuda"
+    model_path = Path(args.model_name_or_path or default_model_path())
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    parameters = sum(p.numel() for p in model.parameters())
+    samples = make_samples(model, (args.steps + 1) * args.samples_per_step, args.turns, args.turn_tokens, seed=0)
+    del model
+    steps = [samples[i:i + args.samples_per_step] for i in range(0, len(samples), args.samples_per_step)]
+    tokens_per_step = statistics.mean(sum(s.num_tokens for s in step) for step in steps)
+
+    base_rates = baseline(model_path, steps, args.max_tokens, 1e-5, bf16, device)[1:]
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-trainer-") as tmp:
+        server = EmbeddedServer(data_dir=Path(tmp) / "db", port=free_port())
+        server.start()
+        try:
+            uri = with_database(server.uri(), "bench_trainer")
+            client = sync_client(uri)
+            client.get_default_database().DBRecordData.insert_many(
+                [{**s.to_mongo(), "status": "queued"} for s in samples])
+            client.close()
+            compute, wall = trainer(uri, model_path, Path(tmp) / "out", args, bf16)
+        finally:
+            server.stop()
+    compute, wall = compute[1:], wall[1:]
+
+    base, ours, ours_wall = (statistics.median(x) for x in (base_rates, compute, wall))
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"CPU ({torch.get_num_threads()} threads)"
+    print(f"\nmodel {model_path.name}: {parameters / 1e6:.1f}M parameters on {name}; {args.samples_per_step} samples "
+          f"of {args.turns} turns per step, {tokens_per_step:.0f} tokens per step, {args.steps} measured steps "
+          f"(medians), {'bf16' if bf16 else 'fp32'}\n")
+    print("| loop | tokens/s | vs baseline |")
+    print("|---|---:|---:|")
+    print(f"| baseline: plain HF forward+backward+AdamW | {base:,.0f} | 1.00 |")
+    print(f"| agentrl trainer, step compute | {ours:,.0f} | {ours / base:.2f} |")
+    print(f"| agentrl trainer, wall between steps | {ours_wall:,.0f} | {ours_wall / base:.2f} |")
+    peak = peak_flops(device)
+    if peak:
+        for label, rate in (("baseline", base), ("trainer", ours)):
+            print(f"MFU {label}: {6 * parameters * rate / peak:.1%} (6·N·tokens/s over {peak / 1e12:.0f} TFLOP/s)")
+    elif device.type == "cuda":
+        print("MFU: unknown peak FLOP/s for this GPU")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

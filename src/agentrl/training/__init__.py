@@ -1,0 +1,1 @@
+"""Training: advantages, prefix merging, losses and the trainer (DESIGN §6)."""

@@ -1,0 +1,154 @@
+"""Configuration of a trainer run (``agentrl train`` / ``python -m agentrl.train``); flag names are the original's.
+
+Batch size: one optimiser step trains ``train_batch_size`` samples (merged trajectory branches) over all
+data-parallel ranks together. Left unset it is ``per_device_train_batch_size × gradient_accumulation_steps ×
+data-parallel size``, the Hugging Face convention the original followed. Within a step every rank splits its
+share into micro-batches by a token budget (``max_tokens`` padded tokens per forward pass), so gradient
+accumulation follows from the data, not from a fixed count; normalisers are global over the whole step.
+
+This module imports no torch, so building the command-line parser stays fast.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LossName = Literal["GRPO", "MINIRL", "GSPO", "CrossEntropy"]
+SchedulerName = Literal["constant", "linear", "cosine"]
+ReportTarget = Literal["none", "tensorboard", "wandb"]
+
+
+class TrainConfig(BaseModel):
+    """Every option of a trainer run; each field is the flag ``--<name>``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    # --------------------------------------------------------------------------------------------- model, data
+    model_name_or_path: str | None = Field(
+        None, description="Hugging Face model directory to train (default: the embedded SmolLM2-135M-Instruct); "
+        "its weights are always loaded")
+    db_connection_string: str | None = Field(
+        None, description="MongoDB connection string whose path is the run's database (default: $AGENTRL_DB, "
+        "else the embedded database)")
+    run_name: str | None = Field(None, description="database (run) name when the connection string has no path")
+    output_dir: str | None = Field(
+        None, description="checkpoints, published weights and the final model (default: output/<run name>)")
+    split: str = Field("train", description="split of the DBRecordData queue to train on")
+    attention_implementation: str = Field("sdpa", description="sdpa, eager or flash_attention_2")
+    trust_remote_code: bool = Field(False, description="allow model code from the model directory")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+
+    # ------------------------------------------------------------------------------------------------- batches
+    train_batch_size: int | None = Field(
+        None, ge=1, description="samples per optimiser step over all ranks (default: per_device_train_batch_size "
+        "× gradient_accumulation_steps × data-parallel size)")
+    per_device_train_batch_size: int = Field(8, ge=1, description="see train_batch_size")
+    gradient_accumulation_steps: int = Field(1, ge=1, description="see train_batch_size")
+    max_tokens: int = Field(8192, ge=1, description="padded tokens per micro-batch (rows × longest row); a longer "
+                            "sample gets a micro-batch of its own")
+    pad_to_multiple_of: int = Field(1, ge=1, description="pad micro-batch length to a multiple of this")
+    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the behaviour logprobs")
+
+    # -------------------------------------------------------------------------------------------------- losses
+    loss_calculater: LossName = Field("GRPO", description="GRPO, MINIRL, GSPO or CrossEntropy (SFT)")
+    epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="lower clip width ε")
+    epsilon_higher: float = Field(0.1, ge=0.0, description="the upper clip is 1 + epsilon + epsilon_higher")
+    strict_in_bound: bool = Field(False, description="out-of-band token mask = the clip range exactly")
+    out_of_date_decay: float | None = Field(None, ge=0.0, description="band shrinks by exp(-decay × staleness)")
+    importance_weight_cap_ratio: float | None = Field(
+        4.0, gt=0.0, description="out-of-band mask width multiplier (none: no mask unless strict_in_bound)")
+    truncated_is_cap: float | None = Field(None, gt=0.0, description="truncated importance sampling cap")
+    token_level_loss: bool = Field(True, description="global token mean (false: per-sequence aggregation)")
+    skip_length_normalization: bool = Field(False, description="per-sequence sums instead of means")
+    kl_coef: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference model")
+    ref_model_name_or_path: str | None = Field(
+        None, description="reference model for kl_coef (default: model_name_or_path)")
+
+    # ------------------------------------------------------------------------------------------------ optimiser
+    learning_rate: float = Field(1e-6, gt=0.0)
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (not applied to biases and norms)")
+    adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_epsilon: float = Field(1e-8, gt=0.0)
+    max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global gradient norm (none: no clip)")
+    lr_scheduler_type: SchedulerName = Field("constant", description="constant, linear or cosine (these two need "
+                                             "max_steps), all after a linear warmup")
+    warmup_steps: int = Field(0, ge=0)
+    warmup_ratio: float = Field(0.0, ge=0.0, lt=1.0, description="warmup as a fraction of max_steps")
+    seed: int = 42
+
+    # -------------------------------------------------------------------------------------------- run control
+    max_steps: int = Field(-1, description="stop after this many optimiser steps (-1: no limit)")
+    num_train_epochs: int = Field(1, ge=1, description="passes over the queued data when enable_sampling is false")
+    save_steps: int = Field(500, ge=0, description="checkpoint every this many steps (0: no checkpoints)")
+    save_total_limit: int | None = Field(None, ge=1, description="keep only this many checkpoints")
+    resume_from_checkpoint: str | None = Field(None, description="checkpoint directory, or 'latest' in output_dir")
+    logging_steps: int = Field(1, ge=1, description="console progress line every this many steps")
+    report_to: list[ReportTarget] = Field(default_factory=list, description="also log to tensorboard and/or wandb")
+    logging_dir: str | None = Field(None, description="tensorboard directory (default: output_dir/runs)")
+    poll_interval_s: float = Field(2.0, gt=0.0, description="longest pause between two polls of an empty queue")
+
+    # --------------------------------------------------------------------------------------- sampling, weights
+    enable_sampling: bool = Field(
+        True, description="samplers run alongside: publish weights to the inference services (false: offline "
+        "training, e.g. SFT, from the queued DBRecordData only, stopping when they are used up)")
+    sync_sampling: bool = Field(
+        False, description="train only on samples produced by the current policy version (synchronous baseline)")
+    max_staleness: int | None = Field(
+        None, ge=0, description="skip (count and log) samples more than this many policy versions old")
+    sync_every: int = Field(1, ge=1, description="publish the weights every this many steps")
+    keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
+    publish_retries: int = Field(3, ge=0, description="extra attempts per inference service when publishing")
+
+    # ------------------------------------------------------------------------------------ precision, parallelism
+    bf16: bool | None = Field(None, description="bf16 compute with fp32 master weights (default: on CUDA only)")
+    tp_size: int | None = Field(None, ge=1, description="tensor-parallel degree (default: accelerate's "
+                                "parallelism_config_tp_size, else 1); data-parallel size = world size / tp_size")
+    ddp_backend: Literal["gloo", "nccl"] | None = Field(None, description="default: nccl on CUDA, gloo on CPU")
+    ddp_timeout: int = Field(1800, ge=1, description="seconds a collective may wait")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads per process")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.sync_sampling and self.max_staleness not in (None, 0):
+            raise ValueError(f"--sync_sampling trains only on current-version samples: it contradicts "
+                             f"--max_staleness {self.max_staleness}")
+        if self.sync_sampling and not self.enable_sampling:
+            raise ValueError("--sync_sampling needs --enable_sampling true (it waits for fresh samples)")
+        if self.lr_scheduler_type != "constant" and self.max_steps <= 0:
+            raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type} decays over --max_steps: set it")
+        if self.warmup_ratio and self.max_steps <= 0:
+            raise ValueError("--warmup_ratio is a fraction of --max_steps: set it (or use --warmup_steps)")
+        if self.kl_coef == 0 and self.ref_model_name_or_path is not None:
+            raise ValueError("--ref_model_name_or_path is only used with --kl_coef > 0")
+        return self
+
+    @property
+    def staleness_bound(self) -> int | None:
+        """Most policy versions a trained sample may lag behind (0 under ``sync_sampling``; None: no bound)."""
+        return 0 if self.sync_sampling else self.max_staleness
+
+    @property
+    def num_warmup_steps(self) -> int:
+        return self.warmup_steps or int(self.warmup_ratio * max(self.max_steps, 0))
+
+    def resolved_train_batch_size(self, dp_size: int) -> int:
+        """Samples per step over all ranks (see the module docstring)."""
+        size = self.train_batch_size or self.per_device_train_batch_size * self.gradient_accumulation_steps * dp_size
+        if size < dp_size:
+            raise ValueError(f"train_batch_size {size} is smaller than the data-parallel size {dp_size}: every "
+                             "rank needs at least one sample per step")
+        return size
+
+    def loss_config(self):
+        """The ``agentrl.training.losses.LossConfig`` of these options."""
+        from agentrl.training.losses import LossConfig
+
+        return LossConfig(
+            loss_calculater=self.loss_calculater, epsilon=self.epsilon, epsilon_higher=self.epsilon_higher,
+            strict_in_bound=self.strict_in_bound, out_of_date_decay=self.out_of_date_decay,
+            importance_weight_cap_ratio=self.importance_weight_cap_ratio, truncated_is_cap=self.truncated_is_cap,
+            token_level_loss=self.token_level_loss, skip_length_normalization=self.skip_length_normalization,
+            kl_coef=self.kl_coef)

@@ -1,0 +1,191 @@
+"""Streaming DBRecordData into trainer steps: claims, waiting, staleness, and the samples' per-step statistics.
+
+Each data-parallel rank (its tensor-parallel leader) claims its share of a step from the store's queue, oldest
+first, without waiting for any particular group; tensor-parallel peers receive the same samples. Claims are keyed
+by (rank, step), so a trainer resumed from a checkpoint gets back exactly the samples it had claimed for the
+steps after that checkpoint. Samples more than ``staleness_bound`` policy versions old (0 under
+``--sync_sampling``) are claimed and then marked ``skipped`` with the reason, counted, never trained; their
+Records leave the ``ready`` state so the samplers' admission control does not wait for them.
+
+While a share is incomplete every rank polls with a growing pause (up to ``poll_interval_s``) and joins one small
+all-reduce per poll, so no rank blocks long inside a collective and all ranks agree on when to start, stop or
+end the data (offline: the queue is empty; online: also every Task of the split is done). Rank 0 prints a status line every ``STATUS_EVERY_S`` seconds while waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from agentrl.store import DBRecordData, InvalidTransition, NotFound, RecordStatus, Store
+from agentrl.training.aio import LoopThread
+from agentrl.training.merge import MergedSample
+from agentrl.training.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+STATUS_EVERY_S = 30.0
+FIRST_POLL_S = 0.05
+
+
+class StepEnd(Enum):
+    """Why ``SampleStream.next_step`` returned no data."""
+
+    STOPPED = "stopped"  # a stop was requested (SIGTERM) while waiting; the step's claims went back to the queue
+    EXHAUSTED = "exhausted"  # no queued sample is left on any rank, and (online) every Task of the split is done
+
+
+@dataclass
+class StepData:
+    """This rank's samples of one step (the same on tensor-parallel peers)."""
+
+    step: int
+    samples: list[DBRecordData]
+    skipped_stale: int
+    wait_s: float
+
+
+def sample_staleness(sample: DBRecordData, current_version: int) -> int:
+    """Policy versions between ``current_version`` and the oldest version that sampled a loss token (0 if none
+    is known)."""
+    versions = [v for v, m in zip(sample.versions, sample.loss_mask) if m and v >= 0]
+    return max(0, current_version - min(versions)) if versions else 0
+
+
+def tokens_if_unmerged(sample: DBRecordData) -> int:
+    """Tokens the sample's trained turns would cost with one forward pass each (each turn's prompt + output).
+
+    Turn ``i`` spans ``[turn_boundaries[i], turn_boundaries[i+1])`` (the last one up to the end); a turn is
+    trained when it has a loss token, and its own pass covers everything up to its end.
+    """
+    bounds = sorted(sample.turn_boundaries) or [0]
+    ends = bounds[1:] + [sample.num_tokens]
+    return sum(end for start, end in zip(bounds, ends) if any(sample.loss_mask[start:end]))
+
+
+def to_merged(sample: DBRecordData) -> MergedSample:
+    """The stored sample as a ``MergedSample`` for ``agentrl.training.batching`` (one sequence per sample)."""
+    n = len(sample.input_ids)
+    for name in ("loss_mask", "logprobs", "versions", "advantages"):
+        if len(getattr(sample, name)) != n:
+            raise ValueError(f"DBRecordData {sample.id}: {name} has {len(getattr(sample, name))} entries for "
+                             f"{n} input_ids")
+    return MergedSample(input_ids=list(sample.input_ids), loss_mask=list(sample.loss_mask),
+                        logprobs=list(sample.logprobs), versions=list(sample.versions),
+                        advantages=list(sample.advantages))
+
+
+def split_shares(total: int, parts: int) -> list[int]:
+    """``total`` samples over ``parts`` ranks, as evenly as possible (lower ranks get the remainder)."""
+    base, extra = divmod(total, parts)
+    return [base + (1 if rank < extra else 0) for rank in range(parts)]
+
+
+class SampleStream:
+    """Claims each step's samples for this rank (see the module docstring)."""
+
+    def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, *, split: str, batch_size: int,
+                 staleness_bound: int | None, offline: bool, poll_interval_s: float, stop: threading.Event):
+        self.store, self.io, self.parallel = store, io, parallel
+        self.split, self.offline, self.poll_interval_s, self.stop = split, offline, poll_interval_s, stop
+        self.staleness_bound = staleness_bound
+        self.share = split_shares(batch_size, parallel.dp_size)[parallel.dp_rank]
+        self._finished_logged = False
+
+    def next_step(self, step: int, current_version: int) -> StepData | StepEnd:
+        """This rank's samples for ``step``, waiting for the queue as needed; or why there are none."""
+        started = time.monotonic()
+        samples: list[DBRecordData] = []
+        skipped = 0
+        exhausted = False
+        if self.parallel.is_tp_leader:  # claims this rank already holds for the step (a resumed run) come first
+            samples = self.io.run(self.store.samples.claim_batch(self.parallel.dp_rank, step, 0, self.split))
+        pause, last_status = FIRST_POLL_S, started
+        while True:
+            if self.parallel.is_tp_leader and len(samples) < self.share:
+                fresh, stale, exhausted = self._claim_more(step, samples, current_version)
+                samples += fresh
+                skipped += stale
+                if exhausted and not self.offline:  # online, the data is used up once sampling has finished
+                    exhausted = self._sampling_finished()
+            short = self.parallel.is_tp_leader and len(samples) < self.share  # peers get the leader's samples
+            short_open, any_short, stop, nonempty = self.parallel.all_reduce(
+                [float(short and not exhausted), float(short), float(self.stop.is_set()), float(bool(samples))],
+                op="max")
+            if stop:
+                self._give_back(step)
+                return StepEnd.STOPPED
+            if not any_short:
+                break
+            if not short_open:  # every short rank found the queue empty for good: the data is used up
+                if nonempty:
+                    break  # a last, partial step
+                return StepEnd.EXHAUSTED
+            now = time.monotonic()
+            if self.parallel.is_main and now - last_status >= STATUS_EVERY_S:
+                self._status_line(step, len(samples), current_version, now - started)
+                last_status = now
+            self.stop.wait(pause)
+            pause = min(pause * 2, self.poll_interval_s)
+        samples = self.parallel.broadcast_from_tp_leader(samples)
+        return StepData(step=step, samples=samples, skipped_stale=skipped, wait_s=time.monotonic() - started)
+
+    def _sampling_finished(self) -> bool:
+        finished = self.io.run(self.store.slots.sampling_finished(self.split))
+        if finished and not self._finished_logged:
+            logger.info("every Task of split %r is done and the queue is empty: no more samples will come",
+                        self.split)
+            self._finished_logged = True
+        return finished
+
+    def _claim_more(self, step: int, have: list[DBRecordData], current_version: int
+                    ) -> tuple[list[DBRecordData], int, bool]:
+        """Top the step's claims up; returns (new fresh samples, how many new ones were skipped, queue empty)."""
+        rank = self.parallel.dp_rank
+        batch = self.io.run(self.store.samples.claim_batch(rank, step, self.share, self.split))
+        known = {s.id for s in have}
+        new = [s for s in batch if s.id not in known]
+        fresh, stale = [], []
+        for sample in new:
+            lag = sample_staleness(sample, current_version)
+            (stale if self.staleness_bound is not None and lag > self.staleness_bound else fresh).append(sample)
+        if stale:
+            reason = (f"stale: sampled more than {self.staleness_bound} policy versions before version "
+                      f"{current_version}")
+            self.io.run(self._skip(rank, step, stale, reason))
+            logger.info("step %d: skipped %d stale samples (%s)", step, len(stale), reason)
+        return fresh, len(stale), len(batch) < self.share
+
+    async def _skip(self, rank: int, step: int, samples: Sequence[DBRecordData], reason: str) -> None:
+        await self.store.samples.skip(rank, step, [s.id for s in samples], reason)
+        for record_id in dict.fromkeys(s.record_id for s in samples):
+            await move_record(self.store, record_id, RecordStatus.ABANDONED,
+                              group_decision=f"skipped by the trainer: {reason}")
+
+    def _give_back(self, step: int) -> None:
+        if self.parallel.is_tp_leader:
+            returned = self.io.run(self.store.samples.requeue(rank=self.parallel.dp_rank, from_step=step))
+            if returned:
+                logger.info("step %d abandoned: %d claimed samples went back to the queue", step, returned)
+
+    def _status_line(self, step: int, have: int, version: int, waited_s: float) -> None:
+        counts = self.io.run(self.store.samples.counts(self.split))
+        services = self.io.run(self.store.services.live())
+        hint = "" if self.offline or services else " (no live inference service: is an engine running?)"
+        logger.info("step %d: waiting %.0fs for samples: rank 0 has %d of %d; queue %s; policy version %d; "
+                    "%d live inference services%s", step, waited_s, have, self.share, counts, version,
+                    len(services), hint)
+
+
+async def move_record(store: Store, record_id: str, target: RecordStatus, **fields) -> bool:
+    """Move a sample's Record to ``target`` if it is still ``ready``; False when another sample of it already did,
+    or when the sample has no Record (e.g. uploaded SFT data)."""
+    try:
+        await store.records.transition(record_id, target, **fields)
+        return True
+    except (InvalidTransition, NotFound):
+        return False

@@ -1,0 +1,99 @@
+"""Weight publishing: write the trainer's weights, have every live inference service load them, bump the version.
+
+Order for version ``v`` (the run's ``policy_version`` + 1): the weights go to ``output_dir/weights/<v>`` (complete
+before anyone sees the name), every live ``InferenceService`` gets ``POST /update_weights_from_disk`` with that
+path and ``weight_version = "v"`` (all services at once; transient failures retried; the services finish their
+running requests with the old weights, nothing is aborted), then ``Run.policy_version`` becomes ``v``. A service
+that still fails is reported by name and counted, and keeps serving its old version, whose tokens stay stamped
+with it, so staleness accounting stays right. Only the last ``keep`` weight directories are kept.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from agentrl.store import Store
+from agentrl.training.aio import LoopThread
+from agentrl.training.parallel import ParallelState
+from agentrl.training.weights import export_pretrained
+
+logger = logging.getLogger(__name__)
+
+
+class PublishError(RuntimeError):
+    """The run's policy version moved under the trainer (another trainer publishes to the same run?)."""
+
+
+@dataclass
+class PublishResult:
+    version: int
+    path: Path
+    services: int = 0
+    failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
+    seconds: float = 0.0
+
+
+class WeightPublisher:
+    """Publishes versions of the trainer's weights (rank 0 talks to the store and services; all ranks export)."""
+
+    def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, output_dir: Path, *, dtype: torch.dtype,
+                 tokenizer: Any | None, keep: int = 2, retries: int = 3):
+        self.store, self.io, self.parallel = store, io, parallel
+        self.root = output_dir / "weights"
+        self.dtype, self.tokenizer, self.keep, self.retries = dtype, tokenizer, keep, retries
+
+    def publish(self, model: nn.Module, version: int) -> PublishResult:
+        """Publish ``model`` as ``version`` (every rank must call this; the result is complete on rank 0)."""
+        started = time.monotonic()
+        path = (self.root / str(version)).resolve()
+        if self.parallel.is_main:
+            self.root.mkdir(parents=True, exist_ok=True)
+        export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
+        result = PublishResult(version=version, path=path)
+        if self.parallel.is_main:
+            self.io.run(self._announce(result))
+            self._prune(version)
+        result.seconds = time.monotonic() - started
+        self.parallel.barrier()
+        return result
+
+    async def _announce(self, result: PublishResult) -> None:
+        services = await self.store.services.live()
+        result.services = len(services)
+        errors = await asyncio.gather(*(self._load_on(s.base_url, result) for s in services))
+        for service, error in zip(services, errors):
+            if error is not None:
+                result.failures[service.base_url] = error
+                logger.error("publishing weights version %d: inference service %s did not load them: %s",
+                             result.version, service.base_url, error)
+        new_version = await self.store.runs.bump_policy_version(weights_path=str(result.path))
+        if new_version != result.version:
+            raise PublishError(f"Run.policy_version became {new_version}, expected {result.version}: is another "
+                               "trainer publishing weights to this run?")
+        logger.info("published weights version %d to %d of %d inference services (%s)", result.version,
+                    len(services) - len(result.failures), len(services), result.path)
+
+    async def _load_on(self, base_url: str, result: PublishResult) -> str | None:
+        """Have one service load the weights; the error text if it still fails after the client's retries."""
+        from agentrl.inference.client import InferenceServiceError, SGLangClient
+
+        async with SGLangClient(base_url, max_retries=self.retries) as client:
+            try:
+                await client.update_weights_from_disk(str(result.path), weight_version=str(result.version))
+            except InferenceServiceError as error:
+                return str(error)
+        return None
+
+    def _prune(self, newest: int) -> None:
+        versions = sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and int(p.name) <= newest)
+        for version in versions[:-self.keep]:
+            shutil.rmtree(self.root / str(version), ignore_errors=True)

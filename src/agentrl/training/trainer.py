@@ -1,0 +1,463 @@
+"""The trainer: stream DBRecordData steps from the store, optimise the policy loss, publish, checkpoint, log.
+
+One optimiser step (every rank in lockstep):
+
+1. claim this rank's share of ``train_batch_size`` samples (``agentrl.training.data``), waiting if needed;
+2. split it into micro-batches by the token budget; ranks agree on the number of passes (a rank with fewer runs
+   empty ones, which FSDP2 needs); the loss normaliser is counted over the whole step and all ranks first;
+3. forward, per-token logprobs, loss (``agentrl.training.losses``), backward for every micro-batch, then
+   gradient clipping, AdamW and the LR schedule;
+4. Records of the trained samples become ``trained``; every ``sync_every`` steps the weights are published
+   (``agentrl.training.publish``); metrics are written (``agentrl.training.metrics``); every ``save_steps`` a
+   checkpoint is saved (``agentrl.training.checkpoint``).
+
+Exactly-once training across crashes: a sample stays ``claimed(rank, step)`` until a checkpoint that contains its
+update is complete, and only then becomes ``trained`` (with ``save_steps 0`` right after its step). A trainer
+resumed from checkpoint ``s`` marks the claims of steps ``<= s`` trained and gets back the same claims for steps
+``> s`` (or, with another data-parallel layout, returns them to the queue), so no sample is skipped or trained
+twice. SIGTERM/SIGINT finish the running step (or abandon one still waiting for data), save a checkpoint and exit 0.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from agentrl.log import redact
+from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
+from agentrl.training.aio import LoopThread
+from agentrl.training.batching import MicroBatch, collate, pack_micro_batches
+from agentrl.training.checkpoint import (
+    CheckpointError,
+    TrainerState,
+    load_checkpoint,
+    resolve_resume,
+    save_checkpoint,
+)
+from agentrl.training.config import TrainConfig
+from agentrl.training.data import SampleStream, StepData, StepEnd, move_record, to_merged
+from agentrl.training.logprobs import token_logprobs
+from agentrl.training.losses import LossMetrics, global_normaliser, loss_fn
+from agentrl.training.merge import MergedSample
+from agentrl.training.metrics import (
+    SAMPLE_STATS,
+    MetricsSink,
+    Reducer,
+    ReportError,
+    add_sample_stats,
+    data_metrics,
+)
+from agentrl.training.parallel import (
+    ParallelError,
+    ParallelState,
+    clip_grad_norm,
+    init_parallel,
+    resolve_tp_size,
+    shard_model,
+    shutdown_parallel,
+)
+from agentrl.training.publish import PublishError, WeightPublisher
+from agentrl.training.weights import WeightsError, export_pretrained, load_pretrained, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
+VERSION_HISTORY = 1000  # version -> step entries kept in the trainer state
+
+
+class TrainerError(RuntimeError):
+    """The trainer cannot run with this configuration or environment."""
+
+
+SETUP_ERRORS: tuple[type[Exception], ...] = (TrainerError, ReportError, WeightsError, CheckpointError, ParallelError,
+                                             PublishError)
+"""Errors whose message says everything (no traceback needed)."""
+
+
+class Trainer:
+    """A trainer rank. ``Trainer(config).run()`` trains until ``max_steps``, the data ends (offline) or SIGTERM."""
+
+    def __init__(self, config: TrainConfig):
+        self.cfg = config
+        self.loss_cfg = config.loss_config()
+        self.stop = threading.Event()
+        self.parallel: ParallelState | None = None
+        self.io: LoopThread | None = None
+        self.store: Store | None = None
+        self.sink: MetricsSink | None = None
+
+    # ------------------------------------------------------------------------------------------------- set-up
+
+    def _setup(self) -> None:
+        from transformers.utils import logging as hf_logging
+
+        cfg = self.cfg
+        hf_logging.disable_progress_bar()
+        if cfg.num_threads:
+            torch.set_num_threads(cfg.num_threads)
+        self.parallel = parallel = init_parallel(resolve_tp_size(cfg.tp_size), cfg.ddp_backend, cfg.ddp_timeout)
+        if not parallel.is_main:
+            logging.getLogger("agentrl").setLevel(logging.WARNING)
+        self.bf16 = cfg.bf16 if cfg.bf16 is not None else parallel.device.type == "cuda"
+        if self.bf16 and parallel.device.type != "cuda":
+            raise TrainerError("--bf16 true needs a CUDA device: on CPU the trainer computes in fp32 "
+                               "(drop the flag or pass --bf16 false)")
+        torch.manual_seed(cfg.seed)
+        self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
+
+        uri = parallel.broadcast_from_main(
+            resolve_connection_string(cfg.db_connection_string, database=cfg.run_name) if parallel.is_main else None)
+        self.run_name = database_name(uri)
+        self.output_dir = Path(cfg.output_dir or Path("output") / self.run_name)
+        self.io = LoopThread()
+        self.store = self.io.run(_open_store(uri))
+        logger.info("run %s (%s); %d ranks (dp %d × tp %d) on %s; %d samples per step; output in %s",
+                    self.run_name, redact(uri), parallel.world_size, parallel.dp_size, parallel.tp_size,
+                    parallel.device, self.batch_size, self.output_dir)
+        if parallel.is_main:
+            self.output_dir.mkdir(parents=True, exist_ok=True)
+            snapshot = cfg.model_dump(mode="json", exclude={"db_connection_string"})
+            self.io.run(self.store.runs.get_or_create(self.run_name, snapshot))
+            self.io.run(self.store.runs.set_status(RunStatus.RUNNING))
+            self.sink = MetricsSink(self.store, self.io, report_to=cfg.report_to,
+                                    logging_dir=Path(cfg.logging_dir or self.output_dir / "runs"),
+                                    logging_steps=cfg.logging_steps, max_steps=cfg.max_steps,
+                                    run_name=self.run_name, config=snapshot)
+        parallel.barrier()
+
+        resume = parallel.broadcast_from_main(
+            resolve_resume(cfg.resume_from_checkpoint, self.output_dir) if parallel.is_main else None)
+        base_path = parallel.broadcast_from_main(self._base_model_path() if parallel.is_main else None)
+        self.model = self._build_model(resume or base_path)
+        self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
+        self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.kl_coef > 0 else None
+        self.optimizer = self._build_optimizer()
+        from transformers import get_scheduler
+
+        self.scheduler = get_scheduler(SCHEDULERS[cfg.lr_scheduler_type], self.optimizer,
+                                       num_warmup_steps=cfg.num_warmup_steps,
+                                       num_training_steps=cfg.max_steps if cfg.max_steps > 0 else None)
+        self.state = TrainerState(dp_size=parallel.dp_size, train_batch_size=self.batch_size)
+        if resume is not None:
+            saved = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, parallel)
+            logger.info("resumed from %s at step %d (epoch %d)", resume, saved.step, saved.epoch)
+            self._adopt_claims(saved)
+            self.state.step, self.state.epoch = saved.step, saved.epoch
+            self.state.version_steps = saved.version_steps
+        else:
+            self._release_stale_claims()
+        self.last_checkpoint = self.state.step
+        self.version = int(parallel.broadcast_from_main(
+            self.io.run(self.store.runs.policy_version()) if parallel.is_main else None))
+        self.state.version_steps.setdefault(self.version, self.state.step)
+        self.publisher = WeightPublisher(self.store, self.io, parallel, self.output_dir,
+                                         dtype=torch.bfloat16 if self.bf16 else torch.float32,
+                                         tokenizer=self.tokenizer, keep=cfg.keep_published_weights,
+                                         retries=cfg.publish_retries)
+        if cfg.enable_sampling and (resume is not None or self.version > 0):
+            # the services may serve weights this trainer does not have (a later step, another run): align them
+            self._publish()
+        self.stream = SampleStream(self.store, self.io, parallel, split=cfg.split, batch_size=self.batch_size,
+                                   staleness_bound=cfg.staleness_bound, offline=not cfg.enable_sampling,
+                                   poll_interval_s=cfg.poll_interval_s, stop=self.stop)
+
+    def _base_model_path(self) -> str:
+        if self.cfg.model_name_or_path:
+            return self.cfg.model_name_or_path
+        from agentrl.inference.embedded_model import default_model_path
+
+        return str(default_model_path())
+
+    def _build_model(self, path: str | Path) -> torch.nn.Module:
+        cfg, parallel = self.cfg, self.parallel
+        model = load_pretrained(path, attn_implementation=cfg.attention_implementation,
+                                trust_remote_code=cfg.trust_remote_code)
+        model.config.use_cache = False
+        if cfg.gradient_checkpointing:
+            model.gradient_checkpointing_enable()
+        shard_model(model, parallel, bf16=self.bf16)
+        if not parallel.distributed:
+            model.to(parallel.device)
+        return model
+
+    def _build_ref_model(self, path: str | Path) -> torch.nn.Module:
+        model = load_pretrained(path, attn_implementation=self.cfg.attention_implementation,
+                                trust_remote_code=self.cfg.trust_remote_code)
+        model.requires_grad_(False).eval()
+        shard_model(model, self.parallel, bf16=self.bf16)
+        if not self.parallel.distributed:
+            model.to(self.parallel.device)
+        return model
+
+    def _build_optimizer(self) -> torch.optim.Optimizer:
+        decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": self.cfg.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        return torch.optim.AdamW([g for g in groups if g["params"]], lr=self.cfg.learning_rate,
+                                 betas=(self.cfg.adam_beta1, self.cfg.adam_beta2), eps=self.cfg.adam_epsilon)
+
+    def _adopt_claims(self, saved: TrainerState) -> None:
+        """After loading checkpoint ``saved``: its steps' claims are trained; later claims are replayed as they
+        are, or returned to the queue when the data-parallel layout or the batch size changed."""
+        parallel = self.parallel
+        if parallel.is_main and (saved.dp_size, saved.train_batch_size) != (parallel.dp_size, self.batch_size):
+            returned = self.io.run(self.store.samples.requeue(from_step=saved.step + 1))
+            logger.info("layout changed (dp %d → %d, batch %d → %d): %d claims of later steps went back to "
+                        "the queue", saved.dp_size, parallel.dp_size, saved.train_batch_size, self.batch_size,
+                        returned)
+        parallel.barrier()
+        if parallel.is_tp_leader:
+            self.io.run(self.store.samples.mark_trained_through(parallel.dp_rank, saved.step))
+        parallel.barrier()
+
+    def _release_stale_claims(self) -> None:
+        """A fresh start: claims an earlier trainer of this run left behind go back to the queue."""
+        if self.parallel.is_main:
+            returned = self.io.run(self.store.samples.requeue(from_step=0))
+            if returned:
+                logger.info("%d samples claimed by an earlier trainer of this run went back to the queue",
+                            returned)
+        self.parallel.barrier()
+
+    # --------------------------------------------------------------------------------------------------- loop
+
+    def run(self) -> int:
+        """Train; returns the process exit code (0 also after a SIGTERM that stopped the run cleanly)."""
+        with self._signals():
+            try:
+                self._setup()
+                finished = self._loop()
+                self._finish(finished)
+            except BaseException:
+                if self.parallel is not None and self.parallel.is_main and self.store is not None:
+                    with contextlib.suppress(Exception):
+                        self.io.run(self.store.runs.set_status(RunStatus.FAILED))
+                raise
+            finally:
+                self._close()
+        return 0
+
+    def _loop(self) -> bool:
+        """Train steps until a stop condition; True when the run is complete (max_steps or data used up)."""
+        cfg = self.cfg
+        while True:
+            if 0 < cfg.max_steps <= self.state.step:
+                return True
+            got = self.stream.next_step(self.state.step + 1, self.version)
+            if got is StepEnd.STOPPED:
+                logger.info("stop requested: leaving after step %d", self.state.step)
+                return False
+            if got is StepEnd.EXHAUSTED:
+                if not cfg.enable_sampling and self.state.epoch + 1 < cfg.num_train_epochs:
+                    self._next_epoch()
+                    continue
+                if self.state.step == 0 and self.state.epoch == 0:
+                    logger.warning("no queued samples in split %r: nothing to train", cfg.split)
+                return True
+            values = self._train_step(got)
+            self.state.step = got.step
+            self._after_step(got, values)
+
+    def _after_step(self, data: StepData, values: dict[str, float]) -> None:
+        cfg, parallel, step = self.cfg, self.parallel, data.step
+        if parallel.is_tp_leader:
+            self.io.run(self._records_trained(data.samples))
+            if cfg.save_steps == 0:
+                self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
+        values.update(policy_version=float(self.version), epoch=float(self.state.epoch),
+                      wait_s=data.wait_s,
+                      skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
+        if cfg.enable_sampling and step % cfg.sync_every == 0:
+            result = self._publish()
+            values.update(publish_s=result.seconds, publish_failures=float(len(result.failures)),
+                          policy_version=float(self.version))
+        if self.sink is not None:
+            self.sink.log(step, values)
+        if cfg.save_steps and step % cfg.save_steps == 0:
+            self._checkpoint()
+
+    async def _records_trained(self, samples: list[DBRecordData]) -> None:
+        for record_id in dict.fromkeys(s.record_id for s in samples):
+            await move_record(self.store, record_id, RecordStatus.TRAINED)
+
+    def _next_epoch(self) -> None:
+        """Offline training: the data is used up; make this epoch durable and queue the data again."""
+        if self.cfg.save_steps and self.last_checkpoint != self.state.step:
+            self._checkpoint()
+        if self.parallel.is_main:
+            queued = self.io.run(self.store.samples.start_epoch(self.cfg.split, self.state.epoch + 1))
+            logger.info("epoch %d done after step %d: %d samples queued for epoch %d", self.state.epoch,
+                        self.state.step, queued, self.state.epoch + 1)
+        self.parallel.barrier()
+        self.state.epoch += 1
+
+    def _finish(self, finished: bool) -> None:
+        if self.cfg.save_steps and self.last_checkpoint != self.state.step:
+            self._checkpoint()
+        if finished:
+            export_pretrained(self.model, self.parallel, self.output_dir / "final", dtype=torch.float32,
+                              tokenizer=self.tokenizer)
+            if self.parallel.is_main:
+                self.io.run(self.store.runs.set_status(RunStatus.FINISHED))
+                logger.info("training finished after %d steps; final model in %s", self.state.step,
+                            self.output_dir / "final")
+
+    def _close(self) -> None:
+        if self.sink is not None:
+            self.sink.close()
+        if self.io is not None:
+            if self.store is not None:
+                self.io.run(self.store.close())
+            self.io.close()
+        if self.parallel is not None:
+            shutdown_parallel(self.parallel)
+
+    @contextlib.contextmanager
+    def _signals(self):
+        """SIGTERM/SIGINT ask the loop to stop at the next step boundary (main thread only)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def request_stop(signum: int, _frame: Any) -> None:
+            if not self.stop.is_set():
+                logger.info("%s received: stopping after the current step", signal.Signals(signum).name)
+            self.stop.set()
+
+        previous = {sig: signal.signal(sig, request_stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    # ------------------------------------------------------------------------------------------- one step
+
+    def _train_step(self, data: StepData) -> dict[str, float]:
+        cfg, parallel, device = self.cfg, self.parallel, self.parallel.device
+        started = time.monotonic()
+        merged = [to_merged(sample) for sample in data.samples]
+        pad_id = self.model.config.pad_token_id or 0
+        micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id,
+                                   pad_to_multiple_of=cfg.pad_to_multiple_of) if merged else []
+        passes = int(parallel.all_reduce([float(len(micro))], op="max", group="dp")[0])
+        while len(micro) < passes:  # FSDP2 needs the same number of forward/backward passes on every rank
+            micro.append(_empty_micro_batch(pad_id))
+        normaliser = global_normaliser(self.loss_cfg, micro, group=parallel.dp_group)
+        loss_metrics, mismatch = LossMetrics(), Reducer()
+        padded = 0
+        self.model.train()
+        if normaliser > 0:
+            for index, batch in enumerate(micro):
+                if parallel.distributed:
+                    self.model.set_requires_gradient_sync(index == len(micro) - 1)
+                metrics = self._micro_step(batch.to(device), normaliser, mismatch)
+                loss_metrics = loss_metrics + metrics
+                padded += batch.input_ids.numel()
+            grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm)
+            learning_rate = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+        else:
+            logger.warning("step %d has no loss token on any rank: no update", data.step)
+            grad_norm, learning_rate = 0.0, self.scheduler.get_last_lr()[0]
+        self.optimizer.zero_grad(set_to_none=True)
+        compute_s = time.monotonic() - started
+
+        reducer = Reducer()  # tensor-parallel peers hold the same samples: reduce over data-parallel ranks only
+        add_sample_stats(reducer, data.samples, self.version, self.state.version_steps)
+        raw = reducer.reduce(parallel, SAMPLE_STATS)
+        values = data_metrics(raw)
+        values.update(loss_metrics.all_reduce(parallel.dp_group).as_dict())
+        values.update(self._mismatch_metrics(mismatch))
+        padded_total = parallel.all_reduce([float(padded)], group="dp")[0]
+        values.update(grad_norm=grad_norm, learning_rate=learning_rate, padded_tokens=padded_total,
+                      step_s=compute_s, tokens_per_s=values["tokens"] / compute_s if compute_s > 0 else 0.0)
+        return values
+
+    def _micro_step(self, batch: MicroBatch, normaliser: float, mismatch: Reducer) -> LossMetrics:
+        cfg = self.cfg
+        with self._autocast():
+            logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
+            new_logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
+            del logits
+            ref_logprobs = None
+            if self.ref_model is not None:
+                with torch.no_grad():
+                    ref_logits = self.ref_model(input_ids=batch.input_ids, use_cache=False).logits
+                    ref_logprobs = token_logprobs(ref_logits, batch.input_ids, cfg.temperature)
+                    del ref_logits
+        loss_sum, metrics = loss_fn(self.loss_cfg, new_logprobs, batch.old_logprobs, batch.advantages,
+                                    batch.loss_mask, batch.versions, self.version, batch.seq_ids, normaliser,
+                                    ref_logprobs)
+        (loss_sum * self.parallel.dp_size).backward()
+        if cfg.loss_calculater != "CrossEntropy":
+            with torch.no_grad():
+                mask = batch.loss_mask
+                gap = (new_logprobs.detach() - batch.old_logprobs).abs()
+                fresh = mask & (batch.versions == self.version)
+                for suffix, selected in (("", mask), ("_fresh", fresh)):
+                    values = gap[selected]
+                    if values.numel():
+                        mismatch.add(f"count{suffix}", values.numel())
+                        mismatch.add(f"sum{suffix}", float(values.sum()))
+                        mismatch.max(f"max{suffix}", float(values.max()))
+        return metrics
+
+    def _mismatch_metrics(self, mismatch: Reducer) -> dict[str, float]:
+        if self.cfg.loss_calculater == "CrossEntropy":
+            return {}
+        names = [(kind, f"{stat}{suffix}") for suffix in ("", "_fresh")
+                 for kind, stat in (("sum", "count"), ("sum", "sum"), ("max", "max"))]
+        raw = mismatch.reduce(self.parallel, names)
+        out = {}
+        for suffix in ("", "_fresh"):
+            if raw[f"count{suffix}"]:
+                out[f"logprob_mismatch_mean{suffix}"] = raw[f"sum{suffix}"] / raw[f"count{suffix}"]
+                out[f"logprob_mismatch_max{suffix}"] = raw[f"max{suffix}"]
+        return out
+
+    def _autocast(self):
+        if self.bf16 and not self.parallel.distributed:  # FSDP2's mixed-precision policy handles the sharded case
+            return torch.autocast(device_type=self.parallel.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    # ------------------------------------------------------------------------------------- publish, save
+
+    def _publish(self):
+        version = self.version + 1
+        result = self.publisher.publish(self.model, version)
+        self.version = version
+        self.state.version_steps[version] = self.state.step
+        for old in [v for v in self.state.version_steps if v < version - VERSION_HISTORY]:
+            del self.state.version_steps[old]
+        return result
+
+    def _checkpoint(self) -> None:
+        path = save_checkpoint(self.output_dir, self.model, self.optimizer, self.scheduler, self.state,
+                               self.parallel, tokenizer=self.tokenizer, save_total_limit=self.cfg.save_total_limit)
+        if self.parallel.is_tp_leader:
+            self.io.run(self.store.samples.mark_trained_through(self.parallel.dp_rank, self.state.step))
+        self.parallel.barrier()
+        self.last_checkpoint = self.state.step
+        logger.info("checkpoint saved: %s", path)
+
+
+def _empty_micro_batch(pad_id: int) -> MicroBatch:
+    """Two padding tokens without a loss token: a pass that contributes nothing but keeps ranks in step."""
+    return collate([MergedSample(input_ids=[pad_id, pad_id], loss_mask=[0, 0], logprobs=[0.0, 0.0],
+                                 versions=[-1, -1], advantages=[0.0, 0.0])])
+
+
+async def _open_store(uri: str) -> Store:
+    store = Store(uri)
+    await store.ensure_indexes()
+    return store

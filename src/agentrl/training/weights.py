@@ -1,0 +1,108 @@
+"""Hugging Face weights in and out of the trainer: load pretrained (never a silent random init), export full.
+
+Export gathers the full state dict to rank 0 (a collective: every rank calls it) and writes a plain Hugging Face
+directory (config, safetensors, generation config, tokenizer) that transformers and SGLang load. The directory is
+written under a temporary name and renamed when complete, so a reader never sees half a model.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from agentrl.training.parallel import ParallelState
+
+logger = logging.getLogger(__name__)
+
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+class WeightsError(RuntimeError):
+    """Pretrained weights are missing or do not fit the model."""
+
+
+def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trust_remote_code: bool = False
+                    ) -> nn.Module:
+    """``AutoModelForCausalLM`` from ``path`` in fp32 with every weight loaded from it.
+
+    Raises ``WeightsError`` when a local directory holds no weight files, or when any parameter would be left at
+    its random initialisation (missing or mismatched keys).
+    """
+    from transformers import AutoModelForCausalLM
+
+    local = Path(path)
+    if local.exists():
+        if not local.is_dir():
+            raise WeightsError(f"model path {local} is not a directory")
+        if not any(next(local.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+            raise WeightsError(f"no weights in {local} (no *.safetensors or *.bin files): the trainer starts from "
+                               "pretrained weights, never from a random initialisation")
+    try:
+        model, info = AutoModelForCausalLM.from_pretrained(
+            str(path), dtype=torch.float32, attn_implementation=attn_implementation,
+            trust_remote_code=trust_remote_code, output_loading_info=True)
+    except OSError as error:
+        raise WeightsError(f"cannot load the model {path}: {error}") from error
+    missing = list(info.get("missing_keys") or [])
+    mismatched = list(info.get("mismatched_keys") or [])
+    if missing or mismatched:
+        names = ", ".join(str(k) for k in (missing + mismatched)[:5])
+        raise WeightsError(f"{path}: {len(missing)} missing and {len(mismatched)} mismatched weights (e.g. "
+                           f"{names}): they would be randomly initialised")
+    return model
+
+
+def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any | None:
+    """The tokenizer saved with the model, if any (published weights carry it so they are a complete model)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path), trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as error:
+        logger.warning("no tokenizer in %s (%s): exported weights will not include one", path, error)
+        return None
+
+
+def full_state_dict(model: nn.Module, parallel: ParallelState) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's CPU (empty on the other ranks). Every rank must call it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    state = get_model_state_dict(model, options=options)
+    return state if parallel.is_main else {}
+
+
+def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, *, dtype: torch.dtype,
+                      tokenizer: Any | None = None) -> None:
+    """Write ``model`` as a Hugging Face directory ``out_dir`` (rank 0 writes; every rank must call it).
+
+    The weights are saved through a meta-device copy of the model class, so the saved config names the real
+    architecture even when ``model`` is wrapped by FSDP2.
+    """
+    from transformers import AutoModelForCausalLM
+
+    state = full_state_dict(model, parallel)
+    if parallel.is_main:
+        state = {name: tensor.to(dtype) for name, tensor in state.items()}
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        with torch.device("meta"):
+            shell = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+        for tied, source in getattr(shell, "all_tied_weights_keys", {}).items():
+            if source in state:  # gathered copies of tied weights no longer share storage: save the source once
+                state.pop(tied, None)
+        if getattr(model, "generation_config", None) is not None:
+            shell.generation_config = model.generation_config
+        shell.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    parallel.barrier()

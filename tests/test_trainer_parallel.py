@@ -1,0 +1,124 @@
+"""Several trainer processes on CPU (gloo): FSDP2 and tensor parallelism give the weights of one process on the
+same data; a checkpoint of 2 ranks resumes in 1 (the optimizer state reshards); ``accelerate launch`` works."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import with_database
+from trainer_fixtures import (
+    enqueue,
+    load_weights,
+    make_samples,
+    max_weight_difference,
+    run_trainer,
+    trainer_args,
+)
+
+from agentrl.store import DBRecordData, sync_client
+from agentrl.train import main
+
+
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+FLAGS = ("--train_batch_size", "4", "--enable_sampling", "false", "--max_tokens", "64", "--adam_epsilon", "1e-6")
+TOLERANCE = 1e-5  # weights move ~1e-3 per step; fp32 sums in another order (adam_epsilon 1e-6 damps Adam on ~0 grads)
+
+
+@pytest.fixture(scope="module")
+def samples(tiny_model_dir: Path) -> list[DBRecordData]:
+    return make_samples(tiny_model_dir, groups=3)
+
+
+@pytest.fixture
+def fresh_db(mongo_server_uri: str) -> Iterator:
+    """Makes databases holding the samples (dropped afterwards)."""
+    names = []
+
+    def make(samples: list[DBRecordData]) -> str:
+        names.append("t_" + uuid.uuid4().hex[:12])
+        uri = with_database(mongo_server_uri, names[-1])
+        asyncio.run(enqueue(uri, samples))
+        return uri
+
+    yield make
+    client = sync_client(mongo_server_uri)
+    for name in names:
+        client.drop_database(name)
+    client.close()
+
+
+def _metric(uri: str, step: int) -> dict[str, float]:
+    client = sync_client(uri)
+    try:
+        return client.get_default_database().Metric.find_one({"step": step})["values"]
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="module")
+def single_process(tiny_model_dir: Path, samples, tmp_path_factory, mongo_server_uri: str) -> tuple[Path, str]:
+    """One process, 3 steps, a checkpoint after step 2: the reference."""
+    uri = with_database(mongo_server_uri, "t_" + uuid.uuid4().hex[:12])
+    asyncio.run(enqueue(uri, samples))
+    out = tmp_path_factory.mktemp("single")
+    assert main(trainer_args(uri, tiny_model_dir, out, *FLAGS, "--max_steps", "3", "--save_steps", "2")) == 0
+    yield out, uri
+    client = sync_client(mongo_server_uri)
+    client.drop_database(uri.rsplit("/", 1)[1])
+    client.close()
+
+
+def test_fsdp2_on_two_gloo_ranks_matches_one_process_and_resumes_on_one(
+        tiny_model_dir: Path, samples, single_process, fresh_db, tmp_path: Path) -> None:
+    reference, reference_uri = single_process
+    uri = fresh_db(samples)
+    out = tmp_path / "fsdp"
+    result = run_trainer(trainer_args(uri, tiny_model_dir, out, *FLAGS, "--max_steps", "2", "--save_steps", "2"),
+                         launcher=TORCHRUN)
+    assert result.returncode == 0, result.stdout
+    assert "2 ranks (dp 2 × tp 1)" in result.stdout
+    difference = max_weight_difference(load_weights(out / "checkpoint-2"), load_weights(reference / "checkpoint-2"))
+    assert difference < TOLERANCE, difference
+    for step in (1, 2):
+        ours, theirs = _metric(uri, step), _metric(reference_uri, step)
+        for name in ("loss", "grad_norm", "loss_tokens", "tokens", "samples"):
+            assert ours[name] == pytest.approx(theirs[name], rel=1e-5, abs=1e-7), (step, name)
+    assert {p.name for p in (out / "checkpoint-2" / "optimizer").iterdir()} >= {"__0_0.distcp", "__1_0.distcp"}
+
+    # the 2-rank checkpoint resumes in one process: the sharded optimizer state is resharded on load
+    assert main(trainer_args(uri, tiny_model_dir, out, *FLAGS, "--max_steps", "3", "--save_steps", "2",
+                             "--resume_from_checkpoint", "latest")) == 0
+    difference = max_weight_difference(load_weights(out / "final"), load_weights(reference / "final"))
+    assert difference < TOLERANCE, difference
+
+
+def test_tensor_parallel_on_two_gloo_ranks_matches_one_process(
+        tiny_model_dir: Path, samples, single_process, fresh_db, tmp_path: Path) -> None:
+    reference, reference_uri = single_process
+    uri = fresh_db(samples)
+    out = tmp_path / "tp"
+    result = run_trainer(trainer_args(uri, tiny_model_dir, out, *FLAGS, "--max_steps", "2", "--save_steps", "0",
+                                      "--tp_size", "2"), launcher=TORCHRUN)
+    assert result.returncode == 0, result.stdout
+    assert "2 ranks (dp 1 × tp 2)" in result.stdout
+    difference = max_weight_difference(load_weights(out / "final"), load_weights(reference / "checkpoint-2"))
+    assert difference < TOLERANCE, difference
+    for step in (1, 2):
+        assert _metric(uri, step)["grad_norm"] == pytest.approx(_metric(reference_uri, step)["grad_norm"], rel=1e-5)
+
+
+def test_accelerate_launch_with_the_cpu_config(tiny_model_dir: Path, samples, fresh_db, tmp_path: Path) -> None:
+    accelerate = shutil.which("accelerate", path=str(Path(sys.executable).parent))
+    assert accelerate, "accelerate is a dependency"
+    config = Path(__file__).parents[1] / "assets" / "accelerate" / "cpu.yml"
+    uri = fresh_db(samples[:4])
+    result = run_trainer(trainer_args(uri, tiny_model_dir, tmp_path / "out", *FLAGS, "--save_steps", "0"),
+                         launcher=(accelerate, "launch", "--config_file", str(config)))
+    assert result.returncode == 0, result.stdout
+    assert _metric(uri, 1)["samples"] == 4 and (tmp_path / "out" / "final" / "model.safetensors").is_file()

@@ -1,0 +1,89 @@
+"""Weight publishing to a live ``agentrl engine``: the engine switches to each new version and serves exactly the
+trainer's weights; Run.policy_version follows; a dead registered service is reported by name, not fatal."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from inference_fixtures import start_engine
+from trainer_fixtures import enqueue, make_samples, trainer_args
+
+from agentrl.inference import SGLangClient
+from agentrl.store import Store, sync_client
+from agentrl.train import main
+
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
+
+
+def _closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]  # nothing listens there once the socket is closed
+
+
+def test_publishing_switches_a_live_engine_to_the_trainers_weights(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    dead = f"http://127.0.0.1:{_closed_port()}"
+    try:
+        client = sync_client(db_uri)
+        deadline = time.monotonic() + 30
+        while client.get_default_database().InferenceService.count_documents({}) != 1:
+            assert time.monotonic() < deadline, "the engine did not register"
+            time.sleep(0.1)
+        client.close()
+
+        async def prepare() -> None:
+            await enqueue(db_uri, make_samples(tiny_model_dir, groups=2))
+            async with Store(db_uri) as store:  # a registered service that is down: publishing must go on
+                await store.services.register(dead, kind="sglang")
+
+        asyncio.run(prepare())
+        out = tmp_path / "out"
+        with caplog.at_level(logging.ERROR, logger="agentrl.training.publish"):
+            assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
+                                     "--save_steps", "0", "--publish_retries", "0")) == 0
+
+        async def served() -> tuple[str, list[int], list[float]]:
+            async with SGLangClient(engine.url) as client:
+                info = await client.get_model_info()
+                result = await client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+            return info.weight_version, result.output_ids, result.output_token_logprobs
+
+        version, output_ids, engine_logprobs = asyncio.run(served())
+    finally:
+        engine.stop()
+
+    assert version == "2"
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        assert db.Run.find_one()["policy_version"] == 2
+        metrics = {d["step"]: d["values"] for d in db.Metric.find()}
+    finally:
+        client.close()
+    assert [metrics[s]["publish_failures"] for s in (1, 2)] == [1.0, 1.0]
+    assert [metrics[s]["policy_version"] for s in (1, 2)] == [1.0, 2.0]
+    assert any(dead in record.getMessage() for record in caplog.records), caplog.text
+
+    # the engine's logprobs are those of the published weights (version 2 = the final weights)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out / "weights" / "2", dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT + output_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], dim=-1)
+    expected = logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(engine_logprobs), expected, atol=1e-4), (engine_logprobs, expected)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logprobs = torch.log_softmax(base(input_ids=ids).logits[0, :-1], dim=-1)
+    base_expected = base_logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    assert not torch.allclose(torch.tensor(engine_logprobs), base_expected, atol=1e-4)  # not the old weights

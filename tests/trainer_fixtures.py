@@ -1,0 +1,131 @@
+"""Helpers for the trainer tests: made-up multi-turn trajectories merged into DBRecordData, and trainer runs.
+
+Trajectories are built the way the samplers' group stage builds them: LLM calls (``CallTokens``) with random
+token ids, a group baseline over random rewards (``agentrl.training.advantages``) and prefix merging
+(``agentrl.training.merge``). Their behaviour logprobs are the tiny model's own logprobs (computed with one causal
+pass, as an engine serving the same weights would return them), so a trainer step that starts from the same
+weights sees a logprob mismatch near 0 and importance ratios of 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import random
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from agentrl.store import DBRecordData, Store
+from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
+from agentrl.training.merge import CallTokens, merge_trajectory
+
+VOCAB_LOW, VOCAB_HIGH = 100, 4000  # ordinary tokens of the embedded tokenizer
+TRAINER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+
+
+def _behaviour_logprobs(model: torch.nn.Module, input_ids: list[int]) -> list[float]:
+    with torch.no_grad():
+        ids = torch.tensor([input_ids])
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        picked = logprobs.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+    return [0.0] + picked.tolist()
+
+
+def make_samples(model_dir: Path, groups: int, group_size: int = 4, *, seed: int = 0, turns: int = 2,
+                 weight_version: int = 0, prefix: str = "g") -> list[DBRecordData]:
+    """``groups × group_size`` trajectories of ``turns`` calls each, as queued DBRecordData (one per trajectory)."""
+    from transformers import AutoModelForCausalLM
+
+    rng = random.Random(seed)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    config = AdvantageConfig(drop_zero_advantage=False)
+    samples: list[DBRecordData] = []
+    for g in range(groups):
+        rewards = [float(rng.random() < 0.5) for _ in range(group_size)]
+        rewards[0], rewards[-1] = 1.0, 0.0  # never a zero-variance group
+        for member, advantage in enumerate(group_advantages(rewards, config)):
+            calls, previous = [], None
+            for turn in range(turns):
+                def tokens(n: int) -> list[int]:
+                    return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+                output = tokens(rng.randint(3, 7))
+                calls.append(CallTokens(
+                    call_id=f"{prefix}{g}/{member}/{turn}", output_ids=output, output_logprobs=[0.0] * len(output),
+                    input_ids=tokens(rng.randint(6, 12)) if previous is None else None,
+                    previous_call_id=previous, prompt_delta_ids=tokens(rng.randint(2, 5)) if previous else (),
+                    weight_version=weight_version))
+                previous = calls[-1].call_id
+            per_call = call_advantages(advantage, [c.status for c in calls], config)
+            calls = [dataclasses.replace(c, advantage=a) for c, a in zip(calls, per_call)]
+            (merged,) = merge_trajectory(calls).samples
+            behaviour = _behaviour_logprobs(model, merged.input_ids)
+            logprobs = [lp if m else 0.0 for lp, m in zip(behaviour, merged.loss_mask)]
+            record_id = f"{prefix}{g}/{member}/0"
+            samples.append(DBRecordData(
+                id=f"{record_id}#b0", record_id=record_id, task_id=f"{prefix}{g}", seq=0,
+                input_ids=merged.input_ids, loss_mask=merged.loss_mask, logprobs=logprobs, versions=merged.versions,
+                advantages=merged.advantages, reward=rewards[member], turn_boundaries=merged.turn_boundaries,
+                num_tokens=merged.num_tokens))
+    return samples
+
+
+def sft_samples(count: int, *, seed: int = 0, length: int = 24, prefix: str = "sft") -> list[DBRecordData]:
+    """``count`` copies-with-new-ids of a few fixed token sequences, loss on their second half (SFT data)."""
+    rng = random.Random(seed)
+    patterns = [[rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(length)] for _ in range(2)]
+    samples = []
+    for i in range(count):
+        ids = patterns[i % len(patterns)]
+        mask = [0] * (length // 2) + [1] * (length - length // 2)
+        samples.append(DBRecordData(
+            id=f"{prefix}{i}", record_id=f"{prefix}-record{i}", task_id="sft", seq=i + 1, input_ids=ids,
+            loss_mask=mask, logprobs=[0.0] * length, versions=[-1] * length, advantages=[0.0] * length,
+            turn_boundaries=[0], num_tokens=length))
+    return samples
+
+
+async def enqueue(db_uri: str, samples: Sequence[DBRecordData]) -> None:
+    async with Store(db_uri) as store:
+        assert await store.samples.enqueue(list(samples)) == len(samples)
+
+
+def trainer_args(db_uri: str, model_dir: Path, output_dir: Path, *extra: str) -> list[str]:
+    """Flags every test run shares: tiny model, one thread, fast polling, a visible learning rate."""
+    return ["--db_connection_string", db_uri, "--model_name_or_path", str(model_dir), "--output_dir",
+            str(output_dir), "--num_threads", "1", "--poll_interval_s", "0.2", "--learning_rate", "1e-3",
+            "--seed", "0", *extra]
+
+
+def start_trainer(args: Sequence[str], *, launcher: Sequence[str] = ()) -> subprocess.Popen:
+    """``python -m agentrl.train ARGS`` (or ``LAUNCHER -m agentrl.train ARGS``) as a subprocess, output piped."""
+    command = list(launcher) or [sys.executable]
+    return subprocess.Popen([*command, "-m", "agentrl.train", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **TRAINER_ENV})
+
+
+def run_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), timeout_s: float = 180.0
+                ) -> subprocess.CompletedProcess:
+    process = start_trainer(args, launcher=launcher)
+    try:
+        output, _ = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        output, _ = process.communicate()
+        raise AssertionError(f"the trainer did not finish in {timeout_s}s:\n{output}") from None
+    return subprocess.CompletedProcess(process.args, process.returncode, output, "")
+
+
+def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(model_dir / "model.safetensors"))
+
+
+def max_weight_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a.keys() ^ b.keys()))
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
