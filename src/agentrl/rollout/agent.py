@@ -1,0 +1,184 @@
+"""One trajectory, token in / token out: generate, parse tool calls, call tools, append the token delta, repeat.
+
+Every LLM call is stored as a ``DispatchedSamplingTask`` before it is sent (``running``) and finished with its
+output ids, per-token logprobs, weight version and timing; the tool stage may re-label it ``formaterror``,
+``toolfailed`` or ``repeaterror``. The trajectory ends with an answer, or with ``turns_limit_error``,
+``length_limit_error``, ``repetition_error`` or ``failed_error``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+from agentrl.rollout.config import SamplerConfig
+from agentrl.rollout.context import reset_context
+from agentrl.rollout.conversation import TokenConversation
+from agentrl.rollout.inference_pool import InferencePool
+from agentrl.rollout.prompting import initial_messages
+from agentrl.rollout.tool_parsers import ToolParser, TrajectoryOutcome
+from agentrl.scoring import AgentConfig, extract_answer
+from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store
+from agentrl.tools import ToolManager
+
+logger = logging.getLogger(__name__)
+
+ANSWER = TrajectoryOutcome.ANSWER
+TURNS_LIMIT = TrajectoryOutcome.TURNS_LIMIT_ERROR
+LENGTH_LIMIT = TrajectoryOutcome.LENGTH_LIMIT_ERROR
+REPETITION = TrajectoryOutcome.REPETITION_ERROR
+FAILED = TrajectoryOutcome.FAILED_ERROR
+
+
+@dataclass
+class AgentResources:
+    """What every trajectory of a sampler process shares."""
+
+    store: Store
+    tokenizer: PreTrainedTokenizerBase
+    inference: InferencePool
+    parser: ToolParser
+    config: SamplerConfig
+    tools: ToolManager | None = None
+    agent_config: AgentConfig = field(default_factory=AgentConfig)
+
+    @property
+    def tool_specs(self) -> list[dict[str, Any]]:
+        return self.tools.openai_tools() if self.tools is not None else []
+
+
+@dataclass
+class TrajectoryResult:
+    outcome: TrajectoryOutcome
+    final_answer: str | None
+    num_turns: int
+    num_branches: int
+    policy_version: int | None
+    error: str | None = None
+
+
+def call_seed(seed: int, call_id: str) -> int:
+    """A per-call sampling seed: reproducible for a run's ``--seed``, different for every Task, slot, attempt and
+    turn (so identical prompts in one group still get different samples)."""
+    digest = hashlib.blake2b(f"{seed}:{call_id}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "big") & 0x7FFFFFFF
+
+
+def _version(weight_version: str | None) -> int | None:
+    try:
+        return int(weight_version) if weight_version is not None else None
+    except ValueError:
+        return None
+
+
+async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
+    """Roll out the trajectory of ``lease``'s slot, storing every call; returns how it ended."""
+    cfg, task = res.config, lease.task
+    messages, template_tools = initial_messages(
+        query=task.query, answer_schema=task.answer_schema, system_prompt=task.system_prompt,
+        tools=res.tool_specs, tokenizer=res.tokenizer, query_prompt=cfg.query_prompt)
+    conversation = TokenConversation(res.tokenizer, messages, template_tools)
+    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
+                "top_k": cfg.top_k}
+    previous_call: str | None = None
+    pending_delta: tuple[list[int], str] | None = None
+    outputs_seen: list[str] = []
+    first_version: int | None = None
+    branches = 1
+    for turn in range(cfg.max_turns):
+        call = DispatchedSamplingTask(
+            id=f"{lease.record_id}#{turn}", record_id=lease.record_id, task_id=task.id, turn=turn,
+            branch=conversation.branch,
+            input_ids=None if pending_delta else list(conversation.prompt_ids),
+            previous_call_id=previous_call if pending_delta else None,
+            prompt_delta_ids=pending_delta[0] if pending_delta else [],
+            prompt_delta_text=pending_delta[1] if pending_delta else res.tokenizer.decode(conversation.prompt_ids),
+            sampling_params=sampling)
+        await res.store.calls.start(call)
+        started = time.monotonic()
+        params = dict(sampling)
+        if cfg.seed is not None:
+            params["sampling_seed"] = call_seed(cfg.seed, call.id)
+        try:
+            result, service_id = await res.inference.generate(conversation.prompt_ids, params)
+        except Exception as error:  # noqa: BLE001 - any generation failure ends the trajectory as failed_error
+            await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
+                                         latency_s=time.monotonic() - started)
+            return TrajectoryResult(FAILED, None, turn, branches, first_version, error=str(error))
+        version = _version(result.weight_version)
+        first_version = version if first_version is None else first_version
+        text = result.text
+        await res.store.calls.finish(
+            call.id, CallStatus.COMPLETED, output_ids=result.output_ids, output_logprobs=result.output_token_logprobs,
+            output_text=text, weight_version=version, finish_reason=result.finish_reason, service_id=service_id,
+            latency_s=time.monotonic() - started)
+        previous_call = call.id
+
+        answer = extract_answer(text, task.answer_schema)
+        if answer:
+            return TrajectoryResult(ANSWER, answer, turn + 1, branches, first_version)
+
+        repeats = outputs_seen.count(text.strip())
+        outputs_seen.append(text.strip())
+        if repeats >= 1:
+            await res.store.calls.relabel(call.id, CallStatus.REPEATERROR, error=f"output repeated {repeats} time(s)")
+            if cfg.repetition_early_stop_times > 0 and repeats + 1 >= cfg.repetition_early_stop_times:
+                return TrajectoryResult(REPETITION, None, turn + 1, branches, first_version)
+
+        new_messages = await _tool_stage(res, call.id, text, repeated=repeats >= 1)
+        delta = conversation.append(result.output_ids, text, new_messages)
+        if delta.new_branch:
+            branches += 1
+            pending_delta = None
+        else:
+            pending_delta = (delta.delta_ids, delta.delta_text)
+        if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
+            if cfg.new_context == "disabled":
+                return TrajectoryResult(LENGTH_LIMIT, None, turn + 1, branches, first_version)
+            await reset_context(conversation, cfg.new_context, task.query, res.agent_config)
+            branches += 1
+            pending_delta = None
+            if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
+                return TrajectoryResult(LENGTH_LIMIT, None, turn + 1, branches, first_version)
+    return TrajectoryResult(TURNS_LIMIT, None, cfg.max_turns, branches, first_version)
+
+
+async def _tool_stage(res: AgentResources, call_id: str, text: str, *, repeated: bool) -> list[dict[str, Any]]:
+    """Parse and run the tool calls of ``text``; returns the messages to append (one per call: its result or why
+    it could not run). The call is labelled with the worst status of its tool calls (``formaterror`` first)."""
+    parsed = res.parser.parse(text)
+    if not parsed.calls:
+        return []
+    calls, results, messages = [], [], []
+    statuses: set[CallStatus] = set()
+    for index, tool_call in enumerate(parsed.calls):
+        call_ref = f"{call_id}.{index}"
+        calls.append({"id": call_ref, "name": tool_call.name, "arguments": tool_call.arguments,
+                      "error": tool_call.error, "raw": tool_call.raw})
+        if tool_call.error is not None:
+            status, content, error, elapsed = CallStatus.FORMATERROR, tool_call.error, tool_call.error, 0.0
+        elif res.tools is None:
+            error = "no tools are available in this environment; answer directly"
+            status, content, elapsed = CallStatus.FORMATERROR, error, 0.0
+        else:
+            result = await res.tools.call_tool(tool_call.name, tool_call.arguments, timeout=res.config.tool_timeout)
+            status = CallStatus.COMPLETED if result.ok else CallStatus(str(result.status))
+            content, error, elapsed = result.text, result.error, result.elapsed_s
+        if status != CallStatus.COMPLETED:
+            statuses.add(status)
+        results.append({"id": call_ref, "name": tool_call.name, "status": "ok" if status == CallStatus.COMPLETED
+                        else str(status), "content": content, "error": error, "elapsed_s": elapsed})
+        messages.append({"role": "tool", "name": tool_call.name or "invalid_call", "content": content})
+    update = {"tool_calls": calls, "tool_results": results}
+    worst = next((s for s in (CallStatus.FORMATERROR, CallStatus.TOOLFAILED) if s in statuses), None)
+    if worst is not None and not repeated:
+        error = "; ".join(r["error"] for r in results if r["status"] == str(worst) and r["error"])
+        await res.store.calls.relabel(call_id, worst, error=error, **update)
+    else:
+        await res.store.calls.annotate(call_id, **update)
+    return messages

@@ -1,0 +1,175 @@
+"""The group stage: once all samples of a Task are scored, decide which are trained and with what advantage.
+
+Run by exactly one sampler per Task (the store's group-stage lease). For the ``train`` split, in order:
+
+1. zero-variance drop: a group whose rewards span less than ``zero_variance_threshold`` teaches nothing;
+2. ``failed_error`` samples are dropped; with ``balance_sample`` at most ``min(#wrong, #right) + 1`` wrong and
+   ``+ 2`` right samples are kept (shortest first); else right samples with at most ``min_turns`` turns are dropped
+   (anti-shortcut) and at most ``reserve_context_error_count`` length/turns-limit samples are kept;
+3. ``efficient_rewarding`` shifts rewards by turn-count rank (shorter right and longer wrong samples gain, ±0.1);
+4. advantages are computed over the kept samples from the (shifted) rewards, so every decision above reaches
+   the advantages the trainer uses (in the original they did not);
+5. kept Records become ``ready`` (with ``advantage`` and ``reward``), the others ``abandoned`` with the reason,
+   and each kept trajectory is merged into DBRecordData samples (one per branch) and queued for the trainer.
+
+Other splits (evaluation) only mark their scored Records ``ready``. Redoing the stage after a crash is safe:
+transitions are guarded by state and queued samples have deterministic ids.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from dataclasses import dataclass, field
+
+from agentrl.rollout.config import GroupConfig
+from agentrl.store import DBRecordData, GroupLease, InvalidTransition, Record, RecordStatus, Store
+from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
+from agentrl.training.merge import CallTokens, merge_trajectory
+
+logger = logging.getLogger(__name__)
+
+CONTEXT_ERRORS = ("length_limit_error", "turns_limit_error")
+RIGHT_THRESHOLD = 0.5
+
+
+@dataclass
+class GroupOutcome:
+    task_id: str
+    kept: dict[str, str] = field(default_factory=dict)  # record id -> decision
+    dropped: dict[str, str] = field(default_factory=dict)  # record id -> reason
+    advantages: dict[str, float] = field(default_factory=dict)
+    samples_queued: int = 0
+    tokens_forwarded: int = 0
+    tokens_if_unmerged: int = 0
+
+
+def average_ranks(values: list[float]) -> list[float]:
+    """1-based ranks of ``values`` in ascending order, ties sharing their mean rank."""
+    order = sorted(range(len(values)), key=lambda i: values[i])
+    ranks = [0.0] * len(values)
+    start = 0
+    while start < len(order):
+        end = start
+        while end + 1 < len(order) and values[order[end + 1]] == values[order[start]]:
+            end += 1
+        for position in range(start, end + 1):
+            ranks[order[position]] = (start + end) / 2 + 1
+        start = end + 1
+    return ranks
+
+
+def efficiency_shifts(turns: list[float], prefer_short: bool, spread: float = 0.2) -> list[float]:
+    """Zero-sum reward shifts in ``[-spread/2, spread/2]`` by turn-count rank."""
+    n = len(turns)
+    if n < 2:
+        return [0.0] * n
+    ranks = average_ranks(turns)
+    mean = (n + 1) / 2
+    sign = -1.0 if prefer_short else 1.0
+    return [sign * (rank - mean) * spread / (n - 1) for rank in ranks]
+
+
+def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
+    """``(kept, dropped, rewards)`` for the scored records of one train group (ids → decision / reason / reward)."""
+    kept: dict[str, str] = {}
+    dropped: dict[str, str] = {}
+    scores = [r.score for r in records if r.score is not None]
+    if len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold:
+        return {}, {r.id: "zero variance in the group" for r in records}, {}
+    rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
+    candidates = []
+    for record in records:
+        if record.outcome == "failed_error":
+            dropped[record.id] = "failed_error"
+        else:
+            candidates.append(record)
+    right = [r for r in candidates if r.score >= RIGHT_THRESHOLD]
+    wrong = [r for r in candidates if r.score < RIGHT_THRESHOLD]
+    if cfg.balance_sample:
+        least = min(len(right), len(wrong))
+        for group, extra, label in ((wrong, 1, "wrong"), (right, 2, "right")):
+            ordered = sorted(group, key=lambda r: r.num_turns)
+            for record in ordered[: least + extra]:
+                kept[record.id] = f"balanced ({label})"
+            for record in ordered[least + extra:]:
+                dropped[record.id] = f"balance_sample: surplus {label} sample"
+    else:
+        context_errors = [r for r in candidates if r.outcome in CONTEXT_ERRORS]
+        reserve = set(r.id for r in context_errors)
+        if cfg.reserve_context_error_count >= 0 and len(context_errors) > cfg.reserve_context_error_count:
+            reserve = set(r.id for r in rng.sample(context_errors, cfg.reserve_context_error_count))
+        for record in candidates:
+            if record in right and record.num_turns <= cfg.min_turns:
+                dropped[record.id] = f"right with {record.num_turns} <= min_turns {cfg.min_turns} turns"
+            elif record.outcome in CONTEXT_ERRORS and record.id not in reserve:
+                dropped[record.id] = f"{record.outcome} beyond reserve_context_error_count"
+            else:
+                kept[record.id] = "kept"
+    rewards = {r.id: float(r.score) for r in candidates if r.id in kept}
+    if cfg.efficient_rewarding:
+        for group, prefer_short in ((right, True), (wrong, False)):
+            members = [r for r in group if r.id in kept]
+            for record, shift in zip(members, efficiency_shifts([r.num_turns for r in members], prefer_short)):
+                rewards[record.id] += shift
+    return kept, dropped, rewards
+
+
+async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv_cfg: AdvantageConfig
+                          ) -> GroupOutcome:
+    """Apply the group stage to ``group``'s Task and close it (see the module docstring)."""
+    task = group.task
+    outcome = GroupOutcome(task_id=task.id)
+    latest: dict[int, Record] = {}
+    for record in await store.records.for_task(task.id):
+        latest[record.slot] = record  # attempts come in order: the last one of each slot wins
+    scored = [r for r in latest.values() if r.status == RecordStatus.SCORED]
+    if task.split != "train":
+        for record in scored:
+            await _move(store, record, RecordStatus.READY, group_decision="evaluation sample")
+        await store.slots.complete_group(group)
+        return outcome
+    kept, dropped, rewards = decide(scored, cfg)
+    advantages = dict(zip(rewards, group_advantages(list(rewards.values()), adv_cfg)))
+    for record in scored:
+        if record.id in kept:
+            samples = await _convert(store, record, advantages[record.id], rewards[record.id], adv_cfg, outcome)
+            if samples:
+                await _move(store, record, RecordStatus.READY, advantage=advantages[record.id],
+                            group_decision=kept[record.id], meta={**record.meta, "reward": rewards[record.id]})
+                outcome.kept[record.id] = kept[record.id]
+                outcome.advantages[record.id] = advantages[record.id]
+                continue
+            dropped[record.id] = "no trainable tokens (advantage dropped on every call)"
+        await _move(store, record, RecordStatus.ABANDONED, group_decision=dropped[record.id])
+        outcome.dropped[record.id] = dropped[record.id]
+    await store.slots.complete_group(group)
+    return outcome
+
+
+async def _convert(store: Store, record: Record, advantage: float, reward: float, adv_cfg: AdvantageConfig,
+                   outcome: GroupOutcome) -> int:
+    """Merge a kept trajectory into DBRecordData samples and queue them; returns how many."""
+    calls = await store.calls.for_record(record.id)
+    per_call = call_advantages(advantage, [str(c.status) for c in calls], adv_cfg)
+    merged = merge_trajectory([CallTokens.from_document(c, a) for c, a in zip(calls, per_call)],
+                              adv_cfg.trainable_statuses)
+    samples = [
+        DBRecordData(id=f"{record.id}#b{index}", record_id=record.id, task_id=record.task_id, split=record.split,
+                     branch=index, seq=0, input_ids=s.input_ids, loss_mask=s.loss_mask, logprobs=s.logprobs,
+                     versions=s.versions, advantages=s.advantages, reward=reward, turn_boundaries=s.turn_boundaries,
+                     num_tokens=s.num_tokens)
+        for index, s in enumerate(merged.samples)]
+    await store.samples.enqueue(samples)
+    outcome.samples_queued += len(samples)
+    outcome.tokens_forwarded += merged.tokens_forwarded
+    outcome.tokens_if_unmerged += merged.tokens_if_unmerged
+    return len(samples)
+
+
+async def _move(store: Store, record: Record, target: RecordStatus, **fields) -> None:
+    try:
+        await store.records.transition(record.id, target, **fields)
+    except InvalidTransition as error:
+        if error.current != str(target):  # already there: the stage is being redone after a crash
+            raise

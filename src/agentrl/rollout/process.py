@@ -1,0 +1,70 @@
+"""Assemble a sampler process from its configuration: store, tokenizer, tools, scorers, inference pool."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from agentrl.inference.embedded_model import policy_tokenizer
+from agentrl.log import redact
+from agentrl.rollout.agent import AgentResources
+from agentrl.rollout.config import SamplerConfig
+from agentrl.rollout.inference_pool import InferencePool
+from agentrl.rollout.sampler import Sampler, SamplerStats
+from agentrl.rollout.tool_parsers import get_parser
+from agentrl.scoring import AgentConfig, MCPScorerFactory, load_agent_config
+from agentrl.store import Store, resolve_connection_string
+from agentrl.tools import ToolManager
+
+logger = logging.getLogger(__name__)
+
+URL_HEALTH_INTERVAL_S = 10.0
+
+
+async def _watch_static_services(store: Store, pool: InferencePool, urls: list[str]) -> None:
+    """Register SGLang URLs given on the command line and keep their heartbeat from their health checks."""
+    for url in urls:
+        await store.services.register(url, kind="sglang")
+    while True:
+        for url in urls:
+            if await pool.client(url).health():
+                await store.services.heartbeat(url)
+            else:
+                logger.warning("inference service %s is not healthy", redact(url))
+                await store.services.mark_down(url)
+        await asyncio.sleep(URL_HEALTH_INTERVAL_S)
+
+
+@contextlib.asynccontextmanager
+async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResources]:
+    """Open everything a sampler needs (and close it afterwards)."""
+    for module in config.scorer_module:
+        MCPScorerFactory.load_module(module)
+    uri = resolve_connection_string(config.db_connection_string)
+    tokenizer = policy_tokenizer(config.model_name_or_path)
+    agent_config = load_agent_config(config.agent_config_path) if config.agent_config_path else AgentConfig()
+    async with contextlib.AsyncExitStack() as stack:
+        store = await stack.enter_async_context(Store(uri, lease_s=config.lease_s))
+        pool = InferencePool(store, target_concurrency=config.target_concurrency, timeout_s=config.request_timeout)
+        stack.push_async_callback(pool.close)
+        tools = None
+        if config.mcp_config or config.mcp_manager_url:
+            tools = await stack.enter_async_context(ToolManager.from_options(
+                mcp_config=config.mcp_config, mcp_manager_url=config.mcp_manager_url,
+                mcp_server_name=config.mcp_server_name, mcp_auth_token=config.mcp_auth_token))
+        if config.inference_urls:
+            watcher = asyncio.create_task(_watch_static_services(store, pool, config.inference_urls))
+            stack.callback(watcher.cancel)
+        yield AgentResources(store=store, tokenizer=tokenizer, inference=pool,
+                             parser=get_parser(config.tool_call_parser), config=config, tools=tools,
+                             agent_config=agent_config)
+
+
+async def run_sampler(config: SamplerConfig) -> SamplerStats:
+    """Run one sampler until it is stopped (SIGTERM/SIGINT) or, with ``exit_when_done``, its split is done."""
+    async with sampler_resources(config) as resources:
+        sampler = Sampler(resources)
+        sampler.install_signal_handlers()
+        return await sampler.run()

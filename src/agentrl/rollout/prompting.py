@@ -1,0 +1,61 @@
+"""The first messages of a trajectory: system prompt (with tool instructions where the template ignores tools),
+and the user prompt built from the Task."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from transformers import PreTrainedTokenizerBase
+
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant. Think step by step and use the tools when they help."
+DEFAULT_QUERY_PROMPT = "{query}"
+ANSWER_FORMATS = {
+    "boxed": "When you know the final answer, write it as \\boxed{answer}.",
+    "answer": "When you know the final answer, write it between <answer> and </answer>.",
+}
+
+
+def template_renders_tools(tokenizer: PreTrainedTokenizerBase, tools: list[dict[str, Any]]) -> bool:
+    """Whether the chat template puts ``tools`` into the prompt (many small models' templates ignore them)."""
+    probe = [{"role": "user", "content": "hi"}]
+    without = tokenizer.apply_chat_template(probe, tokenize=False, add_generation_prompt=True)
+    try:
+        with_tools = tokenizer.apply_chat_template(probe, tools=tools, tokenize=False, add_generation_prompt=True)
+    except Exception:  # noqa: BLE001 - a template that chokes on tools does not render them
+        return False
+    return with_tools != without
+
+
+def tool_instructions(tools: list[dict[str, Any]]) -> str:
+    """Tool descriptions and the ``<tool_call>`` call format, for a system prompt."""
+    specs = "\n".join(json.dumps(tool, ensure_ascii=False) for tool in tools)
+    return (
+        "You can call these tools (JSON schemas):\n"
+        f"<tools>\n{specs}\n</tools>\n"
+        "To call a tool, write exactly:\n"
+        '<tool_call>{"name": "TOOL_NAME", "arguments": {...}}</tool_call>\n'
+        "and stop; the tool's result comes back in the next message."
+    )
+
+
+def initial_messages(
+    *,
+    query: str,
+    answer_schema: str,
+    system_prompt: str | None,
+    tools: list[dict[str, Any]],
+    tokenizer: PreTrainedTokenizerBase,
+    query_prompt: str = DEFAULT_QUERY_PROMPT,
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """``(messages, tools_for_template)``: tools go to the template if it renders them, else into the system prompt."""
+    # A Task's own system prompt is used as written; the default one says how to mark the answer.
+    system = system_prompt or f"{DEFAULT_SYSTEM_PROMPT}\n{ANSWER_FORMATS.get(answer_schema, '')}".rstrip()
+    template_tools: list[dict[str, Any]] | None = None
+    if tools:
+        if template_renders_tools(tokenizer, tools):
+            template_tools = tools
+        else:
+            system = f"{system}\n\n{tool_instructions(tools)}"
+    user = query_prompt.format(query=query)
+    return [{"role": "system", "content": system}, {"role": "user", "content": user}], template_tools

@@ -1,0 +1,192 @@
+"""A sampler process: claims Task slots, rolls out trajectories concurrently, scores them, runs group stages.
+
+Run as many as you like, anywhere (``agentrl sample``). Each claims sample slots as leases (heartbeated while it
+works), runs up to ``max_concurrent_samples_per_process`` trajectories on one asyncio loop, and settles each
+slot with its score; the sampler that settles a Task's last slot runs that Task's group stage. On SIGTERM/SIGINT
+it stops claiming, cancels its trajectories and releases their leases, so nothing is left ``running``.
+
+Admission control (train split): new slots are claimed only while the samples in flight plus those ready but
+not yet trained fit ``(max_staleness + 1) × train_batch_size``, which bounds how stale a trained sample can be
+without discarding any work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from agentrl.rollout.agent import ANSWER, AgentResources, TrajectoryResult, run_trajectory
+from agentrl.rollout.group_stage import run_group_stage
+from agentrl.scoring import MCPScorerFactory
+from agentrl.store import LeaseLost, RecordStatus, SlotLease
+
+logger = logging.getLogger(__name__)
+
+STATUS_INTERVAL_S = 10.0
+
+
+@dataclass
+class SamplerStats:
+    trajectories: int = 0
+    scored: int = 0
+    score_errors: int = 0
+    lost_leases: int = 0
+    group_stages: int = 0
+    samples_queued: int = 0
+    reward_sum: float = 0.0
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def line(self, elapsed: float, active: int) -> str:
+        mean = self.reward_sum / self.scored if self.scored else 0.0
+        return (f"{self.trajectories} trajectories ({self.trajectories / max(elapsed, 1e-9):.2f}/s), {active} running, "
+                f"mean reward {mean:.3f}, {self.group_stages} groups done, {self.samples_queued} samples queued")
+
+
+class Sampler:
+    """The claim → roll out → score → settle loop of one process."""
+
+    def __init__(self, resources: AgentResources, owner: str | None = None):
+        self.res = resources
+        self.cfg = resources.config
+        self.owner = owner or self.cfg.sampler_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
+        self.stats = SamplerStats()
+        self._stop = asyncio.Event()
+        self._active: set[asyncio.Task] = set()
+
+    def stop(self) -> None:
+        """Ask the loop to stop: no new claims; running trajectories are cancelled and their slots released."""
+        self._stop.set()
+
+    def install_signal_handlers(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, self.stop)
+
+    async def run(self) -> SamplerStats:
+        """Sample until stopped (or, with ``exit_when_done``, until the split has no open Task left)."""
+        started = last_status = time.monotonic()
+        next_group_probe = 0.0
+        logger.info("sampler %s started on split %s", self.owner, self.cfg.split)
+        try:
+            while not self._stop.is_set():
+                now = time.monotonic()
+                if now - last_status >= STATUS_INTERVAL_S:
+                    logger.info("sampler %s: %s", self.owner, self.stats.line(now - started, len(self._active)))
+                    last_status = now
+                if now >= next_group_probe:
+                    next_group_probe = now + self.cfg.lease_s / 2
+                    await self._recover_group_stages()
+                claimed = False
+                if len(self._active) < self.cfg.max_concurrent_samples_per_process and await self._admit():
+                    lease = await self.res.store.slots.claim(self.cfg.split, self.owner)
+                    if lease is not None:
+                        task = asyncio.create_task(self._sample(lease), name=lease.record_id)
+                        self._active.add(task)
+                        task.add_done_callback(self._active.discard)
+                        claimed = True
+                if claimed:
+                    continue
+                if not self._active and self.cfg.exit_when_done and await self.res.store.slots.sampling_finished(self.cfg.split):
+                    break
+                await self._wait(0.5 if self._active else 1.0)
+        finally:
+            await self._shutdown()
+            logger.info("sampler %s stopped: %s", self.owner,
+                        self.stats.line(time.monotonic() - started, len(self._active)))
+        return self.stats
+
+    async def _wait(self, timeout: float) -> None:
+        waiters = [asyncio.create_task(self._stop.wait())]
+        waiters.extend(self._active)
+        done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
+        waiters[0].cancel()
+
+    async def _shutdown(self) -> None:
+        for task in list(self._active):
+            task.cancel()
+        if self._active:
+            await asyncio.gather(*self._active, return_exceptions=True)
+
+    async def _admit(self) -> bool:
+        if self.cfg.split != "train":
+            return True
+        records = self.res.store.records.collection
+        in_flight = await records.count_documents({"split": "train", "leased": True})
+        waiting = await records.count_documents({"split": "train", "status": str(RecordStatus.READY)})
+        return in_flight + waiting < (self.cfg.max_staleness + 1) * self.cfg.train_batch_size
+
+    async def _recover_group_stages(self) -> None:
+        while (group := await self.res.store.slots.claim_group_stage(None, self.owner, split=self.cfg.split)):
+            await self._group_stage(group)
+
+    async def _group_stage(self, group) -> None:
+        outcome = await run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage)
+        self.stats.group_stages += 1
+        self.stats.samples_queued += outcome.samples_queued
+
+    async def _heartbeat(self, lease: SlotLease, worker: asyncio.Task) -> None:
+        try:
+            while True:
+                await asyncio.sleep(self.cfg.lease_s / 3)
+                await self.res.store.slots.heartbeat(lease)
+        except LeaseLost:
+            logger.warning("lost the lease on %s (another sampler took it over); stopping that trajectory",
+                           lease.record_id)
+            worker.cancel()
+
+    async def _sample(self, lease: SlotLease) -> None:
+        store = self.res.store
+        worker = asyncio.current_task()
+        beat = asyncio.create_task(self._heartbeat(lease, worker))
+        try:
+            result = await run_trajectory(self.res, lease)
+            await store.records.transition(
+                lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id, num_turns=result.num_turns,
+                outcome=result.outcome, final_answer=result.final_answer, policy_version=result.policy_version,
+                error=result.error, meta={"branches": result.num_branches})
+            score, score_error, details = await self._score(lease, result)
+            self.stats.trajectories += 1
+            self.stats.outcomes[result.outcome] = self.stats.outcomes.get(result.outcome, 0) + 1
+            if score_error is None:
+                self.stats.scored += 1
+                self.stats.reward_sum += score
+                group = await store.slots.finish(lease, RecordStatus.SCORED, score=score, score_details=details)
+            else:
+                self.stats.score_errors += 1
+                group = await store.slots.finish(lease, RecordStatus.FAILED, score_error=score_error,
+                                                 score_details=details)
+            beat.cancel()
+            if group is not None:
+                await self._group_stage(group)
+        except LeaseLost as error:
+            self.stats.lost_leases += 1
+            logger.warning("%s", error)
+        except asyncio.CancelledError:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(store.slots.release(lease))
+            raise
+        except Exception as error:  # noqa: BLE001 - one broken trajectory must not stop the sampler
+            logger.exception("trajectory %s failed", lease.record_id)
+            with contextlib.suppress(Exception):
+                await store.slots.abandon(lease, f"{type(error).__name__}: {error}")
+        finally:
+            beat.cancel()
+
+    async def _score(self, lease: SlotLease, result: TrajectoryResult) -> tuple[float, str | None, dict]:
+        """``(score, error, details)``; no answer scores 0 without asking the scorer."""
+        task = lease.task
+        if result.outcome != ANSWER or result.final_answer is None:
+            return 0.0, None, {"reason": f"no answer ({result.outcome})"}
+        config = {**self.res.agent_config.model_dump(exclude_none=True), "query": task.query, **task.metadata}
+        scored = await MCPScorerFactory.score(
+            task.scorer, result.final_answer, {"query": task.query, "answer": task.answer, **task.metadata}, config)
+        if scored.error is not None:
+            return 0.0, scored.error, scored.details
+        return float(scored.score), None, scored.details

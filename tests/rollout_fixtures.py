@@ -1,0 +1,82 @@
+"""Rollout fixtures: the scripted tiny model (real tool calls), an engine serving it, and helpers that run the
+real ``agentrl sample`` / ``agentrl tasks upload`` commands against a test database.
+
+Registered as a plugin by ``conftest.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from pymongo import MongoClient
+
+from inference_fixtures import TEST_ENV, start_engine
+from scripted_model import SCRIPTS, build_scripted_model, calculator_config
+
+
+@pytest.fixture(scope="session")
+def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained on ``scripted_model.SCRIPTS`` (about a minute on one core)."""
+    return build_scripted_model(tmp_path_factory.mktemp("scripted"), steps=150)
+
+
+@pytest.fixture(scope="session")
+def scripted_engine_url(scripted_model_dir: Path) -> Iterator[str]:
+    """An unregistered engine serving the scripted model; samplers get it with ``--inference_urls``."""
+    engine = start_engine(scripted_model_dir)
+    try:
+        yield engine.url
+    finally:
+        engine.stop()
+
+
+def write_mcp_config(path: Path, servers: list[dict] | None = None) -> Path:
+    """An MCP config file with the built-in calculator over stdio (or ``servers``)."""
+    config = servers or [s.model_dump(exclude_none=True) for s in calculator_config().servers]
+    path.write_text(json.dumps({"servers": config}))
+    return path
+
+
+def write_script_tasks(path: Path, ids: tuple[str, ...] | None = None) -> Path:
+    rows = [{"id": s.task_id, "question": s.question, "answer": s.answer} for s in SCRIPTS
+            if ids is None or s.task_id in ids]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    return path
+
+
+def agentrl_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agentrl.cli.main", *args]
+
+
+def run_env() -> dict[str, str]:
+    return {**os.environ, **TEST_ENV}
+
+
+def upload(db_uri: str, tasks_file: Path, *args: str) -> None:
+    done = subprocess.run(agentrl_cmd("tasks", "upload", str(tasks_file), "--db_connection_string", db_uri,
+                                      "--scorer", "math", "--answer_schema", "boxed", *args),
+                          capture_output=True, text=True, env=run_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def sample_args(db_uri: str, model_dir: Path, engine_url: str | None, mcp_config: Path, *extra: str) -> list[str]:
+    """``agentrl sample`` flags for the scripted model (``engine_url`` None: use the engines registered in the db)."""
+    urls = ("--inference_urls", engine_url) if engine_url else ()
+    return agentrl_cmd(
+        "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(model_dir), *urls,
+        "--mcp_config", str(mcp_config), "--max_turns", "3",
+        "--max_new_tokens", "40", "--max_concurrent_samples_per_process", "4", "--exit_when_done", "true", *extra)
+
+
+def documents(db_uri: str, collection: str, query: dict | None = None) -> list[dict]:
+    client = MongoClient(db_uri, tz_aware=True)
+    try:
+        return list(client.get_default_database()[collection].find(query or {}, sort=[("_id", 1)]))
+    finally:
+        client.close()

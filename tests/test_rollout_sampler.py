@@ -1,0 +1,202 @@
+"""`agentrl sample` end to end: real sampler processes, a real engine serving the scripted tiny model, the real
+calculator MCP server over stdio, the embedded database. Token continuity of stored turns, scoring, the group
+stage, crash recovery (SIGKILL), tool-server death, custom scorers and configuration errors."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
+
+
+FINISHED = {"scored", "ready", "abandoned"}
+
+
+def run_sampler(args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    done = subprocess.run(args, capture_output=True, text=True, env=run_env(), timeout=timeout)
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done
+
+
+def full_prompts(calls: list[dict]) -> dict[str, list[int]]:
+    """Each call's complete prompt, rebuilt from the stored chain (whole prompt or previous prompt + output + delta)."""
+    prompts: dict[str, list[int]] = {}
+    for call in sorted(calls, key=lambda c: c["turn"]):
+        if call.get("input_ids"):
+            prompts[call["_id"]] = list(call["input_ids"])
+        else:
+            previous = next(c for c in calls if c["_id"] == call["previous_call_id"])
+            prompts[call["_id"]] = prompts[previous["_id"]] + previous["output_ids"] + call["prompt_delta_ids"]
+    return prompts
+
+
+def test_greedy_rollout_is_token_exact_scored_and_queued(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
+                                                          scripted_engine_url: str) -> None:
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl"), "--num_generations", "2")
+    done = run_sampler(sample_args(
+        db_uri, scripted_model_dir, scripted_engine_url, write_mcp_config(tmp_path / "mcp.json"),
+        "--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false"))
+    assert "sampler done: 8 trajectories, 8 scored" in done.stdout
+
+    assert {t["status"] for t in documents(db_uri, "Task")} == {"completed"}
+    records = documents(db_uri, "Record")
+    assert len(records) == 8 and {r["status"] for r in records} == {"ready"}
+    assert not any(r["leased"] for r in records)
+    by_task = defaultdict(list)
+    for record in records:
+        by_task[record["task_id"].split(":")[1]].append(record)
+    # The scripted model calls the calculator, reads its result and answers: right for add/mul.
+    for task in ("add", "mul"):
+        assert [(r["outcome"], r["score"], r["num_turns"]) for r in by_task[task]] == [("answer", 1.0, 2)] * 2
+
+    tokenizer = AutoTokenizer.from_pretrained(scripted_model_dir)
+    calls = documents(db_uri, "DispatchedSamplingTask")
+    assert len(calls) == 16 and all(c["weight_version"] == 0 for c in calls)
+    samples = {s["record_id"]: s for s in documents(db_uri, "DBRecordData")}
+    assert set(samples) == {r["_id"] for r in records}
+    for record in records:
+        own = [c for c in calls if c["record_id"] == record["_id"]]
+        prompts = full_prompts(own)
+        first, second = sorted(own, key=lambda c: c["turn"])
+        # Turn 2 extends turn 1 exactly: its prompt is turn 1's prompt + sampled output + the tool message delta.
+        assert second["input_ids"] is None and second["previous_call_id"] == first["_id"]
+        assert prompts[second["_id"]][:len(prompts[first["_id"]])] == prompts[first["_id"]]
+        assert tokenizer.decode(second["prompt_delta_ids"]) == second["prompt_delta_text"]
+        assert "<|im_start|>tool" in second["prompt_delta_text"]
+        assert len(first["output_logprobs"]) == len(first["output_ids"]) > 0
+        # What the trainer gets is exactly the engine's tokens, with the loss on sampled tokens only.
+        sample = samples[record["_id"]]
+        assert sample["input_ids"] == prompts[second["_id"]] + second["output_ids"]
+        trained = [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m]
+        assert trained == first["output_ids"] + second["output_ids"]
+        assert [lp for lp, m in zip(sample["logprobs"], sample["loss_mask"]) if m] == pytest.approx(
+            first["output_logprobs"] + second["output_logprobs"], abs=1e-6)
+
+    add_call = next(c for c in calls if c["task_id"].endswith(":add") and c["turn"] == 0)
+    assert add_call["status"] == "completed"
+    assert add_call["tool_calls"][0]["name"] == "calculate"
+    assert add_call["tool_results"][0]["status"] == "ok" and add_call["tool_results"][0]["content"] == "42"
+    # A call whose arguments violate the tool's schema is a formaterror; the model is told and goes on.
+    bad_call = next(c for c in calls if c["task_id"].endswith(":bad") and c["turn"] == 0)
+    assert bad_call["status"] == "formaterror"
+    assert bad_call["tool_results"][0]["status"] == "formaterror" and "expression" in bad_call["error"]
+    bad_next = next(c for c in calls if c["previous_call_id"] == bad_call["_id"])
+    assert "expression" in bad_next["prompt_delta_text"]
+
+
+def test_sampling_gives_group_variance_and_advantages(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
+                                                      scripted_engine_url: str) -> None:
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("coin",)), "--num_generations", "8")
+    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, write_mcp_config(tmp_path / "m.json"),
+                            "--temperature", "1.0", "--seed", "7"))
+    records = documents(db_uri, "Record")
+    scores = sorted(r["score"] for r in records)
+    assert len(records) == 8 and scores[0] == 0.0 and scores[-1] == 1.0, scores
+    ready = [r for r in records if r["status"] == "ready"]
+    assert ready and sum(r["advantage"] for r in ready) == pytest.approx(0.0, abs=1e-6)
+    for record in ready:
+        assert (record["advantage"] > 0) == (record["score"] == 1.0)
+    samples = documents(db_uri, "DBRecordData")
+    assert {s["record_id"] for s in samples} == {r["_id"] for r in ready}
+    for sample in samples:
+        advantage = next(r["advantage"] for r in ready if r["_id"] == sample["record_id"])
+        assert {a for a, m in zip(sample["advantages"], sample["loss_mask"]) if m} == {advantage}
+
+
+def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
+                                                        scripted_engine_url: str) -> None:
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "4")
+    mcp = write_mcp_config(tmp_path / "mcp.json")
+    common = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
+              "--lease_s", "3", "--max_concurrent_samples_per_process", "8")
+    victim = subprocess.Popen(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common,
+                                          "--sampler_id", "victim"),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env())
+    deadline = time.monotonic() + 120
+    while not documents(db_uri, "DispatchedSamplingTask") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    victim.send_signal(signal.SIGKILL)
+    victim.wait(30)
+    held = [r for r in documents(db_uri, "Record") if r["status"] == "running"]
+    assert held, "the victim was killed before it held any slot"
+
+    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common, "--sampler_id", "rescuer"))
+    records = documents(db_uri, "Record")
+    assert not [r for r in records if r["status"] == "running" or r["leased"]]
+    finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)
+    assert sorted(finished.values()) == [1] * 8  # every slot done exactly once
+    ready = {r["_id"] for r in records if r["status"] == "ready"}
+    samples = documents(db_uri, "DBRecordData")
+    assert sorted(s["record_id"] for s in samples) == sorted(ready) and len(ready) == 8
+    assert {t["status"] for t in documents(db_uri, "Task")} == {"completed"}
+
+
+CRASHING_SERVER = '''
+import os
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("crashing", log_level="WARNING")
+
+
+def calculate(expression: str) -> str:
+    """Evaluate an arithmetic expression (this server dies instead)."""
+    os._exit(3)
+
+
+server.add_tool(calculate, structured_output=False)
+server.run("stdio")
+'''
+
+HALF_SCORER = '''
+from agentrl.scoring import MCPScorerFactory
+
+
+def half(model_answer, ground_truth):
+    return 0.5 if model_answer.strip() else 0.0
+
+
+MCPScorerFactory.register_scorer("half", half)
+'''
+
+
+def test_dead_tool_server_is_toolfailed_and_custom_scorer_scores(db_uri: str, tmp_path: Path,
+                                                                 scripted_model_dir: Path,
+                                                                 scripted_engine_url: str) -> None:
+    server = tmp_path / "crashing_server.py"
+    server.write_text(CRASHING_SERVER)
+    scorer = tmp_path / "half_scorer.py"
+    scorer.write_text(HALF_SCORER)
+    mcp = write_mcp_config(tmp_path / "mcp.json", [{"name": "crashing", "command": sys.executable,
+                                                    "args": [str(server)], "max_retries": 0}])
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add",)), "--num_generations", "2",
+           "--scorer", "half")
+    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, "--temperature", "0",
+                            "--scorer_module", str(scorer), "--max_concurrent_samples_per_process", "1"))
+    first_calls = [c for c in documents(db_uri, "DispatchedSamplingTask") if c["turn"] == 0]
+    assert [c["status"] for c in first_calls] == ["toolfailed", "toolfailed"]
+    assert all(c["tool_results"][0]["status"] == "toolfailed" for c in first_calls)
+    records = documents(db_uri, "Record")
+    # The model still answers after the failure note; the user's scorer gives every answer 0.5.
+    assert {r["score"] for r in records if r["outcome"] == "answer"} <= {0.5}
+    assert {r["status"] for r in records} <= FINISHED
+
+
+def test_invalid_mcp_config_is_reported_and_nothing_is_claimed(db_uri: str, tmp_path: Path,
+                                                               scripted_model_dir: Path,
+                                                               scripted_engine_url: str) -> None:
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add",)), "--num_generations", "2")
+    bad = tmp_path / "bad_mcp.json"
+    bad.write_text('{"servers": [{"name": "calc", "comand": "x"}]}')
+    done = subprocess.run(sample_args(db_uri, scripted_model_dir, scripted_engine_url, bad), capture_output=True,
+                          text=True, env=run_env(), timeout=120)
+    assert done.returncode == 2
+    assert "bad_mcp.json" in done.stderr and "comand" in done.stderr
+    assert documents(db_uri, "Record") == []
