@@ -18,6 +18,14 @@ SUBCOMMANDS: tuple[str, ...] = (
     "agentrl.cli.tasks",
     "agentrl.cli.export",
     "agentrl.cli.status",
+    "agentrl.cli.tools",
+    "agentrl.cli.engine",
+    "agentrl.cli.model",
+    "agentrl.cli.train",
+    "agentrl.cli.sample",
+    "agentrl.cli.eval",
+    "agentrl.cli.sft",
+    "agentrl.cli.chat",
 )
 
 
