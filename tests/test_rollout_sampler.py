@@ -200,3 +200,29 @@ def test_invalid_mcp_config_is_reported_and_nothing_is_claimed(db_uri: str, tmp_
     assert done.returncode == 2
     assert "bad_mcp.json" in done.stderr and "comand" in done.stderr
     assert documents(db_uri, "Record") == []
+
+
+def test_admission_finishes_a_started_group_and_starts_no_other_while_the_pipeline_is_full(
+        db_uri: str, tmp_path: Path, scripted_model_dir: Path, scripted_engine_url: str) -> None:
+    # Bound (max_staleness + 1) × train_batch_size = 2 is below the group size 4: the first group must still be
+    # completed (a started group is always finished), and no other group may start while its 4 samples wait
+    # untrained (no trainer runs here).
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "4")
+    sampler = subprocess.Popen(sample_args(
+        db_uri, scripted_model_dir, scripted_engine_url, write_mcp_config(tmp_path / "mcp.json"),
+        "--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
+        "--max_staleness", "0", "--train_batch_size", "2"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env())
+    try:
+        first, second = sorted(documents(db_uri, "Task"), key=lambda t: t["order"])
+        deadline = time.monotonic() + 180
+        while documents(db_uri, "Task", {"_id": first["_id"]})[0]["status"] != "completed":
+            assert sampler.poll() is None and time.monotonic() < deadline, "the first group never completed"
+            time.sleep(0.2)
+        assert documents(db_uri, "Task", {"_id": second["_id"]})[0]["status"] == "created"
+        assert not documents(db_uri, "Record", {"task_id": second["_id"]})
+        assert len(documents(db_uri, "Record", {"task_id": first["_id"], "status": "ready"})) == 4
+    finally:
+        sampler.send_signal(signal.SIGTERM)
+        output, _ = sampler.communicate(timeout=60)
+    assert sampler.returncode == 0, output

@@ -31,6 +31,36 @@ async def test_claims_fill_groups_in_order_and_stop_when_exhausted(db_uri: str) 
         assert task.status == TaskStatus.RUNNING and task.unclaimed == 0 and len(task.claim_ids) == 2
 
 
+async def test_sampling_load_counts_whole_groups_until_their_samples_are_trained(db_uri: str) -> None:
+    """Admission control's view: a started group counts with all its slots (running, unclaimed, or finished and
+    waiting for siblings) until its group stage; then its ready Records count until they are trained."""
+    async with Store(db_uri) as store:
+        await insert_tasks(store, 2, num_generations=3)
+        empty = await store.slots.sampling_load("train")
+        assert (empty.group_slots, empty.unclaimed_in_started_groups, empty.pending) == (0, 0, 0)
+
+        first = await store.slots.claim("train", "s1")
+        load = await store.slots.sampling_load("train")
+        assert (load.group_slots, load.unclaimed_in_started_groups, load.ready_records) == (3, 2, 0)
+
+        leases = [first, await store.slots.claim("train", "s1"), await store.slots.claim("train", "s1")]
+        for lease in leases[:2]:  # two finished trajectories wait for the third: still in the pipeline
+            await store.slots.finish(lease, RecordStatus.SCORED, score=1.0)
+        load = await store.slots.sampling_load("train")
+        assert (load.group_slots, load.unclaimed_in_started_groups, load.pending) == (3, 0, 3)
+
+        group = await store.slots.finish(leases[2], RecordStatus.SCORED, score=0.0)
+        for lease in leases:
+            await store.records.transition(lease.record_id, RecordStatus.READY, advantage=0.5)
+        await store.slots.complete_group(group)
+        load = await store.slots.sampling_load("train")
+        assert (load.group_slots, load.ready_records, load.pending) == (0, 3, 3)
+        assert (await store.slots.sampling_load("valid")).pending == 0
+
+        await store.records.transition(leases[0].record_id, RecordStatus.TRAINED)
+        assert (await store.slots.sampling_load("train")).pending == 2
+
+
 async def test_group_completion_is_told_to_exactly_one_caller(db_uri: str) -> None:
     async with Store(db_uri) as store:
         await insert_tasks(store, 1, num_generations=4)

@@ -89,6 +89,22 @@ async def test_sample_queue_claims_are_exactly_once_and_resumable(db_uri: str) -
         assert leftover[0].claimed_rank == 2 and leftover[0].input_ids == [1, 2, 3]
 
 
+async def test_trainers_claim_the_oldest_policy_version_first(db_uri: str) -> None:
+    # A group sampled by an older policy that finished after a younger one is claimed first, so it is trained
+    # before it goes stale; among equal versions enqueue order decides. SFT data (no version) counts as oldest.
+    def sample(name: str, versions: list[int]) -> DBRecordData:
+        return _sample(0).model_copy(update={"id": name, "record_id": name, "versions": versions})
+
+    async with Store(db_uri) as store:
+        await store.samples.enqueue([sample("young", [-1, 3, 3]), sample("young-2", [-1, 3, 4])])
+        await store.samples.enqueue([sample("old", [-1, 1, 2]), sample("context-only", [5, 2, 2])])
+        await store.samples.enqueue([sample("sft", [-1, -1, -1])])
+        stored = {d["_id"]: d["first_version"] async for d in store.db.DBRecordData.find({})}
+        assert stored == {"young": 3, "young-2": 3, "old": 1, "context-only": 2, "sft": -1}
+        claimed = await store.samples.claim_batch(0, 1, 5)
+        assert [s.id for s in claimed] == ["sft", "old", "context-only", "young", "young-2"]
+
+
 async def test_services_least_loaded_live_pick(db_uri: str) -> None:
     async with Store(db_uri) as store:
         await store.services.register("http://127.0.0.1:1/", kind="agentrl-engine", models=["m"])

@@ -47,8 +47,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="comma-separated SGLang URLs to register and health-check (engines register themselves)")
     c.add_argument("--request_timeout", type=float, default=600.0)
     c.add_argument("--lease_s", type=float, default=60.0, help="lease duration; heartbeats every third of it")
-    c.add_argument("--max_staleness", type=int, default=1)
-    c.add_argument("--train_batch_size", type=int, default=16, help="samples per trainer step")
+    c.add_argument("--max_staleness", type=int, default=1,
+                   help="admission control (train split): start a new group only while the slots of the groups "
+                        "being sampled plus the ready, untrained samples fit (max_staleness + 1) × train_batch_size")
+    c.add_argument("--train_batch_size", type=int, default=16, help="samples per trainer step (admission control)")
     c.add_argument("--exit_when_done", type=bool_flag, default=False,
                    help="exit once the split has no open Task left")
     r = p.add_argument_group("group stage and advantages")

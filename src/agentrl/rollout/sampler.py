@@ -5,9 +5,11 @@ works), runs up to ``max_concurrent_samples_per_process`` trajectories on one as
 slot with its score; the sampler that settles a Task's last slot runs that Task's group stage. On SIGTERM/SIGINT
 it stops claiming, cancels its trajectories and releases their leases, so nothing is left ``running``.
 
-Admission control (train split): new slots are claimed only while the samples in flight plus those ready but
-not yet trained fit ``(max_staleness + 1) × train_batch_size``, which bounds how stale a trained sample can be
-without discarding any work.
+Admission control (train split): a new group (Task) is started only while every slot of the groups being
+sampled plus the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started
+group's remaining slots are always claimed, so every group completes. Counting whole groups (not only the
+trajectories running now) keeps finished trajectories that wait for their siblings in the count, which bounds
+how stale a trained sample gets.
 """
 
 from __future__ import annotations
@@ -117,10 +119,10 @@ class Sampler:
     async def _admit(self) -> bool:
         if self.cfg.split != "train":
             return True
-        records = self.res.store.records.collection
-        in_flight = await records.count_documents({"split": "train", "leased": True})
-        waiting = await records.count_documents({"split": "train", "status": str(RecordStatus.READY)})
-        return in_flight + waiting < (self.cfg.max_staleness + 1) * self.cfg.train_batch_size
+        load = await self.res.store.slots.sampling_load("train")
+        if load.unclaimed_in_started_groups:  # finish what was started: claims fill groups in order
+            return True
+        return load.pending < (self.cfg.max_staleness + 1) * self.cfg.train_batch_size
 
     async def _recover_group_stages(self) -> None:
         while (group := await self.res.store.slots.claim_group_stage(None, self.owner, split=self.cfg.split)):

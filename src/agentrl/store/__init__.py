@@ -17,12 +17,12 @@ from agentrl.store.models import (
     Task,
     TaskStatus,
 )
-from agentrl.store.slots import GroupLease, SlotLease
+from agentrl.store.slots import GroupLease, SamplingLoad, SlotLease
 from agentrl.store.store import Store
 
 __all__ = [
     "CallStatus", "DBRecordData", "DispatchedSamplingTask", "GroupLease", "InferenceService", "InvalidTransition",
     "LeaseLost", "Metric", "NotFound", "Record", "RecordStatus", "Run", "RunStatus", "SampleStatus",
-    "ServiceStatus", "SlotLease", "Store", "StoreError", "Task", "TaskStatus", "database_name",
+    "SamplingLoad", "ServiceStatus", "SlotLease", "Store", "StoreError", "Task", "TaskStatus", "database_name",
     "resolve_connection_string", "sync_client", "with_database",
 ]

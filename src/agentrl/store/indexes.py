@@ -33,8 +33,8 @@ INDEXES: dict[str, list[IndexModel]] = {
         _index("task_id", "status", name="task_calls"),
     ],
     "DBRecordData": [
-        # trainer claim: {split, status queued} sorted by seq
-        _index("split", "status", "seq", name="claim_sample"),
+        # trainer claim: {split, status queued} sorted by policy version, then seq
+        _index("split", "status", "first_version", "seq", name="claim_sample_by_version"),
         # a rank's claims for a step (resume): {status, claimed_rank, claimed_step}
         _index("status", "claimed_rank", "claimed_step", name="rank_step_claims"),
         _index("record_id", name="record_samples"),

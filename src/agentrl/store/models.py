@@ -240,7 +240,8 @@ class DBRecordData(Document):
     task_id: str
     split: str = "train"
     branch: int = 0
-    seq: int = Field(description="enqueue order; trainers claim the oldest first")
+    seq: int = Field(description="enqueue order; among samples of the same first_version, trainers claim the "
+                                 "oldest first")
     input_ids: list[int]
     loss_mask: list[int]
     logprobs: list[float] = Field(description="behaviour-policy logprob per token (0 where loss_mask is 0)")
@@ -254,9 +255,17 @@ class DBRecordData(Document):
     claimed_step: int | None = None
     claimed_at: UTCDatetime | None = None
     epoch: int = Field(0, description="pass over the data this sample is queued for (offline multi-epoch training)")
+    first_version: int = Field(-1, description="oldest policy version that produced a trained token (-1: none "
+                                               "known, e.g. SFT data); set on enqueue; trainers claim the oldest "
+                                               "policy first, so groups that finished late are not left to go stale")
     skip_reason: str | None = None
     created_at: UTCDatetime = Field(default_factory=utcnow)
     trained_at: UTCDatetime | None = None
+
+    def oldest_version(self) -> int:
+        """The oldest policy version that sampled a loss token (-1 if none is known)."""
+        versions = [v for v, m in zip(self.versions, self.loss_mask) if m and v >= 0]
+        return min(versions) if versions else -1
 
 
 # ------------------------------------------------------------------------------------------------ InferenceService

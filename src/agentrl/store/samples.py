@@ -1,8 +1,9 @@
 """The DBRecordData queue between conversion and trainer ranks: ``queued → claimed(rank, step) → trained``
 (or ``→ skipped``, with a reason, when a trainer decides not to train a claimed sample).
 
-A rank claims the samples of a step one atomic ``find_one_and_update`` at a time (oldest first), so concurrent
-ranks never get the same sample. Claims are keyed by (rank, step): asking again for the same step returns the
+A rank claims the samples of a step one atomic ``find_one_and_update`` at a time (oldest policy version first,
+then enqueue order), so concurrent ranks never get the same sample, and a group that finished after a younger
+one is still trained before it goes stale. Claims are keyed by (rank, step): asking again for the same step returns the
 samples already claimed for it, which is what makes a resumed trainer see exactly the data it saw before.
 """
 
@@ -38,6 +39,7 @@ class SampleQueue:
         for i, sample in enumerate(samples):
             doc = sample.to_mongo()
             doc["status"] = str(SampleStatus.QUEUED)
+            doc["first_version"] = sample.oldest_version()
             if not doc.get("seq"):
                 doc["seq"] = base + i
             docs.append(doc)
@@ -53,7 +55,7 @@ class SampleQueue:
                 {"split": split, "status": str(SampleStatus.QUEUED)},
                 {"$set": {"status": str(SampleStatus.CLAIMED), "claimed_rank": rank, "claimed_step": step,
                           "claimed_at": utcnow()}},
-                sort=[("seq", 1)],
+                sort=[("first_version", 1), ("seq", 1)],
                 return_document=ReturnDocument.AFTER,
             )
             if doc is None:

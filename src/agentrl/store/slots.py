@@ -38,6 +38,20 @@ def record_id(task_id: str, slot: int, attempt: int) -> str:
 
 
 @dataclass(frozen=True)
+class SamplingLoad:
+    """Samples a split has in the pipeline. ``group_slots``: every slot of the Tasks being sampled (running,
+    unclaimed, or finished and waiting for the group stage); ``ready_records``: queued and not yet trained."""
+
+    group_slots: int
+    unclaimed_in_started_groups: int
+    ready_records: int
+
+    @property
+    def pending(self) -> int:
+        return self.group_slots + self.ready_records
+
+
+@dataclass(frozen=True)
 class SlotLease:
     """A sampler's hold on one sample slot; pass it back to ``heartbeat`` / ``finish`` / ``release``."""
 
@@ -184,6 +198,16 @@ class SlotLeases:
                 if lease is not None:
                     return lease
         return None
+
+    async def sampling_load(self, split: str) -> SamplingLoad:
+        """What admission control weighs: the slots of started groups and the ready Records not yet trained."""
+        group_slots = unclaimed = 0
+        async for doc in self.tasks.find({"split": split, "status": str(TaskStatus.RUNNING)},
+                                         {"num_generations": 1, "unclaimed": 1}):
+            group_slots += doc["num_generations"]
+            unclaimed += doc["unclaimed"]
+        ready = await self.records.count_documents({"split": split, "status": str(RecordStatus.READY)})
+        return SamplingLoad(group_slots=group_slots, unclaimed_in_started_groups=unclaimed, ready_records=ready)
 
     async def sampling_finished(self, split: str) -> bool:
         """Whether ``split`` has Tasks and every one of them is done (all slots settled, group stage run)."""

@@ -52,8 +52,8 @@ class StepData:
 def sample_staleness(sample: DBRecordData, current_version: int) -> int:
     """Policy versions between ``current_version`` and the oldest version that sampled a loss token (0 if none
     is known)."""
-    versions = [v for v, m in zip(sample.versions, sample.loss_mask) if m and v >= 0]
-    return max(0, current_version - min(versions)) if versions else 0
+    oldest = sample.oldest_version()
+    return max(0, current_version - oldest) if oldest >= 0 else 0
 
 
 def tokens_if_unmerged(sample: DBRecordData) -> int:

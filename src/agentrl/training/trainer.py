@@ -268,10 +268,6 @@ class Trainer:
 
     def _after_step(self, data: StepData, values: dict[str, float]) -> None:
         cfg, parallel, step = self.cfg, self.parallel, data.step
-        if parallel.is_tp_leader:
-            self.io.run(self._records_trained(data.samples))
-            if cfg.save_steps == 0:
-                self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
         values.update(policy_version=float(self.version), epoch=float(self.state.epoch),
                       wait_s=data.wait_s,
                       skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
@@ -279,6 +275,12 @@ class Trainer:
             result = self._publish()
             values.update(publish_s=result.seconds, publish_failures=float(len(result.failures)),
                           policy_version=float(self.version))
+        if parallel.is_tp_leader:
+            # Only now, with the new weights served, do the Records leave `ready`: the samplers' admission control
+            # counts them until then, so what it admits next is sampled by the new policy.
+            self.io.run(self._records_trained(data.samples))
+            if cfg.save_steps == 0:
+                self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
         if self.sink is not None:
             self.sink.log(step, values)
         if cfg.save_steps and step % cfg.save_steps == 0:
