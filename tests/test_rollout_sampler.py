@@ -141,17 +141,21 @@ def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Pa
 
 CRASHING_SERVER = '''
 import os
+from typing import Annotated
+
 from mcp.server.mcpserver import MCPServer
+from pydantic import Field
+
+from agentrl.tools.servers import CALCULATE_DESCRIPTION
 
 server = MCPServer("crashing", log_level="WARNING")
 
 
-def calculate(expression: str) -> str:
-    """Evaluate an arithmetic expression (this server dies instead)."""
-    os._exit(3)
+def calculate(expression: Annotated[str, Field(description="the arithmetic expression to evaluate")]) -> str:
+    os._exit(3)  # the calculator's exact tool spec (the prompt the scripted model knows), but the server dies
 
 
-server.add_tool(calculate, structured_output=False)
+server.add_tool(calculate, description=CALCULATE_DESCRIPTION, structured_output=False)
 server.run("stdio")
 '''
 

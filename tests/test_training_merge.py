@@ -242,3 +242,24 @@ def test_random_branchy_trajectories_verify() -> None:
         for sample in result.samples:
             verify_merged(sample, calls)
         assert result.tokens_forwarded <= result.tokens_if_unmerged
+
+
+def test_logprobs_of_the_scored_tokens_only_equal_the_full_pass_and_their_gradients(model) -> None:
+    # The trainer runs the LM head only where trained tokens are predicted (logits_to_keep): same values, same
+    # gradients as the full [B, T, V] pass.
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (3, 24))
+    scored = torch.zeros(3, 24, dtype=torch.bool)
+    scored[0, 10:14] = scored[1, 20:] = scored[2, 3] = True
+    full = model_token_logprobs(model, ids)
+    (full * scored).sum().backward()
+    full_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    restricted = model_token_logprobs(model, ids, scored=scored)
+    (restricted * scored).sum().backward()
+    assert torch.allclose(restricted[scored], full[scored].detach(), atol=1e-6)
+    assert restricted[:, ~scored.any(dim=0)].eq(0).all()  # positions no row scores are not computed
+    for expected, param in zip(full_grads, model.parameters()):
+        assert torch.allclose(param.grad, expected, atol=1e-6)
+    model.zero_grad()
+    assert model_token_logprobs(model, ids, scored=torch.zeros_like(scored)).eq(0).all()

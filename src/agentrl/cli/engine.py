@@ -23,6 +23,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--weight_version", default="0", help="version reported for the initial weights")
     parser.add_argument("--max_total_tokens", type=int, default=32768,
                         help="KV cache capacity in tokens, all requests together (default: 32768)")
+    parser.add_argument("--page_size", type=int, default=32,
+                        help="tokens per KV-cache page; prompts share cached pages of a common prefix (the system "
+                             "prompt, earlier turns), so smaller pages share more (default: 32)")
     parser.add_argument("--max_batch_tokens", type=int, default=2048,
                         help="tokens per forward pass, i.e. the prefill chunk (default: 2048)")
     parser.add_argument("--max_running_requests", type=int, default=64,
@@ -56,7 +59,8 @@ def run(args: argparse.Namespace) -> int:
         model_name_or_path=args.model_name_or_path or str(default_model_path()),
         served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
         weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
-        max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests)
+        max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
+        page_size=args.page_size)
     server_config = ServerConfig(host=args.host, port=args.port, db_connection_string=db,
                                  advertise_url=args.advertise_url, heartbeat_interval_s=args.heartbeat_interval_s)
     return serve(engine_config, server_config)

@@ -60,7 +60,7 @@ class BatchingConfig:
     max_total_tokens: int = 32768
     max_batch_tokens: int = 2048
     max_running_requests: int = 64
-    page_size: int = 256
+    page_size: int = 32
 
 
 class _RequestValue(ContinuousBatchingLogitsProcessor):

@@ -64,7 +64,7 @@ class EngineConfig(BaseModel):
     max_total_tokens: int = Field(32768, gt=0, description="KV cache capacity in tokens, all requests together")
     max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
     max_running_requests: int = Field(64, gt=0)
-    page_size: int = Field(256, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
+    page_size: int = Field(32, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
 
 
 def resolve_device(device: str | None) -> torch.device:

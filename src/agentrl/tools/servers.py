@@ -50,6 +50,11 @@ def _auth_kwargs(auth_token: str | None, host: str, port: int) -> dict[str, obje
     }
 
 
+CALCULATE_DESCRIPTION = ("Evaluate an arithmetic expression and return the number: + - * / // % ** ( ), pi, e, "
+                         "sqrt, abs, round, floor, ceil, log, exp, min, max, factorial. Example: (1234 * 56) / 7")
+"""Every rollout's system prompt carries it (for templates without tool support): kept to one short line."""
+
+
 def calculator_server(**server_kwargs: object) -> MCPServer:
     """The ``calculator`` server."""
     server = MCPServer(
@@ -60,12 +65,6 @@ def calculator_server(**server_kwargs: object) -> MCPServer:
     )
 
     def calculate(expression: Annotated[str, Field(description="the arithmetic expression to evaluate")]) -> str:
-        """Evaluate an arithmetic expression and return the number.
-
-        Supports + - * / // % ** (^ also means power), parentheses, unary minus, the constants pi and e, and
-        the functions sqrt, abs, round, floor, ceil, log, ln, log10, log2, exp, sin, cos, tan, asin, acos,
-        atan, degrees, radians, min, max, factorial. Example: "(1234 * 56) / 7".
-        """
         try:
             return format_number(evaluate(expression))
         except CalculatorError as exc:
@@ -73,6 +72,7 @@ def calculator_server(**server_kwargs: object) -> MCPServer:
 
     server.add_tool(
         calculate,
+        description=CALCULATE_DESCRIPTION,
         annotations=ToolAnnotations(read_only_hint=True, idempotent_hint=True, open_world_hint=False),
         structured_output=False,
     )

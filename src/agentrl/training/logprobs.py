@@ -37,7 +37,27 @@ def model_token_logprobs(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None = None,
     temperature: float = 1.0,
+    scored: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Run a Hugging Face causal LM on ``input_ids`` ``[B, T]`` and return ``token_logprobs`` ``[B, T]``."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
-    return token_logprobs(logits, input_ids, temperature)
+    """Run a Hugging Face causal LM on ``input_ids`` ``[B, T]`` and return ``token_logprobs`` ``[B, T]``.
+
+    With ``scored`` (``[B, T]`` bool), only the positions scored in some row get their logprob (the others are 0):
+    the LM head and the log-softmax run only at the positions before them (``logits_to_keep``), which skips most
+    of a prompt-heavy sequence's ``[T, V]`` logits — their cost and memory — in the forward and backward pass.
+    """
+    if scored is None:
+        logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).logits
+        return token_logprobs(logits, input_ids, temperature)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be positive, got {temperature}")
+    targets = scored[:, 1:].any(dim=0).nonzero().squeeze(-1) + 1  # token positions scored in any row
+    out = torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    if targets.numel() == 0:
+        return out
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
+                   logits_to_keep=targets - 1).logits  # [B, K, V]: the positions predicting the targets
+    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    if temperature != 1.0:
+        scores = scores / temperature
+    picked = scores.gather(-1, input_ids[:, targets].unsqueeze(-1)).squeeze(-1) - torch.logsumexp(scores, dim=-1)
+    return out.index_copy(1, targets, picked.to(out.dtype))

@@ -43,7 +43,7 @@ from agentrl.training.checkpoint import (
 )
 from agentrl.training.config import TrainConfig
 from agentrl.training.data import SampleStream, StepData, StepEnd, move_record, to_merged
-from agentrl.training.logprobs import token_logprobs
+from agentrl.training.logprobs import model_token_logprobs
 from agentrl.training.losses import LossMetrics, global_normaliser, loss_fn
 from agentrl.training.merge import MergedSample
 from agentrl.training.metrics import (
@@ -248,8 +248,14 @@ class Trainer:
     def _loop(self) -> bool:
         """Train steps until a stop condition; True when the run is complete (max_steps or data used up)."""
         cfg = self.cfg
+        started = time.monotonic()
         while True:
             if 0 < cfg.max_steps <= self.state.step:
+                return True
+            if cfg.max_train_time_s and self.parallel.broadcast_from_main(
+                    time.monotonic() - started >= cfg.max_train_time_s if self.parallel.is_main else None):
+                logger.info("training time limit of %.0f s reached after step %d", cfg.max_train_time_s,
+                            self.state.step)
                 return True
             got = self.stream.next_step(self.state.step + 1, self.version)
             if got is StepEnd.STOPPED:
@@ -388,15 +394,14 @@ class Trainer:
     def _micro_step(self, batch: MicroBatch, normaliser: float, mismatch: Reducer) -> LossMetrics:
         cfg = self.cfg
         with self._autocast():
-            logits = self.model(input_ids=batch.input_ids, use_cache=False).logits
-            new_logprobs = token_logprobs(logits, batch.input_ids, cfg.temperature)
-            del logits
+            # Only the trained tokens' logprobs are needed: the LM head runs only where they are predicted.
+            new_logprobs = model_token_logprobs(self.model, batch.input_ids, temperature=cfg.temperature,
+                                                scored=batch.loss_mask)
             ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logits = self.ref_model(input_ids=batch.input_ids, use_cache=False).logits
-                    ref_logprobs = token_logprobs(ref_logits, batch.input_ids, cfg.temperature)
-                    del ref_logits
+                    ref_logprobs = model_token_logprobs(self.ref_model, batch.input_ids,
+                                                        temperature=cfg.temperature, scored=batch.loss_mask)
         loss_sum, metrics = loss_fn(self.loss_cfg, new_logprobs, batch.old_logprobs, batch.advantages,
                                     batch.loss_mask, batch.versions, self.version, batch.seq_ids, normaliser,
                                     ref_logprobs)
