@@ -75,7 +75,7 @@ def test_mask_is_exactly_the_assistant_tokens_with_their_end_token(tokenizer) ->
     call = '<tool_call>{"name": "calculate", "arguments": {"expression": "12 + 30"}}</tool_call>'
     assert masked_spans(tokenizer, tokens.input_ids, tokens.loss_mask) == [
         call + "<|im_end|>", "The answer is \\boxed{42}.<|im_end|>"]
-    assert text.endswith("<|im_start|>assistant\nThe answer is \\boxed{42}.<|im_end|>\n")
+    assert text.endswith("<|im_start|>assistant\nThe answer is \\boxed{42}.<|im_end|>")  # as a rollout ends
     # turns start at 0 and right after each assistant turn (where the next prompt delta begins)
     second_turn = tokens.turn_boundaries[1]
     assert len(tokens.turn_boundaries) == 2 and tokenizer.decode(tokens.input_ids[:second_turn]).endswith(
@@ -174,8 +174,7 @@ def test_upload_is_idempotent_and_max_length_rejects_or_truncates(db_uri: str, t
     assert "no trained token within the first 8 tokens" in too_short.problems[0]
 
 
-def test_sft_upload_then_cross_entropy_training_lowers_the_loss(db_uri: str, tiny_model_dir: Path,
-                                                                tmp_path: Path) -> None:
+def arithmetic_rows() -> list[dict]:
     rows = []
     for i in range(4):
         a, b = 3 * i + 2, 7 * i + 5
@@ -185,7 +184,12 @@ def test_sft_upload_then_cross_entropy_training_lowers_the_loss(db_uri: str, tin
                                        {"from": "gpt", "value": f"The number is {a}."},
                                        {"from": "human", "value": "And doubled?"},
                                        {"from": "gpt", "value": f"Doubled it is {2 * a}."}]})
-    path = write_jsonl(tmp_path / "sft.jsonl", rows)
+    return rows
+
+
+def test_sft_upload_then_cross_entropy_training_lowers_the_loss(db_uri: str, tiny_model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "sft.jsonl", arithmetic_rows())
     upload = agentrl("sft", "upload", str(path), "--db_connection_string", db_uri, "--model_name_or_path",
                      str(tiny_model_dir))
     assert upload.returncode == 0 and "inserted 8 SFT samples" in upload.stdout, upload.stdout + upload.stderr
@@ -204,3 +208,22 @@ def test_sft_upload_then_cross_entropy_training_lowers_the_loss(db_uri: str, tin
     losses = [metrics[step]["loss"] for step in sorted(metrics)]
     assert losses == sorted(losses, reverse=True) and losses[-1] < 0.6 * losses[0], losses
     assert all(metrics[s]["samples"] == 4 for s in metrics)
+
+
+def test_a_training_time_limit_ends_the_run_after_the_step_that_passes_it(db_uri: str, tiny_model_dir: Path,
+                                                                         tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "sft.jsonl", arithmetic_rows())
+    assert agentrl("sft", "upload", str(path), "--db_connection_string", db_uri, "--model_name_or_path",
+                   str(tiny_model_dir)).returncode == 0
+    assert train_main(trainer_args(
+        db_uri, tiny_model_dir, tmp_path / "out", "--loss_calculater", "CrossEntropy", "--enable_sampling", "false",
+        "--train_batch_size", "4", "--num_train_epochs", "4", "--save_steps", "0",
+        "--max_train_time_s", "0.001")) == 0
+    client = MongoClient(db_uri)
+    try:
+        db = client.get_default_database()
+        assert [d["step"] for d in db.Metric.find({"split": "train"})] == [1]  # 8 steps without the limit
+        assert db.Run.find_one()["status"] == "finished"
+    finally:
+        client.close()
+    assert (tmp_path / "out" / "final" / "config.json").is_file()  # finished as at max_steps

@@ -6,18 +6,25 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from agentrl.envs.arith import TEMPLATES, generate_arith_tasks
+from agentrl.envs.arith import SHIPPED_SETS, TEMPLATES, generate_arith_tasks
 from agentrl.scoring.math_equiv import math_equal, math_score
 from agentrl.store.task_files import UploadDefaults, parse_entry
 from agentrl.tools.calculator import evaluate, format_number
 
-ASSET = Path(__file__).resolve().parents[1] / "assets" / "tasks" / "arith_tools.jsonl"
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "tasks"
 
 
-def test_the_shipped_file_is_the_generators_output() -> None:
-    shipped = [json.loads(line) for line in ASSET.read_text(encoding="utf-8").splitlines()]
-    assert shipped == generate_arith_tasks(200, seed=0)
-    assert generate_arith_tasks(20, seed=1) != generate_arith_tasks(20, seed=0)
+def test_the_shipped_files_are_the_generators_output_and_disjoint() -> None:
+    questions: dict[str, set[str]] = {}
+    for name, (n, seed, prefix) in SHIPPED_SETS.items():
+        shipped = [json.loads(line) for line in (ASSETS / name).read_text(encoding="utf-8").splitlines()]
+        assert shipped == generate_arith_tasks(n, seed, prefix), name
+        assert all(task["id"].startswith(f"{prefix}-") for task in shipped)
+        questions[name] = {task["query"] for task in shipped}
+    names = list(questions)
+    for index, first in enumerate(names):
+        for second in names[index + 1:]:
+            assert not questions[first] & questions[second], (first, second)  # RL, held-out, warm-up: disjoint
 
 
 def test_every_answer_is_what_the_calculator_computes() -> None:

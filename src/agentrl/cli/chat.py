@@ -7,7 +7,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-BUILTIN_TOOLS = ("calculator", "python")
 QUIT = frozenset({"quit", "exit", "/quit", "/exit", ":q"})
 
 
@@ -42,7 +41,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--request_timeout", type=float, default=600.0, help="seconds per model call")
     t = p.add_argument_group("tools")
     t.add_argument("--tools", default=None,
-                   help=f"comma-separated built-in MCP servers to start over stdio: {', '.join(BUILTIN_TOOLS)}")
+                   help="comma-separated built-in MCP servers to start over stdio: calculator, python")
     t.add_argument("--mcp_config", default=None, help="JSON/YAML file listing more MCP servers")
     t.add_argument("--mcp_server_name", default=None, help="only these servers of --mcp_config (comma-separated)")
     t.add_argument("--tool_call_parser", default="qwen", help="qwen | hermes | openai | minicpm (default: qwen)")
@@ -50,26 +49,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def builtin_tools_config(names: list[str]):
-    """An MCPConfig starting the named built-in servers (``agentrl tools serve NAME``) over stdio."""
-    from agentrl.tools.config import MCPConfig
-
-    return MCPConfig.model_validate({"servers": [
-        {"name": name, "command": sys.executable, "args": ["-m", "agentrl.cli.main", "tools", "serve", name]}
-        for name in names]})
-
-
 def _tool_manager(args: argparse.Namespace):
     from agentrl.tools import ToolManager
-    from agentrl.tools.config import MCPConfig, load_mcp_config, parse_server_filter
-    from agentrl.tools.errors import ToolConfigError
+    from agentrl.tools.config import MCPConfig, builtin_servers_config, load_mcp_config, parse_server_filter
 
     names = [n.strip() for n in (args.tools or "").split(",") if n.strip()]
-    unknown = [n for n in names if n not in BUILTIN_TOOLS]
-    if unknown:
-        raise ToolConfigError(f"unknown built-in tool server(s) {', '.join(unknown)}; "
-                              f"available: {', '.join(BUILTIN_TOOLS)}")
-    servers = list(builtin_tools_config(names).servers) if names else []
+    servers = list(builtin_servers_config(names).servers) if names else []
     if args.mcp_config:
         servers += load_mcp_config(args.mcp_config).select(parse_server_filter(args.mcp_server_name)).servers
     if not servers:

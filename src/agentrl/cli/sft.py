@@ -1,5 +1,6 @@
-"""`agentrl sft upload FILE`: tokenise SFT conversations with the model's chat template and queue them as training
-samples (loss on assistant tokens only) for ``agentrl train --loss_calculater CrossEntropy --enable_sampling false``."""
+"""`agentrl sft demos TASKS`: tool-use demonstrations made with the real tool servers; `agentrl sft upload FILE`:
+tokenise SFT conversations with the model's chat template and queue them as training samples (loss on assistant
+tokens only) for ``agentrl train --loss_calculater CrossEntropy --enable_sampling false``."""
 
 from __future__ import annotations
 
@@ -33,6 +34,30 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     upload.add_argument("--skip_invalid", action="store_true", help="insert the valid lines, report the others")
     upload.add_argument("--dry_run", action="store_true", help="validate and report, insert nothing")
     upload.set_defaults(func=run_upload)
+
+    demos = actions.add_parser(
+        "demos", help="write tool-use demonstrations of tasks, calling the real tool servers",
+        description="For every task, call the tools that solve it (its 'demo_calls', or `calculate` with its "
+                    "'expression') on the real MCP servers and write the conversation a perfect agent would have: "
+                    "the agent loop's system and user prompt, one <tool_call> turn per call, the tool's real "
+                    "result, then the task's answer in its answer schema. The output is SFT data in the OpenAI "
+                    "'messages' form; `agentrl sft upload` renders it token for token as a rollout. Every task is "
+                    "checked first: if any cannot be demonstrated, each is reported as FILE:LINE and nothing is "
+                    "written.")
+    demos.add_argument("tasks", help="task file, JSON or JSONL (as for `agentrl tasks upload`)")
+    demos.add_argument("--out", required=True, help="where to write the demonstrations (JSONL)")
+    demos.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N tasks")
+    demos.add_argument("--answer_schema", choices=("answer", "boxed"), default="answer",
+                       help="answer marker of tasks that name none (default: answer)")
+    demos.add_argument("--query_prompt", default="{query}", help="user prompt template with {query}, as for "
+                                                                 "`agentrl sample` (default: {query})")
+    demos.add_argument("--tools", default="calculator",
+                       help="comma-separated built-in MCP servers to start over stdio (default: calculator; empty "
+                            "for none)")
+    demos.add_argument("--mcp_config", default=None, help="MCP servers file (as for `agentrl sample`), in "
+                                                          "addition to --tools")
+    demos.add_argument("--mcp_server_name", default=None, help="only these servers of --mcp_config")
+    demos.set_defaults(func=run_demos)
 
 
 def run_upload(args: argparse.Namespace) -> int:
@@ -95,10 +120,86 @@ def run_upload(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report_invalid(problems: list[str]) -> int:
+def _report_invalid(problems: list[str], what: str = "line") -> int:
+    """Print every problem and what was (not) done; exit status 2. ``what``: ``line`` (upload) or ``task`` (demos)."""
     for problem in problems:
         print(problem, file=sys.stderr)
-    count = len(problems)
-    print(f"error: {count} invalid line{'' if count == 1 else 's'}; nothing was inserted (use --skip_invalid to "
-          "insert the valid ones)", file=sys.stderr)
+    count, plural = len(problems), "" if len(problems) == 1 else "s"
+    if what == "task":
+        print(f"error: {count} task{plural} cannot be demonstrated; nothing was written", file=sys.stderr)
+    else:
+        print(f"error: {count} invalid line{plural}; nothing was inserted (use --skip_invalid to insert the valid "
+              "ones)", file=sys.stderr)
     return 2
+
+
+def run_demos(args: argparse.Namespace) -> int:
+    import asyncio
+    import json
+    from pathlib import Path
+
+    from agentrl.rollout.demonstrations import DemonstrationError, demo_calls, demonstrate
+    from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file
+    from agentrl.tools import ToolManager
+    from agentrl.tools.config import MCPConfig, builtin_servers_config, load_mcp_config, parse_server_filter
+    from agentrl.tools.errors import ToolConfigError
+
+    if args.limit is not None and args.limit < 1:
+        print("error: --limit must be at least 1", file=sys.stderr)
+        return 2
+    try:
+        parsed = parse_file(args.tasks, UploadDefaults(num_generations=1, scorer="math",
+                                                       answer_schema=args.answer_schema))
+    except TaskFileError as error:
+        return _report_invalid(error.problems, what="task")
+    if parsed.problems:
+        return _report_invalid(parsed.problems, what="task")
+    entries = parsed.tasks[: args.limit] if args.limit else parsed.tasks
+    problems = []
+    for line, task in entries:  # everything that can be checked without the tools, before any is started
+        try:
+            demo_calls(task)
+            if not task.answer:
+                raise DemonstrationError("the task has no answer to demonstrate")
+        except DemonstrationError as error:
+            problems.append(f"{args.tasks}:{line}: {error}")
+    if problems:
+        return _report_invalid(problems, what="task")
+    try:
+        names = [n.strip() for n in (args.tools or "").split(",") if n.strip()]
+        servers = list(builtin_servers_config(names).servers)
+        if args.mcp_config:
+            servers += load_mcp_config(args.mcp_config).select(parse_server_filter(args.mcp_server_name)).servers
+    except ToolConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if not servers:
+        print("error: no tool servers: give --tools or --mcp_config", file=sys.stderr)
+        return 2
+
+    async def build() -> tuple[list[dict], list[str]]:
+        demos, failures = [], []
+        async with ToolManager(MCPConfig(servers=servers)) as tools:
+            for line, task in entries:
+                try:
+                    demos.append(await demonstrate(task, tools, query_prompt=args.query_prompt))
+                except DemonstrationError as error:
+                    failures.append(f"{args.tasks}:{line}: {error}")
+        return demos, failures
+
+    try:
+        demos, failures = asyncio.run(build())
+    except ToolConfigError as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    if failures:
+        return _report_invalid(failures, what="task")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(out.name + ".partial")
+    partial.write_text("".join(json.dumps(d, ensure_ascii=False) + "\n" for d in demos), encoding="utf-8")
+    partial.replace(out)  # a complete file or none
+    calls = sum(len(d["messages"]) - 3 for d in demos) // 2
+    print(f"wrote {len(demos)} demonstrations ({calls} real tool calls) to {out}; train on them with: "
+          f"agentrl sft upload {out}")
+    return 0

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 
-_BUILTIN = ("calculator", "python")
+_BUILTIN = ("calculator", "python")  # agentrl.tools.config.BUILTIN_SERVERS, without importing it at start-up
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -5,7 +5,9 @@ answer is exact (an integer or a short decimal). Each task carries the calculato
 its answer (kept in the Task's metadata), which makes tool-use demonstrations for a supervised warm start easy
 to generate and lets tests check every answer with the calculator.
 
-Regenerate the shipped file with ``python -m agentrl.envs.arith --out assets/tasks/arith_tools.jsonl``.
+Three disjoint sets are shipped in ``assets/tasks/`` (``SHIPPED_SETS``): ``arith_tools.jsonl`` for RL,
+``arith_heldout.jsonl`` for held-out evaluation and ``arith_warmup.jsonl`` for warm-up demonstrations (different
+seeds; no question appears in two sets). Regenerate them with ``python -m agentrl.envs.arith --shipped``.
 """
 
 from __future__ import annotations
@@ -127,8 +129,16 @@ def format_answer(value: Decimal) -> str:
     return text.rstrip("0").rstrip(".") if "." in text else text
 
 
-def generate_arith_tasks(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
-    """``n`` tasks, cycling over the templates, reproducible for a given ``seed``."""
+SHIPPED_SETS: dict[str, tuple[int, int, str]] = {
+    "arith_tools.jsonl": (200, 0, "arith"),
+    "arith_heldout.jsonl": (100, 1, "heldout"),
+    "arith_warmup.jsonl": (200, 2, "warmup"),
+}
+"""file name in ``assets/tasks`` → (tasks, seed, id prefix)"""
+
+
+def generate_arith_tasks(n: int = 200, seed: int = 0, prefix: str = "arith") -> list[dict[str, Any]]:
+    """``n`` tasks, cycling over the templates, reproducible for a given ``seed``; ids ``{prefix}-0000``, ..."""
     rng = random.Random(seed)
     names = list(TEMPLATES)
     tasks = []
@@ -136,7 +146,7 @@ def generate_arith_tasks(n: int = 200, seed: int = 0) -> list[dict[str, Any]]:
         task_type = names[index % len(names)]
         question, answer, expression = TEMPLATES[task_type](rng)
         tasks.append({
-            "id": f"arith-{index:04d}",
+            "id": f"{prefix}-{index:04d}",
             "query": f"{question} {INSTRUCTION}",
             "answer": format_answer(answer),
             "scorer": "math",
@@ -156,13 +166,23 @@ def write_jsonl(tasks: list[dict[str, Any]], path: str | Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate the arithmetic tool-use task set.")
-    parser.add_argument("--out", default="assets/tasks/arith_tools.jsonl")
+    parser = argparse.ArgumentParser(description="Generate arithmetic tool-use tasks.")
+    parser.add_argument("--out", default=None, help="write N tasks of SEED here")
     parser.add_argument("--n", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--prefix", default="arith", help="task ids are PREFIX-0000, PREFIX-0001, ...")
+    parser.add_argument("--shipped", default=None, metavar="DIR", nargs="?", const="assets/tasks",
+                        help="regenerate the shipped sets (SHIPPED_SETS) in DIR (default: assets/tasks)")
     args = parser.parse_args(argv)
-    write_jsonl(generate_arith_tasks(args.n, args.seed), args.out)
-    print(f"wrote {args.n} tasks to {args.out}")
+    if args.shipped:
+        for name, (n, seed, prefix) in SHIPPED_SETS.items():
+            write_jsonl(generate_arith_tasks(n, seed, prefix), Path(args.shipped) / name)
+            print(f"wrote {n} tasks to {Path(args.shipped) / name}")
+    elif args.out:
+        write_jsonl(generate_arith_tasks(args.n, args.seed, args.prefix), args.out)
+        print(f"wrote {args.n} tasks to {args.out}")
+    else:
+        parser.error("give --out FILE or --shipped [DIR]")
     return 0
 
 

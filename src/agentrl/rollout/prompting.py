@@ -39,6 +39,11 @@ def tool_instructions(tools: list[dict[str, Any]]) -> str:
     )
 
 
+def system_prompt_for(system_prompt: str | None, answer_schema: str) -> str:
+    """A Task's own system prompt as written; else the default one, saying how to mark the answer."""
+    return system_prompt or f"{DEFAULT_SYSTEM_PROMPT}\n{ANSWER_FORMATS.get(answer_schema, '')}".rstrip()
+
+
 def initial_messages(
     *,
     query: str,
@@ -49,8 +54,7 @@ def initial_messages(
     query_prompt: str = DEFAULT_QUERY_PROMPT,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     """``(messages, tools_for_template)``: tools go to the template if it renders them, else into the system prompt."""
-    # A Task's own system prompt is used as written; the default one says how to mark the answer.
-    system = system_prompt or f"{DEFAULT_SYSTEM_PROMPT}\n{ANSWER_FORMATS.get(answer_schema, '')}".rstrip()
+    system = system_prompt_for(system_prompt, answer_schema)
     template_tools: list[dict[str, Any]] | None = None
     if tools:
         if template_renders_tools(tokenizer, tools):

@@ -20,6 +20,7 @@ Secrets never appear in the file: tokens are named by environment variable.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
@@ -129,6 +130,21 @@ class MCPConfig(BaseModel):
                 f"unknown MCP server(s) {', '.join(unknown)}; configured: {', '.join(sorted(known)) or 'none'}"
             )
         return MCPConfig(servers=[s for s in self.servers if s.name in names])
+
+
+BUILTIN_SERVERS = ("calculator", "python")
+"""The servers of ``agentrl tools serve NAME``."""
+
+
+def builtin_servers_config(names: list[str]) -> MCPConfig:
+    """An MCPConfig starting the named built-in servers (``agentrl tools serve NAME``) over stdio."""
+    unknown = [n for n in names if n not in BUILTIN_SERVERS]
+    if unknown:
+        raise ToolConfigError(f"unknown built-in tool server(s) {', '.join(unknown)}; "
+                              f"available: {', '.join(BUILTIN_SERVERS)}")
+    return MCPConfig.model_validate({"servers": [
+        {"name": name, "command": sys.executable, "args": ["-m", "agentrl.cli.main", "tools", "serve", name]}
+        for name in names]})
 
 
 def load_mcp_config(path: str | Path) -> MCPConfig:

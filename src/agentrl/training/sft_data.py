@@ -25,7 +25,9 @@ and the messages up to it (ends after its end-of-turn). Both must be token prefi
 template that rewrites earlier turns (e.g. one that strips past reasoning) fails with a clear error, since its
 training sequence would not match what the model sees while generating. The loss mask is 1 exactly on the
 assistant's tokens, from the first content token through the end-of-turn token (``<|im_end|>``, the eos token or
-another end-of-turn special token); the role header and the separator after the end-of-turn token are 0.
+another end-of-turn special token); the role header and the separator after the end-of-turn token are 0. A
+conversation that ends with an assistant message ends at its end-of-turn token, as a rollout does (the template's
+trailing separator is not part of the sample).
 
 Sample ids are a hash of the split and the tokens, so re-uploading a file inserts nothing twice.
 """
@@ -331,6 +333,8 @@ class ChatTokeniser:
                 mask[start:stop] = [1] * (stop - start)
             if end < len(full):
                 boundaries.append(end)
+            if index == len(messages) - 1:  # a rollout ends at the end-of-turn token: so does the sample
+                full, mask = full[:stop], mask[:stop]
         boundaries = sorted(set(b for b in boundaries if b < len(full)))
         truncated = False
         if max_length is not None and len(full) > max_length:

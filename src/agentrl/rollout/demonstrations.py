@@ -1,0 +1,74 @@
+"""Tool-use demonstrations for a supervised warm start, made by calling the real tool servers.
+
+A demonstration of a Task is the conversation a perfect agent would have: the system prompt and user prompt
+exactly as the agent loop renders them (:func:`agentrl.rollout.prompting.initial_messages`), one assistant turn
+per demonstrated tool call written in the ``<tool_call>`` format the ``qwen`` parser reads, the tool's **real**
+result (the call goes over MCP to the same server the rollouts use), and a last turn giving the Task's answer in
+its answer schema. It is written in the OpenAI ``messages`` form that ``agentrl sft upload`` reads, which renders
+it with the chat template into the same token ids as a rollout that produced these outputs (the system message
+holds the prompt without the tool instructions; ``tools`` carries the specs, and the upload adds the
+instructions exactly as the agent loop does).
+
+Which calls a Task demonstrates: its ``demo_calls`` metadata (a list of ``{"name", "arguments"}``), or, for
+calculator tasks such as the built-in set, ``calculate`` with its ``expression``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from agentrl.rollout.prompting import system_prompt_for
+from agentrl.store.models import Task
+from agentrl.tools import ToolManager
+
+ANSWER_TEMPLATES = {"boxed": "The answer is \\boxed{{{answer}}}.", "answer": "The answer is <answer>{answer}</answer>."}
+
+
+class DemonstrationError(ValueError):
+    """A Task cannot be demonstrated (no calls to show, no answer, or a tool call that fails)."""
+
+
+def demo_calls(task: Task) -> list[dict[str, Any]]:
+    """The tool calls that solve ``task``: its ``demo_calls`` metadata, else ``calculate(expression)``."""
+    calls = task.metadata.get("demo_calls")
+    if calls is None and task.metadata.get("expression"):
+        calls = [{"name": "calculate", "arguments": {"expression": str(task.metadata["expression"])}}]
+    if not calls:
+        raise DemonstrationError("no calls to demonstrate: give the task 'demo_calls' ([{\"name\": ..., "
+                                 "\"arguments\": {...}}]) or a calculator 'expression'")
+    if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("name"), str) and isinstance(c.get("arguments", {}), dict)
+            for c in calls):
+        raise DemonstrationError("'demo_calls' must be a list of {\"name\": str, \"arguments\": object}")
+    return [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls]
+
+
+def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
+    """A call as the model writes it (and the ``qwen`` parser reads it)."""
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "</tool_call>"
+
+
+async def demonstrate(task: Task, tools: ToolManager, *, query_prompt: str = "{query}") -> dict[str, Any]:
+    """The demonstration of ``task`` in the SFT ``messages`` form (see the module docstring)."""
+    if task.answer is None or task.answer == "":
+        raise DemonstrationError("the task has no answer to demonstrate")
+    template = ANSWER_TEMPLATES.get(task.answer_schema)
+    if template is None:
+        raise DemonstrationError(f"answer schema {task.answer_schema!r} has no demonstration form "
+                                 f"(known: {', '.join(ANSWER_TEMPLATES)})")
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": system_prompt_for(task.system_prompt, task.answer_schema)},
+        {"role": "user", "content": query_prompt.format(query=task.query)},
+    ]
+    for call in demo_calls(task):
+        result = await tools.call_tool(call["name"], call["arguments"])
+        if not result.ok:
+            raise DemonstrationError(f"the tool call {call['name']}({json.dumps(call['arguments'])}) failed: "
+                                     f"{result.error}")
+        messages.append({"role": "assistant", "content": tool_call_text(call["name"], call["arguments"]),
+                         "tool_calls": [call]})
+        messages.append({"role": "tool", "name": call["name"], "content": result.text})
+    messages.append({"role": "assistant", "content": template.format(answer=task.answer)})
+    source = task.id.split(":", 1)[-1]  # without the split prefix
+    return {"id": f"demo:{source}", "task_id": source, "tools": tools.openai_tools(), "messages": messages}
