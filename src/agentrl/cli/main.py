@@ -18,6 +18,8 @@ SUBCOMMANDS: tuple[str, ...] = (
     "agentrl.cli.tasks",
     "agentrl.cli.export",
     "agentrl.cli.status",
+    "agentrl.cli.watch",
+    "agentrl.cli.report",
     "agentrl.cli.tools",
     "agentrl.cli.engine",
     "agentrl.cli.model",

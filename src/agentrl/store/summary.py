@@ -33,10 +33,12 @@ STATES: dict[str, list[str]] = {
 }
 
 
-def reward_by_version(records: Collection) -> list[dict[str, Any]]:
-    """Mean score of the scored trajectories per policy version that sampled them (ascending versions)."""
+def reward_by_version(records: Collection, split: str | None = None) -> list[dict[str, Any]]:
+    """Mean score of the scored trajectories (of ``split``, or all) per policy version that sampled them
+    (ascending versions)."""
     sums: dict[int, list[float]] = {}
-    for doc in records.find({"score": {"$ne": None}}, {"policy_version": 1, "score": 1}):
+    query: dict[str, Any] = {"score": {"$ne": None}} | ({"split": split} if split else {})
+    for doc in records.find(query, {"policy_version": 1, "score": 1}):
         sums.setdefault(doc.get("policy_version") or 0, []).append(float(doc["score"]))
     return [{"policy_version": v, "records": len(scores), "mean_score": sum(scores) / len(scores)}
             for v, scores in sorted(sums.items())]
@@ -74,7 +76,7 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
         "services": services,
         "last_metric": None if last_metric is None else {"step": last_metric["step"],
                                                          "values": last_metric.get("values", {})},
-        "reward_by_version": reward_by_version(records),
+        "reward_by_version": reward_by_version(records, (run.config.get("split") if run else None) or "train"),
         "recent_records_per_min": records.count_documents(
             {"finished_at": {"$gt": now - timedelta(minutes=1)}}),
     }

@@ -81,6 +81,8 @@ class TrainConfig(BaseModel):
 
     # -------------------------------------------------------------------------------------------- run control
     max_steps: int = Field(-1, description="stop after this many optimiser steps (-1: no limit)")
+    max_train_time_s: float = Field(0.0, ge=0.0, description="stop after the step during which this many seconds "
+                                    "of training have passed, and finish as at max_steps (0: no limit)")
     num_train_epochs: int = Field(1, ge=1, description="passes over the queued data when enable_sampling is false")
     save_steps: int = Field(500, ge=0, description="checkpoint every this many steps (0: no checkpoints)")
     save_total_limit: int | None = Field(None, ge=1, description="keep only this many checkpoints")

@@ -1,0 +1,123 @@
+"""`agentrl report`: the summary of a training run — steps, trajectories, group decisions, stale samples, mean
+reward per policy version and held-out evaluations (before / after) — printed and written as JSON; for a run that
+trained nothing, why."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from agentrl.cli.options import add_db_option
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "report", help="summary of a training run, with held-out evaluations before and after (JSON and text)",
+        description=__doc__.replace("\n", " "))
+    add_db_option(parser)
+    parser.add_argument("--split", default="train", help="training split (default: train)")
+    parser.add_argument("--eval", action="append", default=[], metavar="LABEL=FILE",
+                        help="an `agentrl eval --output` result to include under LABEL (repeatable, in order: the "
+                             "first is the starting point, the last the final model), e.g. before=eval0.json")
+    parser.add_argument("--wall_s", type=float, default=None, help="wall time of the run, for the summary")
+    parser.add_argument("--out", default=None, metavar="FILE.json", help="write the summary as JSON")
+    parser.set_defaults(func=run)
+
+
+def eval_entry(data: dict[str, Any]) -> dict[str, Any]:
+    """The summary's form of one ``agentrl eval`` result."""
+    metrics = data.get("metrics") or {}
+    return {"accuracy": metrics.get("accuracy"), "mean_reward": metrics.get("mean_reward"),
+            "num_tasks": data.get("num_tasks", metrics.get("tasks")), "correct": metrics.get("correct"),
+            "errors": metrics.get("errors"), "name": data.get("name"), "model": data.get("model"),
+            "per_task": [{"id": row["id"], "correct": row["correct"], "valid": row["valid"]}
+                         for row in data.get("per_task") or []]}
+
+
+def read_evals(specs: list[str]) -> dict[str, dict[str, Any]]:
+    evals = {}
+    for spec in specs:
+        label, sep, path = spec.partition("=")
+        if not sep or not label or not path:
+            raise ValueError(f"--eval {spec!r}: expected LABEL=FILE")
+        try:
+            evals[label] = eval_entry(json.loads(Path(path).read_text(encoding="utf-8")))
+        except (OSError, json.JSONDecodeError) as error:
+            raise ValueError(f"--eval {spec!r}: cannot read {path}: {error}") from error
+    return evals
+
+
+def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: float | None) -> dict[str, Any]:
+    from agentrl.store.progress import diagnose, progress_fields, read_progress
+    from agentrl.store.summary import reward_by_version
+
+    progress = read_progress(db, split)
+    summary: dict[str, Any] = {"database": db.name, **progress_fields(progress), "wall_s": wall_s, "eval": evals,
+                               "reward_by_version": reward_by_version(db["Record"], split)}
+    labels = list(evals)
+    if len(labels) >= 2:
+        first, last = evals[labels[0]], evals[labels[-1]]
+        if first["accuracy"] is not None and last["accuracy"] is not None:
+            summary["eval_change"] = {"from": labels[0], "to": labels[-1],
+                                      "accuracy": last["accuracy"] - first["accuracy"]}
+    summary["diagnosis"] = diagnose(progress)
+    return summary
+
+
+def _rate(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def render(summary: dict[str, Any]) -> list[str]:
+    """The summary in words (what the example scripts print at the end)."""
+    wall = f" in {summary['wall_s'] / 60:.1f} min" if summary.get("wall_s") else ""
+    dropped = summary["groups_dropped"]
+    why = (" (" + ", ".join(f"{n} {reason}" for reason, n in dropped.items()) + ")") if dropped else ""
+    lines = [f"{summary['steps']} trainer steps{wall}: {summary['trajectories']} trajectories, "
+             f"{summary['samples_trained']} samples trained, {summary['samples_skipped_stale']} skipped as stale; "
+             f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}"]
+    versions = summary["reward_by_version"]
+    if versions:
+        lines.append("mean reward by policy version (trajectories): " + ", ".join(
+            f"v{v['policy_version']} {v['mean_score']:.3f} ({v['records']})" for v in versions))
+    evals = summary["eval"]
+    if evals:
+        tasks = next(iter(evals.values()))["num_tasks"]
+        chain = " → ".join(f"{label} {_rate(entry['accuracy'])}" for label, entry in evals.items())
+        lines.append(f"held-out accuracy ({tasks} tasks, greedy): {chain}")
+        rewards = " → ".join(f"{label} {_rate(entry['mean_reward'])}" for label, entry in evals.items())
+        lines.append(f"held-out mean reward: {rewards}")
+        change = summary.get("eval_change")
+        if change:
+            lines.append(f"change in held-out accuracy, {change['from']} → {change['to']}: {change['accuracy']:+.3f}")
+    for problem in summary["diagnosis"]:
+        lines.append(f"nothing was trained: {problem}")
+    return lines
+
+
+def run(args: argparse.Namespace) -> int:
+    import sys
+
+    from agentrl.store import database_name, resolve_connection_string, sync_client
+
+    try:
+        evals = read_evals(args.eval)
+    except ValueError as error:
+        print(f"agentrl report: error: {error}", file=sys.stderr)
+        return 2
+    uri = resolve_connection_string(args.db_connection_string)
+    client = sync_client(uri, serverSelectionTimeoutMS=5000)
+    try:
+        summary = build_summary(client[database_name(uri)], args.split, evals, args.wall_s)
+    finally:
+        client.close()
+    for line in render(summary):
+        print(line)
+    if args.out:
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+        print(f"summary written to {out}")
+    return 0

@@ -1,0 +1,160 @@
+"""How far a training run has come, read from its database: the numbers of the live status line and of the run
+summary (trajectories and their rate, rewards, group decisions, the sample queue, trainer steps and ETA), and the
+diagnosis of a run that trains nothing."""
+
+from __future__ import annotations
+
+import statistics
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from pymongo.database import Database
+
+from agentrl.store.models import DBRecordData, Metric, Record, RecordStatus, Run, SampleStatus
+from agentrl.store.runs import RUN_ID
+
+ZERO_VARIANCE = "zero variance in the group"
+"""The group stage's decision for every member of a group whose rewards do not vary (``rollout.group_stage``)."""
+FINISHED = [str(s) for s in (RecordStatus.SCORED, RecordStatus.READY, RecordStatus.ABANDONED, RecordStatus.TRAINED)]
+KEPT = [str(s) for s in (RecordStatus.READY, RecordStatus.TRAINED)]
+RECENT_REWARDS = 32
+"""How many of the latest scored trajectories the status line's reward mean covers."""
+WARN_AFTER_GROUPS = 4
+WARN_DROPPED_FRACTION = 0.75
+
+
+@dataclass
+class Progress:
+    """A snapshot of one split of a run (see :func:`read_progress`)."""
+
+    trajectories: int = 0
+    running: int = 0
+    recent_reward: float | None = None
+    reward_mean: float | None = None
+    groups_kept: int = 0
+    groups_dropped: Counter[str] = field(default_factory=Counter)
+    samples_queued: int = 0
+    samples_skipped: int = 0
+    samples_trained: int = 0
+    step: int = 0
+    max_steps: int = 0
+    time_limit_s: float = 0.0
+    last_metric: dict[str, float] = field(default_factory=dict)
+    step_seconds: float | None = None
+    run_status: str | None = None
+    policy_version: int = 0
+
+    @property
+    def groups_done(self) -> int:
+        return self.groups_kept + sum(self.groups_dropped.values())
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds until ``max_steps`` at the median pace of the recent steps (None before two steps, or when the
+        trainer stops at a time limit)."""
+        if self.step_seconds is None or not self.max_steps or self.time_limit_s:
+            return None
+        return max(self.max_steps - self.step, 0) * self.step_seconds
+
+    def zero_variance_warning(self) -> str | None:
+        """A warning when most groups so far were dropped because all their samples scored the same."""
+        dropped = self.groups_dropped.get(ZERO_VARIANCE, 0)
+        if self.groups_done < WARN_AFTER_GROUPS or dropped < WARN_DROPPED_FRACTION * self.groups_done:
+            return None
+        head = (f"{dropped} of {self.groups_done} groups were dropped for zero reward variance: every sample of "
+                "those tasks got the same score, so they teach nothing. ")
+        if (self.reward_mean or 0.0) >= 0.5:
+            return head + ("Most samples succeed: use harder tasks, more samples per task (NUM_GENERATIONS) or a "
+                           "higher TEMPERATURE.")
+        return head + ("Most samples fail: give the model a warm start (WARMUP=32 in the example scripts, or `agentrl "
+                       "sft demos` + `agentrl sft upload`), use easier tasks or a shaped scorer "
+                       "(SCORER=math_format), more samples per task (NUM_GENERATIONS) or a higher TEMPERATURE.")
+
+
+def read_progress(db: Database, split: str = "train") -> Progress:
+    """The progress of ``split`` in the run stored in ``db`` (a few indexed queries; cheap enough for 1 Hz)."""
+    records = db[Record.collection]
+    progress = Progress()
+    for row in records.aggregate([{"$match": {"split": split}}, {"$group": {"_id": "$status", "n": {"$sum": 1}}}]):
+        if row["_id"] in FINISHED:
+            progress.trajectories += row["n"]
+        elif row["_id"] == str(RecordStatus.RUNNING):
+            progress.running += row["n"]
+    scored = {"split": split, "score": {"$ne": None}}
+    for row in records.aggregate([{"$match": scored}, {"$group": {"_id": None, "mean": {"$avg": "$score"}}}]):
+        progress.reward_mean = row["mean"]
+    recent = [float(doc["score"]) for doc in records.find(scored, {"score": 1}, sort=[("finished_at", -1)],
+                                                         limit=RECENT_REWARDS)]
+    if recent:
+        progress.recent_reward = sum(recent) / len(recent)
+    decisions: dict[str, set[str]] = {}
+    kept_groups: set[str] = set()
+    for doc in records.find({"split": split, "group_decision": {"$ne": None}},
+                            {"task_id": 1, "status": 1, "group_decision": 1}):
+        decisions.setdefault(doc["task_id"], set()).add(str(doc["group_decision"]))
+        if doc.get("status") in KEPT:
+            kept_groups.add(doc["task_id"])
+    progress.groups_kept = len(kept_groups)
+    for task_id, reasons in decisions.items():
+        if task_id not in kept_groups:
+            progress.groups_dropped[ZERO_VARIANCE if ZERO_VARIANCE in reasons else sorted(reasons)[0]] += 1
+    samples = db[DBRecordData.collection]
+    for row in samples.aggregate([{"$match": {"split": split}}, {"$group": {"_id": "$status", "n": {"$sum": 1}}}]):
+        if row["_id"] == str(SampleStatus.QUEUED):
+            progress.samples_queued = row["n"]
+        elif row["_id"] == str(SampleStatus.SKIPPED):
+            progress.samples_skipped = row["n"]
+        elif row["_id"] == str(SampleStatus.TRAINED):
+            progress.samples_trained = row["n"]
+    metrics = list(db[Metric.collection].find({"split": split}, {"step": 1, "values": 1, "created_at": 1},
+                                              sort=[("step", -1)], limit=6))
+    if metrics:
+        progress.step = int(metrics[0]["step"])
+        progress.last_metric = dict(metrics[0].get("values", {}))
+        times = [m["created_at"] for m in metrics]
+        gaps = [(a - b).total_seconds() for a, b in zip(times, times[1:])]
+        progress.step_seconds = statistics.median(gaps) if gaps else None
+    run = db[Run.collection].find_one({"_id": RUN_ID}, {"status": 1, "policy_version": 1, "config": 1})
+    if run is not None:
+        progress.run_status = str(run.get("status"))
+        progress.policy_version = int(run.get("policy_version") or 0)
+        config = run.get("config") or {}
+        progress.max_steps = max(int(config.get("max_steps") or 0), 0)
+        progress.time_limit_s = float(config.get("max_train_time_s") or 0.0)
+    return progress
+
+
+def diagnose(progress: Progress) -> list[str]:
+    """Why a run trained nothing (or little), in words a user can act on; empty when it trained."""
+    if progress.step > 0:
+        return []
+    if progress.trajectories == 0:
+        return ["no trajectory finished: check the sampler and engine logs (is an inference service up, and do "
+                "the tools start?)"]
+    lines = []
+    if progress.groups_done == 0:
+        lines.append(f"{progress.trajectories} trajectories finished but no group was complete: each task needs "
+                     "all its samples scored before its group is judged")
+    dropped = progress.groups_dropped.get(ZERO_VARIANCE, 0)
+    if dropped:
+        lines.append(f"{dropped} of {progress.groups_done} groups were dropped for zero reward variance (mean "
+                     f"reward {progress.reward_mean or 0:.3f}): every sample of a task scored the same, which "
+                     "gives no learning signal")
+    for reason, count in progress.groups_dropped.items():
+        if reason != ZERO_VARIANCE:
+            lines.append(f"{count} groups dropped: {reason}")
+    if progress.samples_skipped:
+        lines.append(f"{progress.samples_skipped} samples were skipped as too stale (raise --max_staleness)")
+    if progress.groups_kept and not progress.step:
+        lines.append(f"{progress.groups_kept} groups were kept but no step completed: the trainer stopped before "
+                     "a full batch was queued (see its log)")
+    return lines
+
+
+def progress_fields(progress: Progress) -> dict[str, Any]:
+    """The JSON form used by run summaries."""
+    return {"trajectories": progress.trajectories, "groups_kept": progress.groups_kept,
+            "groups_dropped": dict(progress.groups_dropped), "samples_trained": progress.samples_trained,
+            "samples_skipped_stale": progress.samples_skipped, "steps": progress.step,
+            "policy_version": progress.policy_version, "reward_mean": progress.reward_mean}

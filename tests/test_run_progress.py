@@ -1,0 +1,61 @@
+"""Run progress from the database: `agentrl watch` (live line, zero-variance warning) and `agentrl report` (the
+summary of a run, and why a run trained nothing), on a real sampler's documents."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+from agentrl.store.progress import ZERO_VARIANCE, Progress
+from rollout_fixtures import agentrl_cmd, run_env, sample_args, upload, write_mcp_config, write_script_tasks
+from test_rollout_sampler import run_sampler
+
+
+def test_the_zero_variance_warning_needs_enough_groups_mostly_dropped() -> None:
+    assert Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 3})).zero_variance_warning() is None
+    assert Progress(groups_kept=2, groups_dropped=Counter({ZERO_VARIANCE: 4})).zero_variance_warning() is None
+    failing = Progress(groups_kept=1, groups_dropped=Counter({ZERO_VARIANCE: 5}), reward_mean=0.05)
+    warning = failing.zero_variance_warning()
+    assert warning is not None and warning.startswith("5 of 6 groups were dropped for zero reward variance")
+    assert "Most samples fail" in warning and "WARMUP" in warning  # says what to do about it
+    succeeding = Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 4}), reward_mean=0.9)
+    assert "Most samples succeed: use harder tasks" in succeeding.zero_variance_warning()
+
+
+def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(
+        db_uri: str, tmp_path: Path, scripted_model_dir: Path, scripted_engine_url: str) -> None:
+    # Greedy decoding of the scripted model answers each task the same way every time: no group has variance.
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul", "bad", "coin")),
+           "--num_generations", "2")
+    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, write_mcp_config(tmp_path / "mcp.json"),
+                            "--temperature", "0"))
+    watch = subprocess.run(agentrl_cmd("watch", "--db_connection_string", db_uri, "--until_pid", "999999999"),
+                           capture_output=True, text=True, env=run_env(), timeout=60)
+    assert watch.returncode == 0, watch.stderr
+    assert "warning: 4 of 4 groups were dropped for zero reward variance" in watch.stdout
+    assert "trajectories 8 done, 0 running" in watch.stdout
+    assert "groups 0 kept, 4 dropped (4 zero variance)" in watch.stdout
+
+    eval_file = tmp_path / "eval-before.json"
+    eval_file.write_text(json.dumps({"name": "before", "num_tasks": 4, "metrics": {
+        "accuracy": 0.25, "mean_reward": 0.3, "tasks": 4, "correct": 1, "errors": 0},
+        "per_task": [{"id": "add", "correct": 1, "valid": 1}]}))
+    out = tmp_path / "summary.json"
+    report = subprocess.run(agentrl_cmd("report", "--db_connection_string", db_uri, "--eval", f"before={eval_file}",
+                                        "--wall_s", "12", "--out", str(out)),
+                            capture_output=True, text=True, env=run_env(), timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert "0 trainer steps in 0.2 min: 8 trajectories" in report.stdout
+    assert "nothing was trained: 4 of 4 groups were dropped for zero reward variance" in report.stdout
+    summary = json.loads(out.read_text())
+    assert (summary["steps"], summary["trajectories"], summary["wall_s"]) == (0, 8, 12)
+    assert summary["groups_dropped"] == {ZERO_VARIANCE: 4}
+    assert summary["eval"]["before"]["accuracy"] == 0.25 and summary["eval"]["before"]["num_tasks"] == 4
+    assert [v["policy_version"] for v in summary["reward_by_version"]] == [0]
+    assert summary["reward_by_version"][0]["records"] == 8
+
+    bad = subprocess.run(agentrl_cmd("report", "--db_connection_string", db_uri, "--eval", "before"),
+                         capture_output=True, text=True, env=run_env(), timeout=60)
+    assert bad.returncode == 2 and "expected LABEL=FILE" in bad.stderr
