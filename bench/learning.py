@@ -1,30 +1,27 @@
-"""Learning evidence: the MINIRL recipe (``minirl_example.sh``) on the built-in calculator task with the embedded
-model on CPU, and the mean reward per step.
+"""Learning evidence: SFT warm start → RL on the built-in calculator task with the embedded model on CPU, and
+held-out accuracy of the base, warmed-up and final models.
 
-The run is the example script itself, pointed at a database server this benchmark starts (so the documents stay
-readable afterwards) and stopped after ``--time_limit_s`` at the latest. Two curves come out of it:
+The run is ``minirl_example.sh`` itself with bench settings — ``--num_eval_tasks`` held-out tasks (greedy, the
+same for all three models), a warm-up on ``--warmup`` demonstrations made with the real calculator, then MINIRL
+for ``--train_time_s`` seconds (the trainer's ``--max_train_time_s``) — against a database server this
+benchmark starts, so the documents stay readable afterwards. Outputs:
 
-* **mean score per policy version**: the mean reward of *every* scored trajectory, grouped by the policy version
-  (= trainer step) that sampled it — the learning curve;
-* **trainer reward mean per step**: the mean reward of the samples each step trained on (after the group stage
-  dropped zero-variance groups, so it sits near 0.5 by construction; shown for reference).
+* ``heldout``: ``{base, sft, rl}`` (each ``{accuracy, mean_reward, correct}``) and ``num_tasks``, and
+  ``rl_minus_sft``: the paired difference of RL and SFT accuracy over the same tasks with its 95 % interval
+  (normal approximation over per-task differences); the target is ``rl_minus_sft.difference >= 0.10``;
+* ``reward_per_step``: the trainer's mean reward of the samples each step trained on, and
+  ``score_by_version``: the mean score of *all* trajectories sampled by each policy version;
+* ``samples_skipped_stale`` and the other run figures of the script's ``summary.json``;
+* ``--plot``: a PNG with the reward per step and the held-out bars.
 
-The baseline is the first three versions' mean score, measured in the same run; the target is the mean of the
-last three being at least 0.2 higher. Writes ``--out`` (JSON) and ``--plot`` (PNG).
-
-``--sft_demos N`` first fine-tunes the embedded model (CrossEntropy, ``agentrl sft upload`` + ``agentrl.train
---enable_sampling false``) on N calculator demonstrations of freshly generated tasks (another seed than the RL
-tasks): system prompt and tool instructions exactly as the sampler renders them, a ``calculate`` call with the
-task's expression, the calculator's real answer over MCP, then ``\boxed{answer}``. The RL run then starts from
-that model; its time limit does not include the warm start.
-
-    .venv/bin/python bench/learning.py [--steps 30] [--num_tasks 200] [--time_limit_s 1800] [--sft_demos 32]
+    .venv/bin/python bench/learning.py [--train_time_s 1020] [--num_eval_tasks 64] [--warmup 32]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -39,118 +36,88 @@ from pymongo import MongoClient
 from agentrl.store.embedded import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
-AGENTRL = Path(sys.executable).parent / "agentrl"
-TARGET_GAIN = 0.2
+TARGET_GAIN = 0.10
 
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=30, help="trainer steps (TRAIN_STEPS)")
-    parser.add_argument("--num_tasks", type=int, default=200, help="first N tasks of the built-in task set")
-    parser.add_argument("--num_generations", type=int, default=8)
+    parser.add_argument("--train_time_s", type=float, default=1020.0, help="RL training time (TRAIN_TIME_S)")
+    parser.add_argument("--train_steps", type=int, default=500, help="at most this many RL steps (TRAIN_STEPS)")
+    parser.add_argument("--num_eval_tasks", type=int, default=64, help="held-out tasks (NUM_EVAL_TASKS)")
+    parser.add_argument("--warmup", type=int, default=32, help="warm-up demonstrations (WARMUP)")
+    parser.add_argument("--num_tasks", type=int, default=200, help="RL tasks: first N of the built-in set")
+    parser.add_argument("--num_generations", type=int, default=4)
     parser.add_argument("--train_batch_size", type=int, default=8)
-    parser.add_argument("--max_new_tokens", type=int, default=96)
+    parser.add_argument("--max_new_tokens", type=int, default=48)
     parser.add_argument("--max_turns", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--learning_rate", type=float, default=3e-5)
-    parser.add_argument("--max_staleness", type=int, default=2, help="policy versions a sample may lag behind")
-    parser.add_argument("--time_limit_s", type=float, default=1800.0, help="stop the run after this long")
-    parser.add_argument("--sft_demos", type=int, default=0,
-                        help="warm start: fine-tune on this many calculator demonstrations first (0: none)")
-    parser.add_argument("--sft_epochs", type=int, default=1)
-    parser.add_argument("--sft_learning_rate", type=float, default=3e-5)
-    parser.add_argument("--sft_seed", type=int, default=1, help="task generator seed of the demonstrations")
+    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--max_staleness", type=int, default=1, help="policy versions a sample may lag behind")
+    parser.add_argument("--time_limit_s", type=float, default=1800.0,
+                        help="stop the whole run after this long (it should end by itself well before)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "learning.json")
     parser.add_argument("--plot", type=Path, default=ROOT / "bench" / "results" / "learning.png")
     return parser.parse_args()
 
 
-async def build_demonstrations(count: int, seed: int) -> list[dict]:
-    """Calculator demonstrations in the SFT ``messages`` format, rendered by ``agentrl sft upload`` exactly as the
-    sampler renders a rollout (same system prompt, tool instructions and ``<tool_call>`` format)."""
-    from agentrl.envs.arith import generate_arith_tasks
-    from agentrl.rollout.prompting import DEFAULT_SYSTEM_PROMPT, ANSWER_FORMATS
-    from agentrl.tools.config import MCPConfig
-    from agentrl.tools.manager import ToolManager
-
-    config = MCPConfig.model_validate({"servers": [
-        {"name": "calculator", "command": str(AGENTRL), "args": ["tools", "serve", "calculator"]}]})
-    demos = []
-    async with ToolManager(config) as tools:
-        for task in generate_arith_tasks(count, seed):
-            result = await tools.call_tool("calculate", {"expression": task["expression"]})
-            if not result.ok:
-                raise RuntimeError(f"the calculator refused {task['expression']!r}: {result.error}")
-            demos.append({"id": f"demo-{seed}-{task['id']}", "tools": tools.openai_tools(), "messages": [
-                {"role": "system", "content": f"{DEFAULT_SYSTEM_PROMPT}\n{ANSWER_FORMATS['boxed']}"},
-                {"role": "user", "content": task["query"]},
-                {"role": "assistant", "content": "", "tool_calls": [
-                    {"name": "calculate", "arguments": {"expression": task["expression"]}}]},
-                {"role": "tool", "name": "calculate", "content": result.text},
-                {"role": "assistant", "content": f"The answer is \\boxed{{{task['answer']}}}."},
-            ]})
-    return demos
-
-
-def warm_start(args: argparse.Namespace, db_uri: str, work_dir: Path) -> tuple[Path, float]:
-    """Fine-tune the embedded model on calculator demonstrations; the final model's directory and the seconds."""
-    import asyncio
-
-    started = time.monotonic()
-    demos_path = work_dir / "demos.jsonl"
-    demos_path.parent.mkdir(parents=True, exist_ok=True)
-    demos_path.write_text("".join(json.dumps(d) + "\n" for d in asyncio.run(
-        build_demonstrations(args.sft_demos, args.sft_seed))))
-    sft_uri = db_uri.rstrip("/") + "/sft-warm-start"
-    subprocess.run([str(AGENTRL), "sft", "upload", str(demos_path), "--db_connection_string", sft_uri], check=True)
-    subprocess.run([sys.executable, "-m", "agentrl.train", "--db_connection_string", sft_uri,
-                    "--loss_calculater", "CrossEntropy", "--enable_sampling", "false",
-                    "--train_batch_size", "8", "--num_train_epochs", str(args.sft_epochs),
-                    "--learning_rate", str(args.sft_learning_rate), "--save_steps", "0",
-                    "--output_dir", str(work_dir / "output")], check=True)
-    return work_dir / "output" / "final", time.monotonic() - started
-
-
-def run_recipe(args: argparse.Namespace, db_uri: str, run_dir: Path, run_name: str,
-               model: Path | None) -> tuple[int, float]:
-    """Run ``minirl_example.sh``; at the time limit stop it (it then stops everything it started)."""
-    env = {**os.environ, **({"MODEL": str(model)} if model else {}), "MONGO_URI": db_uri, "RUN_DIR": str(run_dir),
-           "TRAIN_STEPS": str(args.steps),
-           "NUM_TASKS": str(args.num_tasks), "NUM_GENERATIONS": str(args.num_generations),
-           "TRAIN_BATCH_SIZE": str(args.train_batch_size), "MAX_NEW_TOKENS": str(args.max_new_tokens),
-           "MAX_TURNS": str(args.max_turns), "TEMPERATURE": str(args.temperature),
-           "LEARNING_RATE": str(args.learning_rate), "MAX_STALENESS": str(args.max_staleness), "SAVE_STEPS": "0"}
+def run_example(args: argparse.Namespace, db_uri: str, run_dir: Path, run_name: str) -> tuple[int, float]:
+    """Run ``minirl_example.sh``; past ``--time_limit_s`` stop it (it then stops everything it started)."""
+    env = {**os.environ, "MONGO_URI": db_uri, "RUN_DIR": str(run_dir), "TRAIN_TIME_S": str(args.train_time_s),
+           "TRAIN_STEPS": str(args.train_steps), "NUM_EVAL_TASKS": str(args.num_eval_tasks),
+           "WARMUP": str(args.warmup), "NUM_TASKS": str(args.num_tasks),
+           "NUM_GENERATIONS": str(args.num_generations), "TRAIN_BATCH_SIZE": str(args.train_batch_size),
+           "MAX_NEW_TOKENS": str(args.max_new_tokens), "MAX_TURNS": str(args.max_turns),
+           "TEMPERATURE": str(args.temperature), "LEARNING_RATE": str(args.learning_rate),
+           "MAX_STALENESS": str(args.max_staleness), "SAVE_STEPS": "0"}
+    env.pop("MODEL", None)
     started = time.monotonic()
     process = subprocess.Popen([str(ROOT / "minirl_example.sh"), run_name], env=env, start_new_session=True)
     try:
         return process.wait(timeout=args.time_limit_s), time.monotonic() - started
     except subprocess.TimeoutExpired:
         print(f"time limit of {args.time_limit_s:.0f} s reached: stopping the run", flush=True)
-    elapsed = time.monotonic() - started
-    process.terminate()  # SIGTERM (SIGINT may be ignored by a script started in the background)
+    except SystemExit:  # SIGTERM: stop the run too
+        process.terminate()
+        process.wait(timeout=180)
+        raise
+    process.terminate()
     try:
-        return process.wait(timeout=180), elapsed
+        return process.wait(timeout=180), time.monotonic() - started
     except subprocess.TimeoutExpired:  # the script did not stop its processes: stop its whole session
         os.killpg(process.pid, signal.SIGKILL)
-        return process.wait(), elapsed
+        return process.wait(), time.monotonic() - started
 
 
-def collect(db_uri: str, run_name: str) -> dict:
+def paired_difference(before: dict, after: dict) -> dict:
+    """``after − before`` accuracy over the tasks both scored, with a 95 % interval (normal approximation)."""
+    first = {row["id"]: row for row in before["per_task"] if row["valid"]}
+    second = {row["id"]: row for row in after["per_task"] if row["valid"]}
+    common = sorted(set(first) & set(second))
+    diffs = [second[t]["correct"] / second[t]["valid"] - first[t]["correct"] / first[t]["valid"] for t in common]
+    if len(diffs) < 2:
+        return {"difference": None, "ci95": None, "tasks": len(diffs)}
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    half = 1.96 * sd / math.sqrt(len(diffs))
+    return {"difference": mean, "ci95": [mean - half, mean + half], "tasks": len(diffs),
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
+
+
+def wilson(correct: int, n: int) -> tuple[float, float]:
+    """95 % Wilson interval of a proportion."""
+    if n == 0:
+        return 0.0, 0.0
+    z, p = 1.96, correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def reward_per_step(db_uri: str, run_name: str) -> list[dict]:
     client = MongoClient(db_uri)
     try:
-        db = client[run_name]
-        by_version: dict[int, list[float]] = {}
-        for doc in db.Record.find({"score": {"$ne": None}}, {"policy_version": 1, "score": 1}):
-            by_version.setdefault(doc.get("policy_version") or 0, []).append(float(doc["score"]))
-        metrics = sorted(db.Metric.find({}), key=lambda m: m["step"])
-        return {
-            "score_by_version": [{"policy_version": v, "trajectories": len(s), "mean_score": statistics.fmean(s)}
-                                 for v, s in sorted(by_version.items())],
-            "trainer_steps": [{"step": m["step"], "reward_mean": m["values"].get("reward_mean"),
-                               "loss": m["values"].get("loss")} for m in metrics],
-            "outcomes": {o["_id"] or "none": o["n"] for o in db.Record.aggregate(
-                [{"$group": {"_id": "$outcome", "n": {"$sum": 1}}}])},
-        }
+        return [{"step": m["step"], "reward_mean": m["values"].get("reward_mean"), "loss": m["values"].get("loss"),
+                 "skipped_stale": m["values"].get("skipped_stale", 0.0)}
+                for m in client[run_name].Metric.find({"split": "train"}, sort=[("step", 1)])]
     finally:
         client.close()
 
@@ -161,20 +128,35 @@ def plot(result: dict, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    figure, axis = plt.subplots(figsize=(7, 4))
+    figure, (curve, bars) = plt.subplots(1, 2, figsize=(11, 4), gridspec_kw={"width_ratios": [2, 1]})
+    steps = [s for s in result["reward_per_step"] if s["reward_mean"] is not None]
+    curve.plot([s["step"] for s in steps], [s["reward_mean"] for s in steps], ".", alpha=0.4,
+               label="trained samples, per step")
+    window = 5
+    if len(steps) >= window:
+        smooth = [statistics.fmean(s["reward_mean"] for s in steps[i - window + 1:i + 1])
+                  for i in range(window - 1, len(steps))]
+        curve.plot([s["step"] for s in steps[window - 1:]], smooth, "-", label=f"trained samples, mean of {window}")
     versions = result["score_by_version"]
-    axis.plot([v["policy_version"] for v in versions], [v["mean_score"] for v in versions], "o-",
-              label="mean score of all trajectories, by policy version")
-    steps = [s for s in result["trainer_steps"] if s["reward_mean"] is not None]
-    axis.plot([s["step"] for s in steps], [s["reward_mean"] for s in steps], "s--", alpha=0.6,
-              label="mean reward of the trained samples, by step")
-    axis.set_xlabel("policy version / trainer step")
-    axis.set_ylabel("reward")
-    axis.set_ylim(-0.02, 1.02)
-    demos = result["config"].get("sft_demos")
-    warm = f"\nstarting from SFT on {demos} calculator demonstrations" if demos else ""
-    axis.set_title(f"MINIRL, embedded SmolLM2-135M, calculator task (CPU){warm}", fontsize=10)
-    axis.legend(loc="upper left", fontsize=8)
+    curve.plot([v["policy_version"] for v in versions], [v["mean_score"] for v in versions], "s--", alpha=0.6,
+               markersize=3, label="all trajectories, by policy version")
+    curve.set_xlabel("trainer step / policy version")
+    curve.set_ylabel("reward (math_format)")
+    curve.set_ylim(-0.02, 1.02)
+    curve.legend(fontsize=8, loc="upper left")
+    curve.set_title("MINIRL reward during training", fontsize=10)
+    heldout = result["heldout"]
+    labels = [label for label in ("base", "sft", "rl") if heldout.get(label)]
+    values = [heldout[label]["accuracy"] or 0.0 for label in labels]
+    intervals = [wilson(heldout[label]["correct"] or 0, heldout["num_tasks"]) for label in labels]
+    errors = [[v - low for v, (low, _) in zip(values, intervals)], [high - v for v, (_, high) in zip(values, intervals)]]
+    bars.bar(["base", "SFT warm-up", "SFT + RL"][:len(labels)], values, yerr=errors, capsize=4,
+             color=["#999999", "#6a9fd4", "#2a7f3f"][:len(labels)])
+    for index, value in enumerate(values):
+        bars.text(index + 0.42, value, f"{value:.3f}", ha="right", va="bottom", fontsize=9)
+    bars.set_ylim(0, 1)
+    bars.set_title(f"held-out accuracy, {heldout['num_tasks']} tasks, greedy (95% CI)", fontsize=10)
+    figure.suptitle("Embedded SmolLM2-135M on CPU (2 cores), calculator tool: SFT warm start → MINIRL", fontsize=11)
     figure.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(path, dpi=100)
@@ -182,44 +164,53 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> int:
     args = parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwind: stop the run and the database server
     run_name = f"learning-{time.strftime('%Y%m%d-%H%M%S')}"
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-learning-") as tmp:
         server = embedded_server(Path(tmp) / "db", port=0)
         server.start()
         try:
-            model, sft_s = warm_start(args, server.uri(), Path(tmp) / "sft") if args.sft_demos else (None, 0.0)
-            code, elapsed = run_recipe(args, server.uri(), Path(tmp) / "run", run_name, model)
-            result = collect(server.uri(), run_name)
+            run_dir = Path(tmp) / "run"
+            code, elapsed = run_example(args, server.uri(), run_dir, run_name)
+            summary_file = run_dir / "summary.json"
+            if not summary_file.is_file():
+                print(f"the run wrote no summary (exit code {code}); logs were in {run_dir / 'logs'}")
+                return 1
+            summary = json.loads(summary_file.read_text())
+            steps = reward_per_step(server.uri(), run_name)
         finally:
             server.stop()
-    versions = result["score_by_version"]
-    first = [v["mean_score"] for v in versions[:3]]
-    last = [v["mean_score"] for v in versions[-3:]]
-    result.update(config=vars(args) | {"out": str(args.out), "plot": str(args.plot)}, exit_code=code,
-                  wall_s=elapsed, warm_start_s=sft_s, first3_mean=statistics.fmean(first) if first else None,
-                  last3_mean=statistics.fmean(last) if last else None)
-    gain = (result["last3_mean"] - result["first3_mean"]) if first and last else None
-    result["gain"] = gain
+    evals = summary["eval"]
+    heldout = {"num_tasks": args.num_eval_tasks}
+    for label, key in (("base", "before"), ("sft", "warmup"), ("rl", "after")):
+        entry = evals.get(key)
+        heldout[label] = entry and {"accuracy": entry["accuracy"], "mean_reward": entry["mean_reward"],
+                                    "correct": entry["correct"]}
+    if evals.get("warmup") and evals.get("after"):
+        heldout["rl_minus_sft"] = paired_difference(evals["warmup"], evals["after"])
+    result = {"config": vars(args) | {"out": str(args.out), "plot": str(args.plot)}, "exit_code": code,
+              "wall_s": elapsed, "heldout": heldout, "reward_per_step": steps,
+              "score_by_version": summary["reward_by_version"],
+              **{key: summary[key] for key in ("steps", "trajectories", "samples_trained", "samples_skipped_stale",
+                                               "groups_kept", "groups_dropped")}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.plot)
 
-    warm = f" after a {sft_s:.0f} s warm start on {args.sft_demos} demonstrations" if args.sft_demos else ""
-    print(f"\nrun {run_name}: exit code {code}, {elapsed:.0f} s{warm}; outcomes {result['outcomes']}")
-    print("| policy version | trajectories | mean score | trainer reward mean (step) | loss |")
-    print("|---:|---:|---:|---:|---:|")
-    steps = {s["step"]: s for s in result["trainer_steps"]}
-    for v in versions:
-        step = steps.get(v["policy_version"] + 1, {})
-        reward, loss = step.get("reward_mean"), step.get("loss")
-        print(f"| {v['policy_version']} | {v['trajectories']} | {v['mean_score']:.3f} | "
-              f"{'-' if reward is None else f'{reward:.3f}'} | {'-' if loss is None else f'{loss:.4f}'} |")
-    if gain is None:
-        print("no scored trajectories: nothing to compare")
-    else:
-        verdict = "meets" if gain >= TARGET_GAIN else "misses"
-        print(f"mean score, first 3 versions {result['first3_mean']:.3f} → last 3 {result['last3_mean']:.3f}: "
-              f"gain {gain:+.3f} ({verdict} the +{TARGET_GAIN} target)")
+    print(f"\nrun {run_name}: exit code {code}, {elapsed / 60:.1f} min, {result['steps']} RL steps, "
+          f"{result['trajectories']} trajectories, {result['samples_trained']} samples trained, "
+          f"{result['samples_skipped_stale']} skipped as stale")
+    print("| model | held-out accuracy | mean reward |\n|---|---:|---:|")
+    for label in ("base", "sft", "rl"):
+        if heldout.get(label):
+            print(f"| {label} | {heldout[label]['accuracy']:.3f} ({heldout[label]['correct']}/{args.num_eval_tasks}) "
+                  f"| {heldout[label]['mean_reward']:.3f} |")
+    paired = heldout.get("rl_minus_sft")
+    if paired and paired["difference"] is not None:
+        verdict = "meets" if paired["difference"] >= TARGET_GAIN else "misses"
+        low, high = paired["ci95"]
+        print(f"RL − SFT held-out accuracy: {paired['difference']:+.3f} (95% CI {low:+.3f} … {high:+.3f}; "
+              f"{paired['better']} tasks better, {paired['worse']} worse) — {verdict} the +{TARGET_GAIN:.2f} target")
     print(f"wrote {args.out} and {args.plot}")
     return 0 if code == 0 else 1
 

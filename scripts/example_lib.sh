@@ -70,14 +70,15 @@ run_and_wait() {
   return "$status"
 }
 
-# use_database: DB_URI from MONGO_URI (a server; the run name becomes the database) or the embedded server.
+# use_database: DB_URI from MONGO_URI (a server; the run name becomes the database) or the embedded server;
+# database_uri NAME gives the URI of another database on the same server.
 use_database() {
   if [ -n "${MONGO_URI:-}" ]; then
     local base=${MONGO_URI%%\?*}
     local query=${MONGO_URI:${#base}}
-    base=${base%/}
-    DB_URI="$base/$RUN_NAME$query"
-    log "database: MongoDB at ${base##*@} (database $RUN_NAME)"
+    DB_BASE=${base%/} DB_QUERY=$query
+    DB_URI=$(database_uri "$RUN_NAME")
+    log "database: MongoDB at ${DB_BASE##*@} (database $RUN_NAME)"
   else
     # A server of its own per run (data in the run directory), so runs never share or stop each other's server.
     local data_dir=${AGENTRL_DB_DIR:-"$RUN_DIR/db"} port_flags=()
@@ -92,10 +93,13 @@ use_database() {
     local server
     server=$("$AGENTRL" db start --data_dir "$data_dir" "${port_flags[@]}" | tail -n 1)
     case $server in mongodb://*) ;; *) log "the embedded database did not start: $server"; exit 1 ;; esac
-    DB_URI="${server%/}/$RUN_NAME"
+    DB_BASE=${server%/} DB_QUERY=""
+    DB_URI=$(database_uri "$RUN_NAME")
     log "database: embedded NX-27017 server $server (data in $data_dir, database $RUN_NAME)"
   fi
 }
+
+database_uri() { printf '%s/%s%s' "$DB_BASE" "$1" "$DB_QUERY"; }
 
 # use_inference: the SGLang servers in SGLANG_URLS, or an `agentrl engine` on MODEL started here (ENGINE_URL);
 # SAMPLER_INFERENCE_FLAGS holds the matching `--inference_urls` flag.
@@ -181,9 +185,8 @@ trainer_command() {
 summary() {
   local output_dir=$1
   echo
-  "$AGENTRL" status --db_connection_string "$DB_URI" || true
-  echo
   log "run $RUN_NAME finished"
+  echo "  summary:           $RUN_DIR/summary.json   (agentrl status --db_connection_string '$DB_URI' for the details)"
   echo "  trained model:     $output_dir/final   (agentrl chat --model_name_or_path $output_dir/final)"
   echo "  checkpoints:       $output_dir/checkpoint-*"
   echo "  trajectories:      database $RUN_NAME — agentrl export --db_connection_string '$DB_URI' --out records.jsonl"
@@ -194,31 +197,141 @@ summary() {
   echo "  logs:              $RUN_DIR/logs"
 }
 
-# rl_example LOSS_NAME TRAINER_LOSS_FLAGS...: the whole training example (database, tools, tasks, inference,
-# samplers, trainer, summary) with the given loss flags; configured by the variables of the calling script.
+# held_out_eval LABEL MODEL_FLAGS...: score the first NUM_EVAL_TASKS held-out tasks (greedy, fixed seed) with the
+# model the flags name (--model_name_or_path DIR: an engine started for it; --inference_urls: live services);
+# the result goes to $RUN_DIR/eval-LABEL.json and EVAL_RESULTS.
+held_out_eval() {
+  local label=$1
+  shift
+  local out="$RUN_DIR/eval-$label.json" started=$SECONDS
+  log "held-out evaluation ($label): ${NUM_EVAL_TASKS} tasks of $(basename "$EVAL_TASKS"), greedy (log $RUN_DIR/logs/eval-$label.log)"
+  "$AGENTRL" eval --tasks "$EVAL_TASKS" --limit "$NUM_EVAL_TASKS" --name "$RUN_NAME $label" \
+    --db_connection_string "$DB_URI" --mcp_config "$MCP_CONFIG" --answer_schema boxed \
+    --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --temperature 0 --seed 0 --force \
+    --engine_args "--num_threads ${ENGINE_THREADS:-2}" --output "$out" "$@" >"$RUN_DIR/logs/eval-$label.log" 2>&1 ||
+    { tail -n 20 "$RUN_DIR/logs/eval-$label.log"; log "the held-out evaluation ($label) failed"; exit 1; }
+  EVAL_RESULTS+=(--eval "$label=$out")
+  "$PYTHON" - "$out" "$label" "$((SECONDS - started))" <<'PY'
+import json, sys
+data, label, seconds = json.load(open(sys.argv[1])), sys.argv[2], sys.argv[3]
+m = data["metrics"]
+rate = lambda v: "-" if v is None else f"{v:.3f}"
+print(f"  {label}: accuracy {rate(m['accuracy'])} ({m['correct']}/{m['valid_samples']}), mean reward "
+      f"{rate(m['mean_reward'])}, {m['errors']} errors ({seconds} s)")
+PY
+}
+
+# warm_up MODEL_DIR: supervised warm start on WARMUP demonstrations of WARMUP_TASKS made with the real tools
+# (`agentrl sft demos`), trained with CrossEntropy in a database of its own; WARM_MODEL is the result.
+warm_up() {
+  local base=$1 dir="$RUN_DIR/warmup" started=$SECONDS
+  local warm_db
+  warm_db=$(database_uri "$RUN_NAME-warmup")
+  log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") (real calculator calls; log $RUN_DIR/logs/warmup.log)"
+  mkdir -p "$dir"
+  {
+    "$AGENTRL" sft demos "$WARMUP_TASKS" --limit "$WARMUP" --answer_schema boxed --tools "" \
+      --mcp_config "$MCP_CONFIG" --out "$dir/demos.jsonl" &&
+    "$AGENTRL" sft upload "$dir/demos.jsonl" --db_connection_string "$warm_db" ${base:+--model_name_or_path "$base"} &&
+    "$PYTHON" -m agentrl.train --db_connection_string "$warm_db" ${base:+--model_name_or_path "$base"} \
+      --loss_calculater CrossEntropy --enable_sampling false --train_batch_size 8 \
+      --num_train_epochs "${WARMUP_EPOCHS:-1}" --learning_rate "${WARMUP_LEARNING_RATE:-1e-4}" --save_steps 0 \
+      --num_threads "${WARMUP_THREADS:-2}" --output_dir "$dir"
+  } >"$RUN_DIR/logs/warmup.log" 2>&1 || { tail -n 20 "$RUN_DIR/logs/warmup.log"; log "the warm-up failed"; exit 1; }
+  grep -o 'step [0-9]* | loss [0-9.e-]*' "$RUN_DIR/logs/warmup.log" | tr '\n' ';' | sed 's/;$/\n/; s/;/; /g; s/^/  /'
+  WARM_MODEL="$dir/final"
+  log "warm-up done in $((SECONDS - started)) s: $WARM_MODEL"
+}
+
+# load_weights MODEL_DIR URL,...: make the given inference services serve MODEL_DIR as weight version 0.
+load_weights() {
+  "$PYTHON" - "$1" "$2" <<'PY'
+import asyncio, sys
+from agentrl.inference.client import SGLangClient
+
+async def main(path: str, urls: str) -> None:
+    for url in filter(None, urls.split(",")):
+        async with SGLangClient(url) as client:
+            await client.update_weights_from_disk(path, weight_version="0")
+
+asyncio.run(main(sys.argv[1], sys.argv[2]))
+PY
+}
+
+# rl_example LOSS_NAME TRAINER_LOSS_FLAGS...: the whole training example with the given loss flags, configured by
+# the variables of the calling script: database, tools, tasks, held-out evaluation of the starting model, warm-up
+# (SFT on demonstrations), RL (inference, samplers, trainer, live status line), held-out evaluation of the final
+# model, summary (runs/RUN_NAME/summary.json).
 rl_example() {
   local loss_name=$1
   shift
+  local run_started=$SECONDS
   OUTPUT_DIR=${OUTPUT_DIR:-"$RUN_DIR/output"}
   TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-4}
   TEMPERATURE=${TEMPERATURE:-0.7}
   SCORER=${SCORER-math_format}
   MAX_STALENESS=${MAX_STALENESS:-1}
+  MAX_TURNS=${MAX_TURNS:-2}
+  MAX_NEW_TOKENS=${MAX_NEW_TOKENS:-48}
+  EVAL_TASKS=${EVAL_TASKS:-"$ROOT/assets/tasks/arith_heldout.jsonl"}
+  NUM_EVAL_TASKS=${NUM_EVAL_TASKS:-16}
+  WARMUP_TASKS=${WARMUP_TASKS:-"$ROOT/assets/tasks/arith_warmup.jsonl"}
+  WARMUP=${WARMUP:-$([ -z "${MODEL:-}" ] && echo 24 || echo 0)}  # the embedded model needs it; yours: if asked
+  EVAL_RESULTS=()
 
   use_database
   use_tools
-  upload_tasks "${TASKS:-$ROOT/assets/tasks/arith_tools.jsonl}" train "${NUM_GENERATIONS:-4}" "${NUM_TASKS:-16}"
-  use_inference
-  start_samplers "${NUM_SAMPLERS:-1}" --max_concurrent_samples_per_process "${SAMPLES_PER_SAMPLER:-16}" \
-    --max_turns "${MAX_TURNS:-2}" --max_new_tokens "${MAX_NEW_TOKENS:-96}" --temperature "$TEMPERATURE" \
-    --train_batch_size "$TRAIN_BATCH_SIZE" --max_staleness "$MAX_STALENESS" ${EXTRA_SAMPLE_FLAGS:-}
+  upload_tasks "${TASKS:-$ROOT/assets/tasks/arith_tools.jsonl}" train "${NUM_GENERATIONS:-4}" "${NUM_TASKS:-64}"
+  if [ "$NUM_EVAL_TASKS" != "0" ]; then
+    if [ -n "${SGLANG_URLS:-}" ]; then
+      held_out_eval before --inference_urls "$SGLANG_URLS" ${MODEL:+--model_name_or_path "$MODEL"}
+    else
+      held_out_eval before ${MODEL:+--model_name_or_path "$MODEL"}
+    fi
+  fi
+  local start_model=${MODEL:-}
+  if [ "$WARMUP" != "0" ]; then
+    warm_up "${MODEL:-}"
+    start_model=$WARM_MODEL
+    if [ -n "${SGLANG_URLS:-}" ]; then
+      load_weights "$WARM_MODEL" "$SGLANG_URLS"
+      log "inference: the SGLang servers now serve $WARM_MODEL"
+    fi
+  fi
+  MODEL=$start_model use_inference
+  if [ "$WARMUP" != "0" ] && [ "$NUM_EVAL_TASKS" != "0" ]; then
+    held_out_eval warmup --inference_urls "${SAMPLER_INFERENCE_FLAGS[1]}" --model_name_or_path "$start_model"
+  fi
+  MODEL=$start_model start_samplers "${NUM_SAMPLERS:-1}" \
+    --max_concurrent_samples_per_process "${SAMPLES_PER_SAMPLER:-16}" --max_turns "$MAX_TURNS" \
+    --max_new_tokens "$MAX_NEW_TOKENS" --temperature "$TEMPERATURE" --train_batch_size "$TRAIN_BATCH_SIZE" \
+    --max_staleness "$MAX_STALENESS" ${EXTRA_SAMPLE_FLAGS:-}
 
   trainer_command
-  log "trainer: $loss_name, up to ${TRAIN_STEPS:-8} steps of $TRAIN_BATCH_SIZE samples (output $OUTPUT_DIR)"
-  run_and_wait trainer "${TRAINER[@]}" --db_connection_string "$DB_URI" ${MODEL:+--model_name_or_path "$MODEL"} \
-    --output_dir "$OUTPUT_DIR" "$@" --learning_rate "${LEARNING_RATE:-1e-5}" \
-    --train_batch_size "$TRAIN_BATCH_SIZE" --max_steps "${TRAIN_STEPS:-8}" --temperature "$TEMPERATURE" \
-    --max_staleness "$MAX_STALENESS" --save_steps "${SAVE_STEPS:-2}" --num_threads "${TRAINER_THREADS:-1}" \
-    ${EXTRA_TRAIN_FLAGS:-} || { log "the trainer failed (log $RUN_DIR/logs/trainer.log)"; exit 1; }
+  log "trainer: $loss_name, up to ${TRAIN_STEPS:-8} steps of $TRAIN_BATCH_SIZE samples (log $RUN_DIR/logs/trainer.log, output $OUTPUT_DIR)"
+  start_background trainer "${TRAINER[@]}" --db_connection_string "$DB_URI" \
+    ${start_model:+--model_name_or_path "$start_model"} --output_dir "$OUTPUT_DIR" "$@" \
+    --learning_rate "${LEARNING_RATE:-1e-5}" --train_batch_size "$TRAIN_BATCH_SIZE" --max_steps "${TRAIN_STEPS:-8}" \
+    --temperature "$TEMPERATURE" --max_staleness "$MAX_STALENESS" --save_steps "${SAVE_STEPS:-8}" \
+    --num_threads "${TRAINER_THREADS:-1}" ${TRAIN_TIME_S:+--max_train_time_s "$TRAIN_TIME_S"} ${EXTRA_TRAIN_FLAGS:-}
+  local trainer_pid=${STARTED_PIDS[-1]} status=0
+  # The live status line runs in the background so that a signal to this script is handled at once (`wait`
+  # returns on a trapped signal; a foreground command would delay the trap until it exits).
+  "$AGENTRL" watch --db_connection_string "$DB_URI" --until_pid "$trainer_pid" --label "$loss_name" &
+  STARTED_PIDS+=($!)
+  STARTED_NAMES+=(watch)
+  wait "${STARTED_PIDS[-1]}" || true
+  wait "$trainer_pid" || status=$?
+  if [ "$status" != 0 ]; then
+    tail -n 30 "$RUN_DIR/logs/trainer.log"
+    log "the trainer failed with exit status $status (log $RUN_DIR/logs/trainer.log)"
+    exit 1
+  fi
+  if [ "$NUM_EVAL_TASKS" != "0" ]; then
+    held_out_eval after --inference_urls "${SAMPLER_INFERENCE_FLAGS[1]}" --model_name_or_path "$OUTPUT_DIR/final"
+  fi
+  echo
+  "$AGENTRL" report --db_connection_string "$DB_URI" "${EVAL_RESULTS[@]}" --wall_s "$((SECONDS - run_started))" \
+    --out "$RUN_DIR/summary.json"
   summary "$OUTPUT_DIR"
 }
