@@ -28,7 +28,7 @@
 #   TEMPERATURE        sampling temperature (0.7)    SAVE_STEPS      checkpoint every N steps (8)
 #   TRAIN_STEPS        at most this many optimiser steps (8); the run also ends when every task is sampled
 #   TRAIN_TIME_S       stop training after the step that passes this many seconds (default: no limit)
-#   TRAIN_BATCH_SIZE   samples per step (4)          LEARNING_RATE   (1e-5)
+#   TRAIN_BATCH_SIZE   samples per step (4)          LEARNING_RATE   (5e-6)
 #   MAX_STALENESS      policy versions a sample may lag behind (1)
 #   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
 #   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)

@@ -311,7 +311,7 @@ rl_example() {
   log "trainer: $loss_name, up to ${TRAIN_STEPS:-8} steps of $TRAIN_BATCH_SIZE samples (log $RUN_DIR/logs/trainer.log, output $OUTPUT_DIR)"
   start_background trainer "${TRAINER[@]}" --db_connection_string "$DB_URI" \
     ${start_model:+--model_name_or_path "$start_model"} --output_dir "$OUTPUT_DIR" "$@" \
-    --learning_rate "${LEARNING_RATE:-1e-5}" --train_batch_size "$TRAIN_BATCH_SIZE" --max_steps "${TRAIN_STEPS:-8}" \
+    --learning_rate "${LEARNING_RATE:-5e-6}" --train_batch_size "$TRAIN_BATCH_SIZE" --max_steps "${TRAIN_STEPS:-8}" \
     --temperature "$TEMPERATURE" --max_staleness "$MAX_STALENESS" --save_steps "${SAVE_STEPS:-8}" \
     --num_threads "${TRAINER_THREADS:-1}" ${TRAIN_TIME_S:+--max_train_time_s "$TRAIN_TIME_S"} ${EXTRA_TRAIN_FLAGS:-}
   local trainer_pid=${STARTED_PIDS[-1]} status=0

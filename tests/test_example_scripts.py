@@ -43,7 +43,7 @@ def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(tmp_path: 
     assert "MINIRL step 1/1 trained, 4 samples" in out and "run ci_minirl finished" in out, out[-4000:]
     # held-out evaluation of the starting, warmed-up and final models, and the change, in the summary
     assert "held-out accuracy (2 tasks, greedy): before 1.000 → warmup 1.000 → after" in out, out[-4000:]
-    assert "change in held-out accuracy, before → after:" in out
+    assert "change in held-out accuracy: before → warmup +0.000, warmup → after " in out
     assert (run_dir / "output" / "final" / "config.json").is_file()
     assert (run_dir / "output" / "checkpoint-1").is_dir()
     assert (run_dir / "warmup" / "final" / "config.json").is_file()

@@ -16,12 +16,12 @@ from test_rollout_sampler import run_sampler
 def test_the_zero_variance_warning_needs_enough_groups_mostly_dropped() -> None:
     assert Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 3})).zero_variance_warning() is None
     assert Progress(groups_kept=2, groups_dropped=Counter({ZERO_VARIANCE: 4})).zero_variance_warning() is None
-    failing = Progress(groups_kept=1, groups_dropped=Counter({ZERO_VARIANCE: 5}), reward_mean=0.05)
+    failing = Progress(groups_kept=1, groups_dropped=Counter({ZERO_VARIANCE: 5}), zero_variance_solved=1)
     warning = failing.zero_variance_warning()
     assert warning is not None and warning.startswith("5 of 6 groups were dropped for zero reward variance")
-    assert "Most samples fail" in warning and "WARMUP" in warning  # says what to do about it
-    succeeding = Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 4}), reward_mean=0.9)
-    assert "Most samples succeed: use harder tasks" in succeeding.zero_variance_warning()
+    assert "never solved" in warning and "WARMUP" in warning  # says what to do about it
+    solved = Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 4}), zero_variance_solved=3)
+    assert "always solved: use harder tasks" in solved.zero_variance_warning()
 
 
 def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(

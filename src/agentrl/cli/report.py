@@ -91,7 +91,11 @@ def render(summary: dict[str, Any]) -> list[str]:
         lines.append(f"held-out mean reward: {rewards}")
         change = summary.get("eval_change")
         if change:
-            lines.append(f"change in held-out accuracy, {change['from']} → {change['to']}: {change['accuracy']:+.3f}")
+            labels = list(evals)
+            steps = [f"{a} → {b} {evals[b]['accuracy'] - evals[a]['accuracy']:+.3f}" for a, b in zip(labels, labels[1:])
+                     if evals[a]["accuracy"] is not None and evals[b]["accuracy"] is not None]
+            total = f" (in all {change['accuracy']:+.3f})" if len(labels) > 2 else ""
+            lines.append(f"change in held-out accuracy: {', '.join(steps)}{total}")
     for problem in summary["diagnosis"]:
         lines.append(f"nothing was trained: {problem}")
     return lines

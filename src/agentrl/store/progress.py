@@ -18,6 +18,8 @@ ZERO_VARIANCE = "zero variance in the group"
 """The group stage's decision for every member of a group whose rewards do not vary (``rollout.group_stage``)."""
 FINISHED = [str(s) for s in (RecordStatus.SCORED, RecordStatus.READY, RecordStatus.ABANDONED, RecordStatus.TRAINED)]
 KEPT = [str(s) for s in (RecordStatus.READY, RecordStatus.TRAINED)]
+SOLVED = 0.5
+"""A score at least this high is a success (as for evaluation accuracy)."""
 RECENT_REWARDS = 32
 """How many of the latest scored trajectories the status line's reward mean covers."""
 WARN_AFTER_GROUPS = 4
@@ -34,6 +36,8 @@ class Progress:
     reward_mean: float | None = None
     groups_kept: int = 0
     groups_dropped: Counter[str] = field(default_factory=Counter)
+    zero_variance_solved: int = 0
+    """of the groups dropped for zero variance, those whose samples all succeeded (the others all failed)"""
     samples_queued: int = 0
     samples_skipped: int = 0
     samples_trained: int = 0
@@ -64,10 +68,10 @@ class Progress:
             return None
         head = (f"{dropped} of {self.groups_done} groups were dropped for zero reward variance: every sample of "
                 "those tasks got the same score, so they teach nothing. ")
-        if (self.reward_mean or 0.0) >= 0.5:
-            return head + ("Most samples succeed: use harder tasks, more samples per task (NUM_GENERATIONS) or a "
-                           "higher TEMPERATURE.")
-        return head + ("Most samples fail: give the model a warm start (WARMUP=32 in the example scripts, or `agentrl "
+        if 2 * self.zero_variance_solved > dropped:
+            return head + ("Most of them were always solved: use harder tasks, more samples per task "
+                           "(NUM_GENERATIONS) or a higher TEMPERATURE.")
+        return head + ("Most of them were never solved: give the model a warm start (WARMUP=32 in the example scripts, or `agentrl "
                        "sft demos` + `agentrl sft upload`), use easier tasks or a shaped scorer "
                        "(SCORER=math_format), more samples per task (NUM_GENERATIONS) or a higher TEMPERATURE.")
 
@@ -90,12 +94,16 @@ def read_progress(db: Database, split: str = "train") -> Progress:
         progress.recent_reward = sum(recent) / len(recent)
     decisions: dict[str, set[str]] = {}
     kept_groups: set[str] = set()
+    solved: set[str] = set()
     for doc in records.find({"split": split, "group_decision": {"$ne": None}},
-                            {"task_id": 1, "status": 1, "group_decision": 1}):
+                            {"task_id": 1, "status": 1, "group_decision": 1, "score": 1}):
         decisions.setdefault(doc["task_id"], set()).add(str(doc["group_decision"]))
         if doc.get("status") in KEPT:
             kept_groups.add(doc["task_id"])
+        if doc.get("group_decision") == ZERO_VARIANCE and (doc.get("score") or 0.0) >= SOLVED:
+            solved.add(doc["task_id"])
     progress.groups_kept = len(kept_groups)
+    progress.zero_variance_solved = len(solved)
     for task_id, reasons in decisions.items():
         if task_id not in kept_groups:
             progress.groups_dropped[ZERO_VARIANCE if ZERO_VARIANCE in reasons else sorted(reasons)[0]] += 1
