@@ -8,7 +8,8 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
-from agentrl.store.progress import ZERO_VARIANCE, Progress
+from agentrl.store.models import ZERO_VARIANCE_DECISION as ZERO_VARIANCE
+from agentrl.store.progress import Progress
 from rollout_fixtures import agentrl_cmd, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from test_rollout_sampler import run_sampler
 

@@ -30,6 +30,8 @@ from scripted_model import calculator_config
 from test_rollout_sampler import run_sampler
 
 DEFAULTS = UploadDefaults(scorer="math", answer_schema="boxed")
+CALL = "<tool_call>{}</tool_call>"
+"""How the model writes a call (what the ``qwen`` parser reads), written out here independently of the code."""
 
 
 def demos_cli(*args: str) -> subprocess.CompletedProcess:
@@ -47,12 +49,13 @@ def rollout_rendering(tokenizer, demo: dict, tools: list[dict], task) -> tuple[l
     for index, message in enumerate(turns):
         if message["role"] != "assistant":
             continue
-        out_ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+        text = message["content"] or "".join(CALL.format(json.dumps(c)) for c in message["tool_calls"])
+        out_ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         ids += out_ids
         mask += [1] * len(out_ids)
         following = [m for m in turns[index + 1:index + 2] if m["role"] == "tool"]
         if following:
-            delta = conversation.append(out_ids, message["content"],
+            delta = conversation.append(out_ids, text,
                                         [{"role": "tool", "name": m["name"], "content": m["content"]}
                                          for m in following])
             assert not delta.new_branch
@@ -72,8 +75,8 @@ async def test_demonstrations_render_exactly_as_rollouts_with_real_results(tmp_p
             task = parse_entry(raw, DEFAULTS, order)
             demo = await demonstrate(task, tools)
             call, result, answer = demo["messages"][2], demo["messages"][3], demo["messages"][4]
-            # The call is the task's expression in the parser's format; the result is the real calculator's answer.
-            parsed = parser.parse(call["content"]).calls
+            # The call is the task's expression; the result is the real calculator's answer.
+            parsed = parser.parse(CALL.format(json.dumps(call["tool_calls"][0]))).calls
             assert [(c.name, c.arguments, c.error) for c in parsed] == [
                 ("calculate", {"expression": raw["expression"]}, None)]
             assert math_score(f"\\boxed{{{result['content']}}}", raw["answer"]) == 1.0

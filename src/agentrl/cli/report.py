@@ -72,9 +72,11 @@ def _rate(value: float | None) -> str:
 
 def render(summary: dict[str, Any]) -> list[str]:
     """The summary in words (what the example scripts print at the end)."""
+    from agentrl.store.progress import reason_label
+
     wall = f" in {summary['wall_s'] / 60:.1f} min" if summary.get("wall_s") else ""
     dropped = summary["groups_dropped"]
-    why = (" (" + ", ".join(f"{n} {reason}" for reason, n in dropped.items()) + ")") if dropped else ""
+    why = (" (" + ", ".join(f"{n} {reason_label(reason)}" for reason, n in dropped.items()) + ")") if dropped else ""
     lines = [f"{summary['steps']} trainer steps{wall}: {summary['trajectories']} trajectories, "
              f"{summary['samples_trained']} samples trained, {summary['samples_skipped_stale']} skipped as stale; "
              f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}"]
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+        partial = out.with_name(out.name + ".partial")
+        partial.write_text(json.dumps(summary, indent=2, default=str) + "\n", encoding="utf-8")
+        partial.replace(out)  # a complete summary or none
         print(f"summary written to {out}")
     return 0

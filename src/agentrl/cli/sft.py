@@ -138,7 +138,7 @@ def run_demos(args: argparse.Namespace) -> int:
     import json
     from pathlib import Path
 
-    from agentrl.rollout.demonstrations import DemonstrationError, demo_calls, demonstrate
+    from agentrl.rollout.demonstrations import DemonstrationError, check, demonstrate
     from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file
     from agentrl.tools import ToolManager
     from agentrl.tools.config import MCPConfig, builtin_servers_config, load_mcp_config, parse_server_filter
@@ -158,9 +158,7 @@ def run_demos(args: argparse.Namespace) -> int:
     problems = []
     for line, task in entries:  # everything that can be checked without the tools, before any is started
         try:
-            demo_calls(task)
-            if not task.answer:
-                raise DemonstrationError("the task has no answer to demonstrate")
+            check(task)
         except DemonstrationError as error:
             problems.append(f"{args.tasks}:{line}: {error}")
     if problems:

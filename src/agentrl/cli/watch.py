@@ -11,7 +11,12 @@ from __future__ import annotations
 import argparse
 import os
 
+from typing import TYPE_CHECKING
+
 from agentrl.cli.options import add_db_option
+
+if TYPE_CHECKING:  # the store (pymongo) is imported when a command runs, not for `agentrl --help`
+    from agentrl.store.progress import Progress
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -44,8 +49,10 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def status_line(progress, label: str, per_minute: float | None = None) -> str:
+def status_line(progress: Progress, label: str, per_minute: float | None = None) -> str:
     """The one-line summary of a :class:`~agentrl.store.progress.Progress` (``per_minute``: trajectory rate)."""
+    from agentrl.store.progress import reason_label
+
     parts = []
     total = f"/{progress.max_steps}" if progress.max_steps else ""
     trainer = f"{label} step {progress.step}{total}"
@@ -62,8 +69,9 @@ def status_line(progress, label: str, per_minute: float | None = None) -> str:
     dropped = sum(progress.groups_dropped.values())
     groups = f"groups {progress.groups_kept} kept, {dropped} dropped"
     if dropped:
-        groups += " (" + ", ".join(f"{n} {reason}" for reason, n in progress.groups_dropped.most_common()) + ")"
-    parts.append(groups.replace("zero variance in the group", "zero variance"))
+        groups += " (" + ", ".join(f"{n} {reason_label(reason)}"
+                                   for reason, n in progress.groups_dropped.most_common()) + ")"
+    parts.append(groups)
     queue = f"queue {progress.samples_queued}"
     if progress.samples_skipped:
         queue += f", {progress.samples_skipped} skipped stale"
@@ -75,7 +83,7 @@ def status_line(progress, label: str, per_minute: float | None = None) -> str:
     return " | ".join(parts)
 
 
-def step_line(progress, label: str) -> str:
+def step_line(progress: Progress, label: str) -> str:
     """The permanent line printed when a trainer step completes."""
     metric, total = progress.last_metric, f"/{progress.max_steps}" if progress.max_steps else ""
     parts = [f"{label} step {progress.step}{total} trained"]

@@ -32,7 +32,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-CORRECT_THRESHOLD = 0.5
+from agentrl.store.models import SUCCESS_SCORE
+
+CORRECT_THRESHOLD = SUCCESS_SCORE
 UNTYPED = "untyped"
 
 FAILED_ERROR = "failed_error"

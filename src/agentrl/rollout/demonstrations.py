@@ -2,8 +2,8 @@
 
 A demonstration of a Task is the conversation a perfect agent would have: the system prompt and user prompt
 exactly as the agent loop renders them (:func:`agentrl.rollout.prompting.initial_messages`), one assistant turn
-per demonstrated tool call written in the ``<tool_call>`` format the ``qwen`` parser reads, the tool's **real**
-result (the call goes over MCP to the same server the rollouts use), and a last turn giving the Task's answer in
+per demonstrated tool call (as ``tool_calls``; the upload writes them in the ``<tool_call>`` format the ``qwen``
+parser reads, as the model is to write them), the tool's **real** result (the call goes over MCP to the same server the rollouts use), and a last turn giving the Task's answer in
 its answer schema. It is written in the OpenAI ``messages`` form that ``agentrl sft upload`` reads, which renders
 it with the chat template into the same token ids as a rollout that produced these outputs (the system message
 holds the prompt without the tool instructions; ``tools`` carries the specs, and the upload adds the
@@ -44,31 +44,30 @@ def demo_calls(task: Task) -> list[dict[str, Any]]:
     return [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls]
 
 
-def tool_call_text(name: str, arguments: dict[str, Any]) -> str:
-    """A call as the model writes it (and the ``qwen`` parser reads it)."""
-    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "</tool_call>"
+def check(task: Task) -> list[dict[str, Any]]:
+    """What can be checked without the tools: ``task``'s calls (``DemonstrationError`` if it cannot be shown)."""
+    if task.answer is None or task.answer == "":
+        raise DemonstrationError("the task has no answer to demonstrate")
+    if task.answer_schema not in ANSWER_TEMPLATES:
+        raise DemonstrationError(f"answer schema {task.answer_schema!r} has no demonstration form "
+                                 f"(known: {', '.join(ANSWER_TEMPLATES)})")
+    return demo_calls(task)
 
 
 async def demonstrate(task: Task, tools: ToolManager, *, query_prompt: str = "{query}") -> dict[str, Any]:
     """The demonstration of ``task`` in the SFT ``messages`` form (see the module docstring)."""
-    if task.answer is None or task.answer == "":
-        raise DemonstrationError("the task has no answer to demonstrate")
-    template = ANSWER_TEMPLATES.get(task.answer_schema)
-    if template is None:
-        raise DemonstrationError(f"answer schema {task.answer_schema!r} has no demonstration form "
-                                 f"(known: {', '.join(ANSWER_TEMPLATES)})")
+    calls = check(task)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt_for(task.system_prompt, task.answer_schema)},
         {"role": "user", "content": query_prompt.format(query=task.query)},
     ]
-    for call in demo_calls(task):
+    for call in calls:
         result = await tools.call_tool(call["name"], call["arguments"])
         if not result.ok:
             raise DemonstrationError(f"the tool call {call['name']}({json.dumps(call['arguments'])}) failed: "
                                      f"{result.error}")
-        messages.append({"role": "assistant", "content": tool_call_text(call["name"], call["arguments"]),
-                         "tool_calls": [call]})
+        messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         messages.append({"role": "tool", "name": call["name"], "content": result.text})
-    messages.append({"role": "assistant", "content": template.format(answer=task.answer)})
+    messages.append({"role": "assistant", "content": ANSWER_TEMPLATES[task.answer_schema].format(answer=task.answer)})
     source = task.id.split(":", 1)[-1]  # without the split prefix
     return {"id": f"demo:{source}", "task_id": source, "tools": tools.openai_tools(), "messages": messages}

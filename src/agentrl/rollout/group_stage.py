@@ -24,13 +24,13 @@ from dataclasses import dataclass, field
 
 from agentrl.rollout.config import GroupConfig
 from agentrl.store import DBRecordData, GroupLease, InvalidTransition, Record, RecordStatus, Store
+from agentrl.store.models import SUCCESS_SCORE, ZERO_VARIANCE_DECISION
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
 from agentrl.training.merge import CallTokens, merge_trajectory
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_ERRORS = ("length_limit_error", "turns_limit_error")
-RIGHT_THRESHOLD = 0.5
 
 
 @dataclass
@@ -76,7 +76,7 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
     dropped: dict[str, str] = {}
     scores = [r.score for r in records if r.score is not None]
     if len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold:
-        return {}, {r.id: "zero variance in the group" for r in records}, {}
+        return {}, {r.id: ZERO_VARIANCE_DECISION for r in records}, {}
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
     candidates = []
     for record in records:
@@ -84,8 +84,8 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
             dropped[record.id] = "failed_error"
         else:
             candidates.append(record)
-    right = [r for r in candidates if r.score >= RIGHT_THRESHOLD]
-    wrong = [r for r in candidates if r.score < RIGHT_THRESHOLD]
+    right = [r for r in candidates if r.score >= SUCCESS_SCORE]
+    wrong = [r for r in candidates if r.score < SUCCESS_SCORE]
     if cfg.balance_sample:
         least = min(len(right), len(wrong))
         for group, extra, label in ((wrong, 1, "wrong"), (right, 2, "right")):

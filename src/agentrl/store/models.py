@@ -126,6 +126,12 @@ RECORD_TRANSITIONS: dict[RecordStatus, frozenset[RecordStatus]] = {
 """Allowed Record transitions (DESIGN §3: running → completed | failed → scored → ready | abandoned → trained)."""
 
 
+SUCCESS_SCORE = 0.5
+"""A trajectory scoring at least this is a success: right for the group stage, correct for evaluations."""
+ZERO_VARIANCE_DECISION = "zero variance in the group"
+"""``Record.group_decision`` of every member of a train group whose rewards do not vary (dropped)."""
+
+
 class Record(Document):
     """One trajectory: the sample in slot ``slot`` of a Task, attempt ``attempt``.
 

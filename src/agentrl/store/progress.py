@@ -11,15 +11,20 @@ from typing import Any
 
 from pymongo.database import Database
 
-from agentrl.store.models import DBRecordData, Metric, Record, RecordStatus, Run, SampleStatus
+from agentrl.store.models import (
+    SUCCESS_SCORE,
+    ZERO_VARIANCE_DECISION,
+    DBRecordData,
+    Metric,
+    Record,
+    RecordStatus,
+    Run,
+    SampleStatus,
+)
 from agentrl.store.runs import RUN_ID
 
-ZERO_VARIANCE = "zero variance in the group"
-"""The group stage's decision for every member of a group whose rewards do not vary (``rollout.group_stage``)."""
 FINISHED = [str(s) for s in (RecordStatus.SCORED, RecordStatus.READY, RecordStatus.ABANDONED, RecordStatus.TRAINED)]
 KEPT = [str(s) for s in (RecordStatus.READY, RecordStatus.TRAINED)]
-SOLVED = 0.5
-"""A score at least this high is a success (as for evaluation accuracy)."""
 RECENT_REWARDS = 32
 """How many of the latest scored trajectories the status line's reward mean covers."""
 WARN_AFTER_GROUPS = 4
@@ -63,7 +68,7 @@ class Progress:
 
     def zero_variance_warning(self) -> str | None:
         """A warning when most groups so far were dropped because all their samples scored the same."""
-        dropped = self.groups_dropped.get(ZERO_VARIANCE, 0)
+        dropped = self.groups_dropped.get(ZERO_VARIANCE_DECISION, 0)
         if self.groups_done < WARN_AFTER_GROUPS or dropped < WARN_DROPPED_FRACTION * self.groups_done:
             return None
         head = (f"{dropped} of {self.groups_done} groups were dropped for zero reward variance: every sample of "
@@ -100,13 +105,13 @@ def read_progress(db: Database, split: str = "train") -> Progress:
         decisions.setdefault(doc["task_id"], set()).add(str(doc["group_decision"]))
         if doc.get("status") in KEPT:
             kept_groups.add(doc["task_id"])
-        if doc.get("group_decision") == ZERO_VARIANCE and (doc.get("score") or 0.0) >= SOLVED:
+        if doc.get("group_decision") == ZERO_VARIANCE_DECISION and (doc.get("score") or 0.0) >= SUCCESS_SCORE:
             solved.add(doc["task_id"])
     progress.groups_kept = len(kept_groups)
     progress.zero_variance_solved = len(solved)
     for task_id, reasons in decisions.items():
         if task_id not in kept_groups:
-            progress.groups_dropped[ZERO_VARIANCE if ZERO_VARIANCE in reasons else sorted(reasons)[0]] += 1
+            progress.groups_dropped[ZERO_VARIANCE_DECISION if ZERO_VARIANCE_DECISION in reasons else sorted(reasons)[0]] += 1
     samples = db[DBRecordData.collection]
     for row in samples.aggregate([{"$match": {"split": split}}, {"$group": {"_id": "$status", "n": {"$sum": 1}}}]):
         if row["_id"] == str(SampleStatus.QUEUED):
@@ -133,6 +138,11 @@ def read_progress(db: Database, split: str = "train") -> Progress:
     return progress
 
 
+def reason_label(reason: str) -> str:
+    """A drop reason as the status line and the summary show it."""
+    return "zero variance" if reason == ZERO_VARIANCE_DECISION else reason
+
+
 def diagnose(progress: Progress) -> list[str]:
     """Why a run trained nothing (or little), in words a user can act on; empty when it trained."""
     if progress.step > 0:
@@ -144,13 +154,13 @@ def diagnose(progress: Progress) -> list[str]:
     if progress.groups_done == 0:
         lines.append(f"{progress.trajectories} trajectories finished but no group was complete: each task needs "
                      "all its samples scored before its group is judged")
-    dropped = progress.groups_dropped.get(ZERO_VARIANCE, 0)
+    dropped = progress.groups_dropped.get(ZERO_VARIANCE_DECISION, 0)
     if dropped:
         lines.append(f"{dropped} of {progress.groups_done} groups were dropped for zero reward variance (mean "
                      f"reward {progress.reward_mean or 0:.3f}): every sample of a task scored the same, which "
                      "gives no learning signal")
     for reason, count in progress.groups_dropped.items():
-        if reason != ZERO_VARIANCE:
+        if reason != ZERO_VARIANCE_DECISION:
             lines.append(f"{count} groups dropped: {reason}")
     if progress.samples_skipped:
         lines.append(f"{progress.samples_skipped} samples were skipped as too stale (raise --max_staleness)")
