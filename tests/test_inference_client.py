@@ -93,7 +93,11 @@ async def test_transient_failures_are_retried(scripted: list[ScriptedServer]) ->
     assert len(server.requests) == 3
     assert (result.output_ids, result.output_token_logprobs, result.weight_version) == ([5, 2], [-0.1, -0.2], "4")
     sent = json.loads(server.requests[-1][2])
-    assert sent == {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 2}, "return_logprob": True}
+    # every sampling parameter is sent, defaults included: a server's preferred defaults must not apply
+    assert sent == {"input_ids": [1, 2, 3], "return_logprob": True, "sampling_params": {
+        "max_new_tokens": 2, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0,
+        "frequency_penalty": 0.0, "repetition_penalty": 1.0, "ignore_eos": False, "skip_special_tokens": True,
+        "no_stop_trim": False, "n": 1}}
 
 
 async def test_persistent_failure_names_the_service(scripted: list[ScriptedServer]) -> None:

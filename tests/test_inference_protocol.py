@@ -38,11 +38,13 @@ def test_sampling_param_defaults_are_sglangs() -> None:
         128, 1.0, 1.0, -1, 0.0)
     assert params.stop is None and params.stop_token_ids is None and params.ignore_eos is False
     assert params.skip_special_tokens is True and params.sampling_seed is None
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.0, 0.0, 1.0)
 
 
 @pytest.mark.parametrize("bad", [
     {"temperature": -0.1}, {"temperature": float("inf")}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": 0},
-    {"top_k": -2}, {"min_p": 1.5}, {"max_new_tokens": -1}, {"n": 2}, {"seed": 3}, {"frequency_penalty": 0.5},
+    {"top_k": -2}, {"min_p": 1.5}, {"max_new_tokens": -1}, {"n": 2}, {"seed": 3}, {"frequency_penalty": 2.5},
+    {"presence_penalty": -3}, {"repetition_penalty": 0},
 ])
 def test_invalid_sampling_params_are_rejected(bad: dict) -> None:
     with pytest.raises(ValidationError):

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import torch
 
-from agentrl.inference.sampling import RowParams, sample, uniform
+from agentrl.inference.sampling import RowParams, penalties, sample, uniform
 
 torch.set_num_threads(1)
 
 
 def params(rows: int, *, temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
-           seed: int = 0, positions: list[int] | None = None) -> RowParams:
+           presence: float = 0.0, frequency: float = 0.0, seed: int = 0,
+           positions: list[int] | None = None) -> RowParams:
     return RowParams(
         temperature=torch.full((rows,), temperature), top_k=torch.full((rows,), top_k, dtype=torch.int32),
         top_p=torch.full((rows,), top_p), min_p=torch.full((rows,), min_p),
+        presence_penalty=torch.full((rows,), presence), frequency_penalty=torch.full((rows,), frequency),
         seed=torch.full((rows,), seed, dtype=torch.int32),
         position=torch.tensor(positions if positions is not None else list(range(rows)), dtype=torch.int32))
 
@@ -46,6 +48,28 @@ def test_truncation_limits_the_support() -> None:
     threshold = probs[0] * 0.5
     tokens, _ = sample(logits, params(400, min_p=0.5))
     assert set(tokens.tolist()) <= set(ranked[: int((probs >= threshold).sum())])
+
+
+def test_penalties_follow_openai_semantics_and_shape_the_logprob() -> None:
+    generated = [[3, 3, 5], [], [7]]
+    rows = params(3, temperature=0.5, presence=0.5, frequency=0.25)
+    penalty = penalties(generated, rows.presence_penalty, rows.frequency_penalty, 10)
+    # logit -= presence * (count > 0) + frequency * count, over each row's own generated tokens
+    assert penalty[0, 3].item() == 0.5 + 0.25 * 2 and penalty[0, 5].item() == 0.5 + 0.25
+    assert penalty[1].abs().sum().item() == 0.0 and penalty[2, 7].item() == 0.75
+    assert penalty[0, 7].item() == 0.0
+    assert penalties(generated, torch.zeros(3), torch.zeros(3), 10) is None
+    logits = torch.zeros(3, 10)
+    logits[:, 3] = 1.2  # the favourite of row 0 until the penalty (1.0) brings it below 1.2 - 1.0 < 0.3
+    logits[:, 4] = 0.3
+    tokens, logprobs = sample(logits, params(3, top_k=1, presence=0.5, frequency=0.25), penalty)
+    assert tokens.tolist() == [4, 3, 3]
+    # the logprob is SGLang's: of the penalised, temperature-scaled distribution (greedy: temperature 1)
+    expected = torch.log_softmax(logits - penalty, -1).gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(logprobs, expected, atol=1e-6)
+    drawn, scaled = sample(logits, rows, penalty)
+    expected = torch.log_softmax((logits - penalty) / 0.5, -1).gather(-1, drawn.unsqueeze(-1)).squeeze(-1)
+    assert torch.allclose(scaled, expected, atol=1e-6)
 
 
 def test_draws_follow_the_distribution() -> None:

@@ -21,6 +21,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)")
     parser.add_argument("--weight_version", default="0", help="version reported for the initial weights")
+    parser.add_argument("--preferred_sampling_params", default=None, metavar="JSON",
+                        help="the server's values of sampling parameters a /generate request omits, as SGLang's "
+                             "--preferred-sampling-params, e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}' "
+                             "(default: SGLang's defaults: temperature 1, top_p 1, top_k -1, min_p 0, no penalties). "
+                             "presence_penalty/frequency_penalty subtract from the logits of generated tokens; the "
+                             "returned logprobs then include them, which a trainer cannot reproduce")
     parser.add_argument("--max_total_tokens", type=int, default=32768,
                         help="KV cache capacity in tokens, all requests together (default: 32768)")
     parser.add_argument("--page_size", type=int, default=32,
@@ -44,9 +50,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
     import os
+    import sys
 
     import torch
+    from pydantic import ValidationError
 
     from agentrl.inference.embedded_model import default_model_path
     from agentrl.inference.engine import EngineConfig
@@ -55,12 +64,21 @@ def run(args: argparse.Namespace) -> int:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     db = None if args.no_register else (args.db_connection_string or os.environ.get("AGENTRL_DB"))
-    engine_config = EngineConfig(
-        model_name_or_path=args.model_name_or_path or str(default_model_path()),
-        served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
-        weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
-        max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
-        page_size=args.page_size)
+    try:
+        preferred = json.loads(args.preferred_sampling_params) if args.preferred_sampling_params else None
+    except json.JSONDecodeError as error:
+        print(f"agentrl engine: error: --preferred_sampling_params is not valid JSON: {error}", file=sys.stderr)
+        return 2
+    try:
+        engine_config = EngineConfig(
+            model_name_or_path=args.model_name_or_path or str(default_model_path()),
+            served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
+            weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
+            max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
+            page_size=args.page_size, preferred_sampling_params=preferred)
+    except ValidationError as error:
+        print(f"agentrl engine: error: {error}", file=sys.stderr)
+        return 2
     server_config = ServerConfig(host=args.host, port=args.port, db_connection_string=db,
                                  advertise_url=args.advertise_url, heartbeat_interval_s=args.heartbeat_interval_s)
     return serve(engine_config, server_config)

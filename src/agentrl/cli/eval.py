@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from agentrl.cli.options import add_db_option
+from agentrl.cli.sample import add_sampling_flags
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -39,9 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--repeats", type=int, default=1,
                    help="repeat the k samples R times: pass@k uses all k × R samples, and the spread over repeats "
                         "is reported (default: 1)")
-    s.add_argument("--temperature", type=float, default=0.0, help="default 0: greedy decoding")
-    s.add_argument("--top_p", type=float, default=1.0)
-    s.add_argument("--top_k", type=int, default=-1)
+    add_sampling_flags(s, '{"temperature": 0, "top_p": 1, "min_p": 0, "top_k": -1}: greedy decoding')
     s.add_argument("--seed", type=int, default=0, help="seed of the engine's sampling (default: 0)")
     r = p.add_argument_group("rollout")
     r.add_argument("--max_turns", type=int, default=8)
@@ -74,14 +73,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
+    """The evaluation's configuration; raises ``SamplingFlagsError`` when sampling flags contradict each other."""
     import shlex
 
-    from agentrl.eval.runner import EvalConfig
+    from agentrl.eval.runner import EVAL_SAMPLING_DEFAULTS, EvalConfig
+    from agentrl.rollout.config import PREFERRED_KEYS, resolve_sampling
 
-    skip = {"func", "command", "verbose", "inference_urls", "engine_args", "output", "json"}
+    sampling = resolve_sampling({k: getattr(args, k) for k in PREFERRED_KEYS}, args.preferred_sampling_params,
+                                EVAL_SAMPLING_DEFAULTS)
+    skip = {"func", "command", "verbose", "inference_urls", "engine_args", "output", "json",
+            "preferred_sampling_params", *PREFERRED_KEYS}
     fields = {k: v for k, v in vars(args).items() if k not in skip}
     urls = [u.strip() for u in (args.inference_urls or "").split(",") if u.strip()]
-    return EvalConfig(**fields, inference_urls=urls, engine_args=shlex.split(args.engine_args or ""))
+    return EvalConfig(**fields, **sampling, inference_urls=urls, engine_args=shlex.split(args.engine_args or ""))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -94,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.eval.report import render, result_json, write_json
     from agentrl.eval.runner import EvalError, EvalInterrupted, evaluate
     from agentrl.log import redact
+    from agentrl.rollout.config import SamplingFlagsError
     from agentrl.scoring import ScorerError
     from agentrl.scoring.agent_config import AgentConfigError
     from agentrl.store.task_files import TaskFileError
@@ -101,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
-    except ValidationError as error:
+    except (ValidationError, SamplingFlagsError) as error:
         print(f"agentrl eval: error: {error}", file=sys.stderr)
         return 2
     try:

@@ -6,6 +6,25 @@ import argparse
 
 from agentrl.cli.options import add_db_option, bool_flag
 
+PENALTY_HELP = ("logprobs returned by the engine then come from the penalised distribution while the trainer's "
+                "assume the policy's own, which biases the importance ratio (a warning on the train split)")
+
+
+def add_sampling_flags(group: argparse._ArgumentGroup, defaults: str) -> None:
+    """``--temperature``, ``--top_p``, ``--top_k``, ``--min_p``, the penalties and ``--preferred_sampling_params``
+    (shared with ``agentrl eval``). All are sent with every request, so a server's own defaults never apply."""
+    group.add_argument("--temperature", type=float, default=None, help="0: greedy")
+    group.add_argument("--top_p", type=float, default=None)
+    group.add_argument("--top_k", type=int, default=None, help="-1: no top-k limit")
+    group.add_argument("--min_p", type=float, default=None)
+    group.add_argument("--presence_penalty", type=float, default=None, metavar="F",
+                       help="subtract F from the logit of every token already generated (default 0); " + PENALTY_HELP)
+    group.add_argument("--frequency_penalty", type=float, default=None, metavar="F",
+                       help="subtract F per earlier occurrence of a generated token (default 0); " + PENALTY_HELP)
+    group.add_argument("--preferred_sampling_params", default=None, metavar="JSON",
+                       help="values of temperature, top_p, top_k, min_p, presence_penalty, frequency_penalty for "
+                            f"the flags not given (default: {defaults}); a flag that disagrees is an error")
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("sample", help="run a sampler process",
@@ -20,9 +39,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--max_turns", type=int, default=8)
     g.add_argument("--max_new_tokens", type=int, default=512, help="tokens generated per LLM call")
     g.add_argument("--max_prompt_tokens", type=int, default=4096, help="context limit of a prompt")
-    g.add_argument("--temperature", type=float, default=1.0)
-    g.add_argument("--top_p", type=float, default=1.0)
-    g.add_argument("--top_k", type=int, default=-1)
+    add_sampling_flags(g, '{"temperature": 1, "top_p": 1, "min_p": 0, "top_k": -1}')
     g.add_argument("--seed", type=int, default=None, help="seed the engine's sampling (reproducible runs)")
     g.add_argument("--query_prompt", default="{query}", help="user prompt template with {query}")
     g.add_argument("--new_context", choices=("disabled", "discard_all_tools", "discard_all"), default="disabled",
@@ -68,7 +85,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def config_from_args(args: argparse.Namespace):
-    from agentrl.rollout.config import GroupConfig, SamplerConfig
+    """The sampler's configuration; raises ``SamplingFlagsError`` when sampling flags contradict each other."""
+    from agentrl.rollout.config import (
+        PREFERRED_KEYS,
+        SAMPLER_SAMPLING_DEFAULTS,
+        GroupConfig,
+        SamplerConfig,
+        resolve_sampling,
+    )
     from agentrl.training.advantages import AdvantageConfig
 
     group = GroupConfig(zero_variance_threshold=args.zero_variance_threshold, balance_sample=args.balance_sample,
@@ -77,12 +101,14 @@ def config_from_args(args: argparse.Namespace):
     advantage = AdvantageConfig(scale_rewards=args.scale_rewards, leave_one_out=args.leave_one_out,
                                 adv_scaling=args.adv_scaling, drop_zero_advantage=args.drop_zero_advantage,
                                 minimal_advantage=args.minimal_advantage)
+    sampling = resolve_sampling({k: getattr(args, k) for k in PREFERRED_KEYS}, args.preferred_sampling_params,
+                                SAMPLER_SAMPLING_DEFAULTS)
     skip = {"func", "command", "verbose", "inference_urls", "zero_variance_threshold", "balance_sample",
             "min_turns", "efficient_rewarding", "reserve_context_error_count", "scale_rewards", "leave_one_out",
-            "adv_scaling", "drop_zero_advantage", "minimal_advantage"}
+            "adv_scaling", "drop_zero_advantage", "minimal_advantage", "preferred_sampling_params", *PREFERRED_KEYS}
     fields = {k: v for k, v in vars(args).items() if k not in skip}
     urls = [u.strip() for u in (args.inference_urls or "").split(",") if u.strip()]
-    return SamplerConfig(**fields, inference_urls=urls, group=group, advantage=advantage)
+    return SamplerConfig(**fields, **sampling, inference_urls=urls, group=group, advantage=advantage)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -91,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
+    from agentrl.rollout.config import SamplingFlagsError
     from agentrl.rollout.process import run_sampler
     from agentrl.scoring import ScorerError
     from agentrl.scoring.agent_config import AgentConfigError
@@ -106,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
         config = config_from_args(args)
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             stats = runner.run(run_sampler(config))
-    except (ValidationError, ToolConfigError, AgentConfigError, ScorerError, FileNotFoundError) as error:
+    except (ValidationError, SamplingFlagsError, ToolConfigError, AgentConfigError, ScorerError,
+            FileNotFoundError) as error:
         print(f"agentrl sample: error: {error}", file=sys.stderr)
         return 2
     print(f"sampler done: {stats.trajectories} trajectories, {stats.scored} scored, {stats.score_errors} scoring "

@@ -62,6 +62,9 @@ MAX_PER_TASK_ROWS = 5000
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".jinja", ".model", ".txt")
 _SCORED = {str(RecordStatus.SCORED), str(RecordStatus.READY), str(RecordStatus.TRAINED), str(RecordStatus.ABANDONED)}
 _PLACEHOLDER_SPLIT = "eval"
+# Greedy decoding unless asked otherwise (``--preferred_sampling_params`` or the flags).
+EVAL_SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
 
 
 class EvalError(RuntimeError):
@@ -90,6 +93,9 @@ class EvalConfig(BaseModel):
     temperature: float = Field(0.0, ge=0.0)
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = 0
     max_turns: int = Field(8, ge=1)
     max_new_tokens: int = Field(512, ge=1)
@@ -275,7 +281,10 @@ async def open_tasks(store: Store, split: str) -> int:
 
 
 def _sampling(cfg: EvalConfig) -> dict[str, Any]:
-    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k,
+    # min_p and the penalties count only when set, so the keys of evaluations stored before they existed still match.
+    optional = {k: v for k, v in (("min_p", cfg.min_p), ("presence_penalty", cfg.presence_penalty),
+                                  ("frequency_penalty", cfg.frequency_penalty)) if v}
+    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, **optional,
             "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns,
             "max_prompt_tokens": cfg.max_prompt_tokens, "query_prompt": cfg.query_prompt,
             "new_context": cfg.new_context, "repetition_early_stop_times": cfg.repetition_early_stop_times,
@@ -294,7 +303,9 @@ def _sampler_config(cfg: EvalConfig, uri: str, split: str, tokenizer: str | None
         db_connection_string=uri, model_name_or_path=tokenizer, split=split,
         sampler_id=f"eval:{socket.gethostname()}:{os.getpid()}", max_turns=cfg.max_turns,
         max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, seed=cfg.seed, query_prompt=cfg.query_prompt, new_context=cfg.new_context,
+        top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, presence_penalty=cfg.presence_penalty,
+        frequency_penalty=cfg.frequency_penalty, seed=cfg.seed, query_prompt=cfg.query_prompt,
+        new_context=cfg.new_context,
         repetition_early_stop_times=cfg.repetition_early_stop_times, tool_call_parser=cfg.tool_call_parser,
         tool_timeout=cfg.tool_timeout, mcp_config=cfg.mcp_config, mcp_manager_url=cfg.mcp_manager_url,
         mcp_server_name=cfg.mcp_server_name, mcp_auth_token=cfg.mcp_auth_token,

@@ -3,11 +3,13 @@
 The scheduler, paged KV cache, prefix sharing and batching are transformers' ``ContinuousBatchingManager``
 (transformers 5.23, ``generation/continuous_batching``). Two small extensions make it behave like SGLang:
 
-* per-request sampling values (temperature, top-k, top-p, min-p, seed, position) travel through the manager's own
-  per-request tensor mechanism (``ContinuousBatchingLogitsProcessor.prepare_tensor_args``), so they stay aligned
-  with the logits rows of every batch;
-* the model runner's sampling step is replaced by :func:`agentrl.inference.sampling.sample`, which draws the token
-  and reports its logprob exactly as SGLang does (see that module), reproducibly for a given seed.
+* per-request sampling values (temperature, top-k, top-p, min-p, presence and frequency penalties, seed, position)
+  travel through the manager's own per-request tensor mechanism
+  (``ContinuousBatchingLogitsProcessor.prepare_tensor_args``), so they stay aligned with the logits rows of every
+  batch;
+* the model runner's sampling step is replaced by :func:`agentrl.inference.sampling.sample`, which applies the
+  penalties (over each request's generated tokens, read from its state), draws the token and reports its logprob
+  exactly as SGLang does (see that module), reproducibly for a given seed.
 
 CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
 is used as is: requests are added from any thread, results come back through ``register_result_handler``.
@@ -32,14 +34,18 @@ from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessorList,
 )
 from transformers.generation.continuous_batching.model_runner import ModelRunner
-from transformers.generation.continuous_batching.requests import FutureRequestState, GenerationOutput
+from transformers.generation.continuous_batching.requests import FutureRequestState, GenerationOutput, RequestState
 from transformers.generation.logits_process import LogitsProcessorList
 
-from agentrl.inference.sampling import RowParams, sample
+from agentrl.inference.sampling import RowParams, penalties, sample
 
 
 class EngineStopped(RuntimeError):
     """The generation loop is not running (stopped, or died with an error)."""
+
+
+class GenerationAborted(RuntimeError):
+    """The request was aborted before it finished (the engine is shutting down)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +56,8 @@ class RequestSampling:
     top_k: int = 0
     top_p: float = 1.0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     seed: int | None = None
 
 
@@ -95,7 +103,7 @@ class _RequestValue(ContinuousBatchingLogitsProcessor):
 
 # Order matters: rows of ``logits_processor_args`` follow it.
 _VALUES = (("temperature", float, 1.0), ("top_k", int, 0), ("top_p", float, 1.0), ("min_p", float, 0.0),
-           ("seed", int, 0), ("position", int, 0))
+           ("presence_penalty", float, 0.0), ("frequency_penalty", float, 0.0), ("seed", int, 0), ("position", int, 0))
 
 
 class _RequestValues(ContinuousBatchingLogitsProcessorList):
@@ -113,6 +121,12 @@ def _row_params(args: torch.Tensor, rows: int) -> RowParams:
     return RowParams(**columns)
 
 
+def _generated_tokens(state: RequestState) -> list[int]:
+    """The tokens a request generated so far (one re-queued after offloading carries earlier ones in its prompt)."""
+    start = state._true_initial_tokens or len(state.initial_tokens)
+    return state.initial_tokens[start:] + state.generated_tokens
+
+
 class _SGLangSamplingRunner(ModelRunner):
     """transformers' model runner with the sampling step replaced by :func:`sample`."""
 
@@ -123,10 +137,20 @@ class _SGLangSamplingRunner(ModelRunner):
         if "logits_to_keep" not in batch_data:
             logits = logits[:, batch_data["logits_indices"], :]
         logits = logits[0].float()  # [rows, vocab]
-        tokens, logprobs = sample(logits, _row_params(batch_data["logits_processor_args"], logits.size(0)))
+        params = _row_params(batch_data["logits_processor_args"], logits.size(0))
+        tokens, logprobs = sample(logits, params, self._penalties(params, logits.size(0), logits.size(-1)))
         rows = tokens.size(0)
         output_ids[0, :rows].copy_(tokens)
         output_ids[1, :rows].copy_(logprobs.view(torch.int32))
+
+    def _penalties(self, params: RowParams, rows: int, vocab: int) -> torch.Tensor | None:
+        """Presence/frequency penalties of the rows; logits rows follow the batch's requests that sample a token."""
+        if not bool(((params.presence_penalty != 0) | (params.frequency_penalty != 0)).any()):
+            return None
+        sampling = [r.state for r in self.inputs_and_outputs.requests_in_batch if r.has_new_token]
+        generated = [_generated_tokens(state) for state in sampling[:rows]]
+        generated += [[] for _ in range(rows - len(generated))]
+        return penalties(generated, params.presence_penalty, params.frequency_penalty, vocab)
 
 
 class _Manager(ContinuousBatchingManager):
@@ -158,6 +182,8 @@ class ContinuousBatcher:
         self.config = config or BatchingConfig()
         self._manager = _Manager(self.model, self._cb_config())
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
+        self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
+        self._aborted: str | None = None
 
     def _cb_config(self) -> ContinuousBatchingConfig:
         config = self.config
@@ -187,6 +213,8 @@ class ContinuousBatcher:
         With ``should_stop``, the request is streamed internally and stops early (cancelled) as soon as
         ``should_stop(generated_tokens)`` is true; the returned output then holds the tokens up to that point.
         """
+        if self._aborted is not None:
+            raise EngineStopped(self._aborted)
         if not self._manager.is_running():
             raise EngineStopped("the generation loop is not running")
         done: asyncio.Future[GenerationOutput] = asyncio.get_running_loop().create_future()
@@ -203,13 +231,15 @@ class ContinuousBatcher:
 
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         self._manager.register_result_handler(request_id, on_output)
+        self._running[request_id] = done
         self.in_flight += 1
         try:
             added = self._manager.add_request(
                 list(input_ids), request_id=request_id, max_new_tokens=max_new_tokens,
                 streaming=should_stop is not None, eos_token_id=list(stop_token_ids),
                 temperature=float(sampling.temperature), top_k=int(sampling.top_k), top_p=float(sampling.top_p),
-                min_p=float(sampling.min_p), seed=int(seed) & 0x7FFFFFFF)
+                min_p=float(sampling.min_p), presence_penalty=float(sampling.presence_penalty),
+                frequency_penalty=float(sampling.frequency_penalty), seed=int(seed) & 0x7FFFFFFF)
             if added is None:
                 raise EngineStopped("the generation loop refused the request (it is stopping or died)")
             output = await done
@@ -218,11 +248,24 @@ class ContinuousBatcher:
             raise
         finally:
             self.in_flight -= 1
+            self._running.pop(request_id, None)
             with self._manager.output_router._lock:
                 self._manager.output_router.result_handlers.pop(request_id, None)
         if output.error is not None:
             raise RuntimeError(f"generation failed: {output.error}")
         return output
+
+    def abort_all(self, message: str) -> int:
+        """Abort every running request now (they raise :class:`GenerationAborted`) and refuse new ones; returns how
+        many were aborted. Call on the event loop thread that awaits them."""
+        self._aborted = message
+        aborted = 0
+        for request_id, done in list(self._running.items()):
+            if not done.done():
+                done.set_exception(GenerationAborted(message))
+                aborted += 1
+            self._manager.cancel_request(request_id)
+        return aborted
 
     @contextmanager
     def _paused(self) -> Iterator[None]:

@@ -1,7 +1,9 @@
 """Async client for SGLang's native HTTP API (and the ``agentrl engine``, which speaks the same subset).
 
 Token ids in, token ids and per-token logprobs out (DESIGN §4). Request and response shapes are those of
-:mod:`agentrl.inference.protocol` (taken from SGLang's ``io_struct.py`` and ``http_server.py``, v0.5.x).
+:mod:`agentrl.inference.protocol` (taken from SGLang's ``io_struct.py`` and ``http_server.py``, 0.5.23). Every
+sampling parameter is sent, defaults included: SGLang fills an omitted one from the server's preferred
+sampling params (``--preferred-sampling-params``), which would silently change the sampling distribution.
 
 Transient failures (connection refused or reset, HTTP 429/502/503/504, and timeouts of calls that are safe to
 repeat) are retried with exponential backoff and jitter; every error names the service URL, the endpoint and
@@ -52,7 +54,8 @@ class GenerateResult(BaseModel):
     output_ids: list[int]
     text: str
     output_token_logprobs: list[float] = Field(
-        default_factory=list, description="logprob of each output token, log_softmax(logits / temperature)")
+        default_factory=list,
+        description="logprob of each output token, log_softmax((logits - penalties) / temperature)")
     finish_reason: str = Field(description="stop, length or abort")
     matched_stop: int | str | None = Field(None, description="the stop token id or string that matched")
     prompt_tokens: int
@@ -103,11 +106,12 @@ class SGLangClient:
 
     async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
                        *, return_logprob: bool = True, rid: str | None = None) -> GenerateResult:
-        """``POST /generate`` with token ids; ``sampling_params`` uses SGLang's names (see ``SamplingParams``)."""
+        """``POST /generate`` with token ids; ``sampling_params`` uses SGLang's names (see ``SamplingParams``) and
+        is sent in full, so the server's preferred defaults never apply."""
         params = (sampling_params if isinstance(sampling_params, SamplingParams)
                   else SamplingParams.model_validate(sampling_params or {}))
         body: dict[str, Any] = {"input_ids": list(input_ids),
-                                "sampling_params": params.model_dump(exclude_defaults=True),
+                                "sampling_params": params.wire(),
                                 "return_logprob": return_logprob}
         if rid is not None:
             body["rid"] = rid

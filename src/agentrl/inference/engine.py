@@ -1,8 +1,9 @@
 """The ``agentrl engine`` core: one Hugging Face causal LM served with SGLang's request semantics.
 
-* ``generate`` validates a request (token ids inside the vocabulary, context length), maps SGLang's sampling
-  parameters onto the continuous batcher and builds SGLang's response (finish reasons, ``meta_info``).
-  Output logprobs are ``log_softmax(logits / temperature)`` of the sampled token, as SGLang reports them (see
+* ``generate`` validates a request (token ids inside the vocabulary, context length), fills the sampling
+  parameters it omits from ``preferred_sampling_params`` (like SGLang's ``--preferred-sampling-params``), maps
+  them onto the continuous batcher and builds SGLang's response (finish reasons, ``meta_info``). Output logprobs
+  are ``log_softmax((logits - penalties) / temperature)`` of the sampled token, as SGLang reports them (see
   :mod:`agentrl.inference.sampling`).
 * ``update_weights_from_disk`` reads the new checkpoint while generation goes on, then closes the admission gate:
   requests already running finish with the old weights, new ones wait (none is dropped), the weights are
@@ -10,6 +11,7 @@
   all its tokens.
 * ``release_memory`` / ``resume_memory`` (colocated layout) drain the same way, then free the KV cache (and move
   the weights to host memory on an accelerator).
+* ``abort_all`` (on shutdown) ends every running generation at once with finish reason ``abort``.
 """
 
 from __future__ import annotations
@@ -23,10 +25,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, field_validator
 
 from agentrl.inference.admission import AdmissionGate
-from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
+from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, GenerationAborted, RequestSampling
 from agentrl.inference.protocol import (
     ChatCompletionRequest,
     FinishReason,
@@ -65,6 +67,15 @@ class EngineConfig(BaseModel):
     max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
     max_running_requests: int = Field(64, gt=0)
     page_size: int = Field(32, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
+    preferred_sampling_params: dict[str, Any] | None = Field(
+        None, description="values of the sampling parameters a request omits (SGLang's --preferred-sampling-params)")
+
+    @field_validator("preferred_sampling_params")
+    @classmethod
+    def _valid_sampling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        if value is not None:
+            InferenceEngine.check_supported(SamplingParams.model_validate(value))
+        return value
 
 
 def resolve_device(device: str | None) -> torch.device:
@@ -131,7 +142,29 @@ class InferenceEngine:
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_path=self.config.model_name_or_path, tokenizer_path=self.config.model_name_or_path,
-                         weight_version=self.weight_version)
+                         weight_version=self.weight_version,
+                         preferred_sampling_params=self.config.preferred_sampling_params)
+
+    def abort_all(self) -> int:
+        """End every running generation now (finish reason ``abort``) and refuse new ones: the engine stops."""
+        aborted = self.batcher.abort_all("the engine is shutting down")
+        if aborted:
+            logger.info("aborted %d running generation(s)", aborted)
+        return aborted
+
+    def with_preferred(self, params: SamplingParams) -> SamplingParams:
+        """``params`` with the parameters the request did not set taken from ``preferred_sampling_params``."""
+        preferred = self.config.preferred_sampling_params
+        if not preferred:
+            return params
+        return SamplingParams.model_validate({**preferred, **params.model_dump(exclude_unset=True)})
+
+    @staticmethod
+    def check_supported(params: SamplingParams) -> None:
+        """Refuse what the engine does not implement (SGLang's repetition_penalty)."""
+        if params.repetition_penalty != 1.0:
+            raise BadRequest(f"repetition_penalty {params.repetition_penalty} is not supported by the agentrl "
+                             "engine (only 1.0); use presence_penalty / frequency_penalty")
 
     # ----------------------------------------------------------------------------------------------- generation
 
@@ -144,8 +177,8 @@ class InferenceEngine:
             if not input_ids:
                 raise BadRequest("text encodes to no tokens")
         started = time.perf_counter()
-        output_ids, logprobs, finish, version = await self._run(input_ids, request.sampling_params)
-        params = request.sampling_params
+        params = self.with_preferred(request.sampling_params)
+        output_ids, logprobs, finish, version = await self._run(input_ids, params)
         text = self._text(output_ids, finish, params)
         meta = MetaInfo(
             id=request.rid or uuid.uuid4().hex, finish_reason=finish, prompt_tokens=len(input_ids),
@@ -170,6 +203,7 @@ class InferenceEngine:
         return True
 
     def _validate(self, input_ids: list[int], params: SamplingParams) -> None:
+        self.check_supported(params)
         bad = [i for i in input_ids if not 0 <= i < self.vocab_size]
         if bad:
             raise BadRequest(f"input_ids contains {len(bad)} token id(s) outside the vocabulary [0, "
@@ -194,10 +228,11 @@ class InferenceEngine:
 
     @staticmethod
     def _sampling(params: SamplingParams) -> RequestSampling:
+        penalties = {"presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty}
         if params.temperature < GREEDY_EPS or params.top_k == 1:  # SGLang normalises greedy to top_k = 1
-            return RequestSampling(temperature=1.0, top_k=1, seed=params.sampling_seed)
+            return RequestSampling(temperature=1.0, top_k=1, seed=params.sampling_seed, **penalties)
         return RequestSampling(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
-                               min_p=params.min_p, seed=params.sampling_seed)
+                               min_p=params.min_p, seed=params.sampling_seed, **penalties)
 
     async def _run(self, input_ids: list[int], params: SamplingParams
                    ) -> tuple[list[int], list[float], FinishReason, str]:
@@ -209,10 +244,13 @@ class InferenceEngine:
             version = self.weight_version  # constant while admitted: updates wait for admitted requests
             if params.max_new_tokens == 0:
                 return [], [], FinishReason(type="length", length=0), version
-            output = await self.batcher.generate(
-                input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids,
-                sampling=self._sampling(params), should_stop=(lambda ids: matcher(ids) is not None)
-                if matcher else None)
+            try:
+                output = await self.batcher.generate(
+                    input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids,
+                    sampling=self._sampling(params), should_stop=(lambda ids: matcher(ids) is not None)
+                    if matcher else None)
+            except GenerationAborted as error:  # SGLang answers an aborted request, it does not drop it
+                return [], [], FinishReason(type="abort", message=str(error)), version
         tokens, logprobs = list(output.generated_tokens), list(output.logprobs)
         return tokens, logprobs, self._finish_reason(tokens, params, stop_ids, matcher), version
 
@@ -268,13 +306,12 @@ class InferenceEngine:
         if max_new is None:
             limit = min(self.context_length or self.config.max_total_tokens, self.config.max_total_tokens)
             max_new = max(limit - len(input_ids), 0)
-        params = SamplingParams(
-            max_new_tokens=max_new, temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p,
-            top_k=-1 if request.top_k is None else request.top_k,
-            min_p=0.0 if request.min_p is None else request.min_p, stop=request.stop,
-            stop_token_ids=request.stop_token_ids, sampling_seed=request.seed,
-            skip_special_tokens=request.skip_special_tokens)
+        given = {"max_new_tokens": max_new, "temperature": request.temperature, "top_p": request.top_p,
+                 "top_k": request.top_k, "min_p": request.min_p, "presence_penalty": request.presence_penalty,
+                 "frequency_penalty": request.frequency_penalty, "stop": request.stop,
+                 "stop_token_ids": request.stop_token_ids, "sampling_seed": request.seed,
+                 "skip_special_tokens": request.skip_special_tokens}
+        params = self.with_preferred(SamplingParams(**{k: v for k, v in given.items() if v is not None}))
         output_ids, logprobs, finish, version = await self._run(input_ids, params)
         choice: dict[str, Any] = {
             "index": 0,

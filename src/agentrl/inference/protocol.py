@@ -1,6 +1,7 @@
 """Wire format of the SGLang native API subset we use (DESIGN §4), shared by the client and the engine.
 
-Names, defaults and shapes follow SGLang's source (checked against SGLang v0.5.x, sgl-project/sglang):
+Names, defaults and shapes follow SGLang's source (SGLang 0.5.23; the facts are pinned in
+``tests/contracts/sglang_api.json``, extracted by ``tests/contracts/extract_sglang_api.py``):
 
 * ``python/sglang/srt/managers/io_struct.py``: ``GenerateReqInput`` (``text``/``input_ids``, ``sampling_params``,
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``stream``,
@@ -8,20 +9,27 @@ Names, defaults and shapes follow SGLang's source (checked against SGLang v0.5.x
   ``weight_version``, ``flush_cache``) and its output (``success``, ``message``, ``num_paused_requests``),
   ``Release/ResumeMemoryOccupationReqInput`` (``tags``);
 * ``python/sglang/srt/sampling/sampling_params.py``: ``SamplingParams`` fields, defaults (``max_new_tokens=128``,
-  ``temperature=1``, ``top_p=1``, ``top_k=-1``, ``min_p=0``) and the checks of ``verify()``;
+  ``temperature=1``, ``top_p=1``, ``top_k=-1`` (all), ``min_p=0``, ``presence_penalty=0``,
+  ``frequency_penalty=0``, ``repetition_penalty=1``) and the checks of ``verify()``; ``python/sglang/api/v1/
+  api_types.py`` rejects any other ``sampling_params`` key with a 400;
 * ``python/sglang/srt/managers/tokenizer_manager.py``: ``meta_info`` keys (``id``, ``finish_reason``,
   ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency``,
-  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples);
+  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples). A server started with
+  ``--preferred-sampling-params`` fills every parameter a request *omits* from those
+  (``{**preferred_sampling_params, **obj.sampling_params}``), so clients send every parameter they rely on;
+  ``weight_version`` is ``"default"`` until a weight update names one;
 * ``python/sglang/srt/managers/schedule_batch.py``: finish reasons ``{"type": "stop", "matched": id-or-str}``,
   ``{"type": "length", "length": n}``, ``{"type": "abort", "message": ...}``;
 * ``python/sglang/srt/entrypoints/http_server.py``: endpoints, status codes (400 on a bad request or a failed
-  weight update) and the error body ``{"error": {"message": ...}}``.
+  weight update) and the error body ``{"error": {"message": ...}}``; ``/get_model_info`` reports
+  ``preferred_sampling_params`` as a JSON object (older releases: the JSON string).
 
 The request models reject unknown fields, so a misspelt or unsupported parameter is a 400, not silently ignored.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any, Literal
 
@@ -35,9 +43,28 @@ from pydantic import (
     model_validator,
 )
 
+logger = logging.getLogger(__name__)
+
 # SGLang's TOP_K_ALL sentinel is -1 on the wire.
 TOP_K_ALL = -1
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+INITIAL_POLICY_VERSION = 0
+_non_numeric_versions_seen: set[str | None] = set()
+
+
+def policy_version(weight_version: str | None) -> int:
+    """The run's policy version of a service's ``weight_version``.
+
+    Numeric versions are the trainer's (it publishes ``"1"``, ``"2"``, ...). Anything else, SGLang's ``"default"``
+    before any update included, is the weights the service started with: the run's initial policy, version 0.
+    """
+    if weight_version is not None and weight_version.isdigit():
+        return int(weight_version)
+    if weight_version not in _non_numeric_versions_seen:
+        _non_numeric_versions_seen.add(weight_version)
+        logger.debug("weight_version %r is not a number: counted as the initial policy (version %d)",
+                     weight_version, INITIAL_POLICY_VERSION)
+    return INITIAL_POLICY_VERSION
 
 
 class _Request(BaseModel):
@@ -52,6 +79,12 @@ class SamplingParams(_Request):
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(TOP_K_ALL, description="-1 disables top-k")
     min_p: float = Field(0.0, ge=0.0, le=1.0)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                    description="subtracted from the logit of every token generated so far")
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0,
+                                     description="subtracted once per earlier occurrence in the generated tokens")
+    repetition_penalty: float = Field(1.0, gt=0.0, le=2.0,
+                                      description="1 disables it (the agentrl engine supports only 1)")
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = Field(False, description="as in SGLang, also ignores stop_token_ids")
@@ -73,6 +106,10 @@ class SamplingParams(_Request):
         if value != TOP_K_ALL and value < 1:
             raise ValueError(f"top_k must be -1 (disable) or at least 1, got {value}")
         return value
+
+    def wire(self) -> dict[str, Any]:
+        """Every parameter that is set, defaults included: a server's preferred defaults must never apply."""
+        return self.model_dump(exclude_none=True)
 
     @property
     def stop_strings(self) -> list[str]:
@@ -184,7 +221,8 @@ class ModelInfo(BaseModel):
     model_path: str
     tokenizer_path: str | None = None
     is_generation: bool = True
-    preferred_sampling_params: str | None = None
+    preferred_sampling_params: dict[str, Any] | str | None = Field(
+        None, description="the server's defaults for omitted sampling parameters (older SGLang: JSON text)")
     weight_version: str | None = None
     has_image_understanding: bool = False
     has_audio_understanding: bool = False
@@ -201,6 +239,8 @@ class ChatCompletionRequest(_Request):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = None
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     n: int = Field(1, ge=1, le=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None

@@ -2,7 +2,9 @@
 
 Samplers pick services from that collection (DESIGN §3). The engine registers as UP on startup, refreshes its
 heartbeat (with its weight version and load) every few seconds, and marks itself DOWN when it shuts down
-(uvicorn turns SIGTERM/SIGINT into a graceful shutdown, which runs :meth:`ServiceRegistration.stop`).
+(uvicorn turns SIGTERM/SIGINT into a graceful shutdown, which runs :meth:`ServiceRegistration.stop`). The weight
+version is stored as the run's policy version (:func:`~agentrl.inference.protocol.policy_version`: a non-numeric
+one, such as SGLang's ``"default"``, is the initial policy, 0), exactly as samplers stamp the tokens it generates.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from agentrl.inference.protocol import policy_version
 from agentrl.log import redact
 from agentrl.store import Store
 
@@ -32,11 +35,6 @@ async def check_database(uri: str) -> None:
         await store.close()
 
 
-def numeric_version(version: str) -> int | None:
-    """The store keeps integer weight versions; other version strings are not reported."""
-    return int(version) if version.isdigit() else None
-
-
 class ServiceRegistration:
     """Keeps one service's ``InferenceService`` document up to date while the service runs."""
 
@@ -54,7 +52,7 @@ class ServiceRegistration:
         try:
             await self._store.services.register(
                 self.base_url, kind=self.kind, models=self.models,
-                weight_version=numeric_version(self._weight_version()) or 0)
+                weight_version=policy_version(self._weight_version()))
         except Exception as error:
             await self._store.close()
             raise RuntimeError(f"cannot register {self.base_url} in the database {redact(self.uri)}: "
@@ -69,13 +67,13 @@ class ServiceRegistration:
         """
         if self._store is None:
             raise RuntimeError("ServiceRegistration.heartbeat() before start()")
-        version = numeric_version(self._weight_version())
+        version = policy_version(self._weight_version())
         try:
             found = await self._store.services.heartbeat(self.base_url, weight_version=version,
                                                          engine_load=self._status())
             if not found:
                 await self._store.services.register(self.base_url, kind=self.kind, models=self.models,
-                                                    weight_version=version or 0)
+                                                    weight_version=version)
         except Exception as error:  # the database may come back; keep serving meanwhile
             logger.warning("heartbeat to %s failed: %s", redact(self.uri), redact(str(error)))
             return False

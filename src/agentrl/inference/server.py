@@ -4,6 +4,10 @@ Endpoints and status codes mirror SGLang's ``python/sglang/srt/entrypoints/http_
 request (validation error, unknown field, token id outside the vocabulary, over-long request) is a 400 with
 ``{"error": {"message": ...}}``; ``/update_weights_from_disk`` answers ``{success, message,
 num_paused_requests}`` with 200 or 400; ``/health`` and ``/health_generate`` answer an empty 200 or 503.
+
+On SIGTERM/SIGINT the running generations are aborted at once (each request is answered with finish reason
+``abort``, requests arriving later get 503), then uvicorn shuts down gracefully: the process exits within seconds
+even with long generations in flight, with status 0.
 """
 
 from __future__ import annotations
@@ -16,7 +20,9 @@ import sys
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from http import HTTPStatus
+from types import FrameType
 
+import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -161,10 +167,25 @@ def advertised_url(host: str, port: int) -> str:
     return f"http://{host}:{port}"
 
 
+class EngineServer(uvicorn.Server):
+    """uvicorn's server whose SIGTERM/SIGINT handling also aborts the engine's running generations, so the graceful
+    shutdown that follows never waits for them."""
+
+    def __init__(self, config: uvicorn.Config, engine: InferenceEngine):
+        super().__init__(config)
+        self.engine = engine
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # not serving yet or any more: nothing to abort
+            return
+        loop.call_soon_threadsafe(self.engine.abort_all)
+
+
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; print ``agentrl engine ready at URL`` once listening."""
-    import uvicorn
-
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # transformers' per-start chatter
     family = socket.AF_INET6 if ":" in server_config.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -199,7 +220,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
               flush=True)
 
     app = create_app(engine, registration, on_ready=announce)
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30))
+    server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30), engine)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the handlers it found
     # installed; these make that re-raise a no-op, so a graceful stop exits with status 0.
     previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}

@@ -1,7 +1,8 @@
 """One trajectory, token in / token out: generate, parse tool calls, call tools, append the token delta, repeat.
 
 Every LLM call is stored as a ``DispatchedSamplingTask`` before it is sent (``running``) and finished with its
-output ids, per-token logprobs, weight version and timing; the tool stage may re-label it ``formaterror``,
+output ids, per-token logprobs, weight version (the run's policy version: a service's non-numeric version, such as
+SGLang's ``"default"``, is the initial policy 0) and timing; the tool stage may re-label it ``formaterror``,
 ``toolfailed`` or ``repeaterror``. The trajectory ends with an answer, or with ``turns_limit_error``,
 ``length_limit_error``, ``repetition_error`` or ``failed_error``.
 """
@@ -16,6 +17,7 @@ from typing import Any
 
 from transformers import PreTrainedTokenizerBase
 
+from agentrl.inference.protocol import policy_version
 from agentrl.rollout.config import SamplerConfig
 from agentrl.rollout.context import reset_context
 from agentrl.rollout.conversation import TokenConversation
@@ -69,13 +71,6 @@ def call_seed(seed: int, call_id: str) -> int:
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
-def _version(weight_version: str | None) -> int | None:
-    try:
-        return int(weight_version) if weight_version is not None else None
-    except ValueError:
-        return None
-
-
 async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
     """Roll out the trajectory of ``lease``'s slot, storing every call; returns how it ended."""
     cfg, task = res.config, lease.task
@@ -83,8 +78,7 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
         query=task.query, answer_schema=task.answer_schema, system_prompt=task.system_prompt,
         tools=res.tool_specs, tokenizer=res.tokenizer, query_prompt=cfg.query_prompt)
     conversation = TokenConversation(res.tokenizer, messages, template_tools)
-    sampling = {"max_new_tokens": cfg.max_new_tokens, "temperature": cfg.temperature, "top_p": cfg.top_p,
-                "top_k": cfg.top_k}
+    sampling = cfg.sampling_params()
     previous_call: str | None = None
     pending_delta: tuple[list[int], str] | None = None
     outputs_seen: list[str] = []
@@ -110,7 +104,7 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
             await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
                                          latency_s=time.monotonic() - started)
             return TrajectoryResult(FAILED, None, turn, branches, first_version, error=str(error))
-        version = _version(result.weight_version)
+        version = policy_version(result.weight_version)
         first_version = version if first_version is None else first_version
         text = result.text
         await res.store.calls.finish(

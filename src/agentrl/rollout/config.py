@@ -2,11 +2,51 @@
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.training.advantages import AdvantageConfig
+
+# The sampling parameters ``--preferred_sampling_params`` may set (each also has its own flag).
+PREFERRED_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
+# The original AgentRL's default ``--preferred_sampling_params`` (plus no penalties): what a training sampler uses.
+SAMPLER_SAMPLING_DEFAULTS: dict[str, float | int] = {
+    "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
+
+
+class SamplingFlagsError(ValueError):
+    """``--preferred_sampling_params`` is not valid JSON, names an unknown parameter, or contradicts a flag."""
+
+
+def resolve_sampling(explicit: dict[str, float | int | None], preferred_json: str | None,
+                     defaults: dict[str, float | int]) -> dict[str, float | int]:
+    """The sampling values of ``PREFERRED_KEYS``: each explicit flag, else its ``--preferred_sampling_params``
+    value, else ``defaults``. An explicit flag that disagrees with the preferred value is an error naming both."""
+    preferred: dict[str, Any] = {}
+    if preferred_json is not None:
+        try:
+            preferred = json.loads(preferred_json)
+        except json.JSONDecodeError as error:
+            raise SamplingFlagsError(f"--preferred_sampling_params is not valid JSON: {error}") from error
+        if not isinstance(preferred, dict):
+            raise SamplingFlagsError(f"--preferred_sampling_params must be a JSON object, got {preferred_json!r}")
+        unknown = sorted(set(preferred) - set(PREFERRED_KEYS))
+        if unknown:
+            raise SamplingFlagsError(f"--preferred_sampling_params: unsupported key(s) {', '.join(unknown)} "
+                                     f"(accepted: {', '.join(PREFERRED_KEYS)})")
+        not_numbers = sorted(k for k, v in preferred.items() if isinstance(v, bool) or not isinstance(v, int | float))
+        if not_numbers:
+            raise SamplingFlagsError(f"--preferred_sampling_params: {', '.join(not_numbers)} must be a number")
+    resolved: dict[str, float | int] = {}
+    for key in PREFERRED_KEYS:
+        flag, wanted = explicit.get(key), preferred.get(key)
+        if flag is not None and wanted is not None and float(flag) != float(wanted):
+            raise SamplingFlagsError(f"--{key} {flag} disagrees with --preferred_sampling_params {key}={wanted}: "
+                                     "give one of them")
+        resolved[key] = next(v for v in (flag, wanted, defaults[key]) if v is not None)
+    return resolved
 
 
 class GroupConfig(BaseModel):
@@ -41,6 +81,9 @@ class SamplerConfig(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float = 0.0
+    presence_penalty: float = Field(0.0, description="!= 0 biases the trainer's importance ratio")
+    frequency_penalty: float = Field(0.0, description="!= 0 biases the trainer's importance ratio")
     seed: int | None = None
     query_prompt: str = "{query}"
     new_context: Literal["disabled", "discard_all_tools", "discard_all"] = "disabled"
@@ -65,3 +108,14 @@ class SamplerConfig(BaseModel):
     exit_when_done: bool = False
     group: GroupConfig = Field(default_factory=GroupConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+
+    def sampling_params(self) -> dict[str, Any]:
+        """The ``sampling_params`` of every LLM call (all sent: a server's preferred defaults never apply)."""
+        return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
+                "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
+                "frequency_penalty": self.frequency_penalty, "repetition_penalty": 1.0}
+
+    @property
+    def penalised(self) -> bool:
+        """Penalties change the sampling distribution away from the policy's, which the trainer assumes."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0

@@ -64,6 +64,11 @@ async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResourc
 
 async def run_sampler(config: SamplerConfig) -> SamplerStats:
     """Run one sampler until it is stopped (SIGTERM/SIGINT) or, with ``exit_when_done``, its split is done."""
+    if config.split == "train" and config.penalised:
+        logger.warning(
+            "presence_penalty %s / frequency_penalty %s: the engine's logprobs then come from the penalised "
+            "distribution while the trainer's assume the policy's own, which biases the importance ratio",
+            config.presence_penalty, config.frequency_penalty)
     async with sampler_resources(config) as resources:
         sampler = Sampler(resources)
         sampler.install_signal_handlers()

@@ -1,0 +1,101 @@
+"""Samplers and evaluations against a server that behaves like a real SGLang, not our engine: the SGLang stand-in
+(``tests/sglang_standin.py``, a real HTTP server process) fills every omitted sampling parameter from Qwen3's
+preferred defaults and reports ``weight_version`` "default", as SGLang does. The real ``agentrl sample`` and
+``agentrl eval`` commands must still sample with their own parameters and stamp tokens with policy version 0."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from rollout_fixtures import agentrl_cmd, documents, run_env, upload
+from sglang_standin import StandInProcess
+
+QWEN3_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "presence_penalty": 1.5,
+                  "repetition_penalty": 1.05}
+REPLY = "The product is \\boxed{42}."
+
+
+@pytest.fixture
+def standin(tiny_model_dir: Path) -> Iterator[StandInProcess]:
+    """A stand-in whose every reply is ``REPLY`` (then EOS) in the tiny model's tokens."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    ids = tokenizer.encode(REPLY, add_special_tokens=False) + [tokenizer.eos_token_id]
+    with StandInProcess(ids, REPLY, QWEN3_DEFAULTS) as server:
+        yield server
+
+
+def write_tasks(path: Path) -> Path:
+    path.write_text("".join(json.dumps({"id": f"q{i}", "question": "What is 6 * 7?", "answer": "42"}) + "\n"
+                            for i in range(2)))
+    return path
+
+
+def run(*args: str, expect: int = 0) -> subprocess.CompletedProcess:
+    done = subprocess.run(agentrl_cmd(*args), capture_output=True, text=True, env=run_env(), timeout=240)
+    assert done.returncode == expect, done.stdout + done.stderr
+    return done
+
+
+def used(standin: StandInProcess) -> list[dict]:
+    return [request["sampling_params_used"] for request in standin.requests()]
+
+
+def test_sampler_samples_with_its_own_parameters_and_stamps_version_0(
+        db_uri: str, tmp_path: Path, tiny_model_dir: Path, standin: StandInProcess) -> None:
+    upload(db_uri, write_tasks(tmp_path / "tasks.jsonl"), "--num_generations", "2")
+    done = run("sample", "--db_connection_string", db_uri, "--model_name_or_path", str(tiny_model_dir),
+               "--inference_urls", standin.url, "--max_turns", "2", "--max_new_tokens", "32",
+               "--presence_penalty", "0.5", "--exit_when_done", "true", "--zero_variance_threshold", "0",
+               "--drop_zero_advantage", "false")
+    assert "sampler done: 4 trajectories, 4 scored" in done.stdout
+    assert done.stderr.count("biases the importance ratio") == 1  # penalties on the train split: warned once
+
+    calls = used(standin)
+    assert len(calls) == 4
+    for params in calls:  # the sampler's values, not the server's preferred ones
+        assert params == {"max_new_tokens": 32, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                          "presence_penalty": 0.5, "frequency_penalty": 0.0, "repetition_penalty": 1.0}
+    stored = documents(db_uri, "DispatchedSamplingTask")
+    assert len(stored) == 4
+    for call in stored:
+        assert call["weight_version"] == 0  # SGLang's "default": the run's initial policy
+        assert set(call["output_logprobs"]) == {-1.0}  # the stand-in's logprobs at temperature 1
+    assert {r["policy_version"] for r in documents(db_uri, "Record")} == {0}
+    samples = documents(db_uri, "DBRecordData")
+    assert len(samples) == 4
+    for sample in samples:
+        versions = {v for v, m in zip(sample["versions"], sample["loss_mask"]) if m}
+        assert versions == {0}  # not -1: the trainer counts these tokens as produced by version 0
+
+
+def test_eval_sends_its_sampling_parameters(db_uri: str, tmp_path: Path, tiny_model_dir: Path,
+                                            standin: StandInProcess) -> None:
+    common = ["eval", "--db_connection_string", db_uri, "--tasks", str(write_tasks(tmp_path / "tasks.jsonl")),
+              "--inference_urls", standin.url, "--model_name_or_path", str(tiny_model_dir), "--scorer", "math",
+              "--answer_schema", "boxed", "--max_turns", "2", "--max_new_tokens", "32", "--json"]
+    greedy = json.loads(run(*common).stdout)
+    assert greedy["metrics"]["accuracy"] == 1.0 and greedy["model"]["weight_version"] == "default"
+    assert used(standin) == [{"max_new_tokens": 32, "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
+                              "presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0}] * 2
+
+    sampled = json.loads(run(*common, "--preferred_sampling_params", '{"temperature": 0.8, "top_p": 0.9}',
+                             "--top_k", "5", "--frequency_penalty", "0.25").stdout)
+    assert not sampled["reused"] and sampled["key"] != greedy["key"]
+    assert used(standin)[2:] == [{"max_new_tokens": 32, "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.0,
+                                  "presence_penalty": 0.0, "frequency_penalty": 0.25,
+                                  "repetition_penalty": 1.0}] * 2
+
+
+def test_a_flag_contradicting_preferred_sampling_params_is_an_error(db_uri: str) -> None:
+    done = run("sample", "--db_connection_string", db_uri, "--temperature", "0.7",
+               "--preferred_sampling_params", '{"temperature": 1, "top_p": 1}', expect=2)
+    assert "--temperature 0.7" in done.stderr and "--preferred_sampling_params temperature=1" in done.stderr
+    done = run("eval", "--db_connection_string", db_uri, "--tasks", "x.jsonl",
+               "--preferred_sampling_params", '{"temprature": 1}', expect=2)
+    assert "temprature" in done.stderr and "top_p" in done.stderr
