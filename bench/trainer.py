@@ -1,7 +1,12 @@
 """Trainer throughput at the embedded model's size (SmolLM2-135M) against a plain Hugging Face loop, same run.
 
-    .venv/bin/python bench/trainer.py [--model_name_or_path DIR] [--steps 4] [--samples_per_step 4]
-                                      [--turns 4] [--turn_tokens 64] [--max_tokens 4096] [--loss_calculater GRPO]
+    .venv/bin/python bench/trainer.py [--model_name_or_path DIR | --model_config bench/configs/NAME.json]
+                                      [--steps 4] [--samples_per_step 4] [--turns 4] [--turn_tokens 64]
+                                      [--max_tokens 4096] [--loss_calculater GRPO] [--gradient_checkpointing]
+
+``--model_config`` builds a model of that architecture (a Hugging Face ``config.json``; ``bench/configs/`` has
+Qwen2.5-1.5B, Qwen3-4B and Qwen2.5-7B shapes) with seeded random weights, saved to a temporary directory with the
+embedded model's tokenizer: throughput and MFU depend on the shapes, not on the weights.
 
 Both sides train on the same synthetic multi-turn samples (random tokens, ``--turns`` calls of about
 ``--turn_tokens`` new prompt + output tokens each, merged into one sequence per trajectory as the samplers' group
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
 import random
 import socket
 import statistics
@@ -80,11 +86,13 @@ def make_samples(model: torch.nn.Module, count: int, turns: int, turn_tokens: in
 
 
 def baseline(model_path: Path, steps: list[list[DBRecordData]], max_tokens: int, lr: float, bf16: bool,
-             device: torch.device) -> list[float]:
+             device: torch.device, gradient_checkpointing: bool = False) -> list[float]:
     """Tokens/s of each step of a plain Hugging Face forward+backward+AdamW loop on the same micro-batches."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).train()
+    if gradient_checkpointing:
+        model.activation_checkpointing_enable()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rates = []
     for samples in steps:
@@ -120,7 +128,8 @@ def trainer(uri: str, model_path: Path, output_dir: Path, args: argparse.Namespa
     flags = ["--db_connection_string", uri, "--model_name_or_path", str(model_path), "--output_dir",
              str(output_dir), "--train_batch_size", str(args.samples_per_step), "--max_steps", str(args.steps + 1),
              "--max_tokens", str(args.max_tokens), "--save_steps", "0", "--enable_sampling", "false",
-             "--loss_calculater", args.loss_calculater, "--learning_rate", "1e-5", "--bf16", str(bf16).lower()]
+             "--loss_calculater", args.loss_calculater, "--learning_rate", "1e-5", "--bf16", str(bf16).lower(),
+             "--gradient_checkpointing", str(args.gradient_checkpointing).lower()]
     if main(flags) != 0:
         raise SystemExit("the trainer failed")
     client = sync_client(uri)
@@ -150,15 +159,39 @@ def main() -> int:
     parser.add_argument("--turn_tokens", type=int, default=64)
     parser.add_argument("--max_tokens", type=int, default=4096, help="padded tokens per micro-batch")
     parser.add_argument("--loss_calculater", default="GRPO")
+    parser.add_argument("--model_config", default=None, help="a config.json to build a random-weight model from")
+    parser.add_argument("--gradient_checkpointing", action="store_true", help="both loops recompute activations")
     args = parser.parse_args()
-
-    from transformers import AutoModelForCausalLM
+    if args.model_config and args.model_name_or_path:
+        parser.error("give --model_name_or_path or --model_config, not both")
 
     from agentrl.inference.embedded_model import default_model_path
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"
-    model_path = Path(args.model_name_or_path or default_model_path())
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-model-") as built:
+        model_path = Path(args.model_name_or_path or default_model_path())
+        if args.model_config:
+            model_path = build_model(Path(args.model_config), Path(built) / Path(args.model_config).stem)
+        return measure(args, model_path, device, bf16)
+
+
+def build_model(config_file: Path, out: Path) -> Path:
+    """A model of ``config_file``'s architecture with seeded random weights and the embedded tokenizer, in ``out``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.inference.embedded_model import default_model_path
+
+    config = AutoConfig.for_model(**json.loads(config_file.read_text()))
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(out)
+    return out
+
+
+def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf16: bool) -> int:
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     parameters = sum(p.numel() for p in model.parameters())
     samples = make_samples(model, (args.steps + 1) * args.samples_per_step, args.turns, args.turn_tokens, seed=0)
@@ -166,7 +199,7 @@ def main() -> int:
     steps = [samples[i:i + args.samples_per_step] for i in range(0, len(samples), args.samples_per_step)]
     tokens_per_step = statistics.mean(sum(s.num_tokens for s in step) for step in steps)
 
-    base_rates = baseline(model_path, steps, args.max_tokens, 1e-5, bf16, device)[1:]
+    base_rates = baseline(model_path, steps, args.max_tokens, 1e-5, bf16, device, args.gradient_checkpointing)[1:]
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-trainer-") as tmp:
         server = EmbeddedServer(data_dir=Path(tmp) / "db", port=free_port())
         server.start()

@@ -4,7 +4,10 @@ same data; a checkpoint of 2 ranks resumes in 1 (the optimizer state reshards); 
 from __future__ import annotations
 
 import asyncio
+import json
+import os
 import shutil
+import subprocess
 import sys
 import uuid
 from collections.abc import Iterator
@@ -13,6 +16,7 @@ from pathlib import Path
 import pytest
 from conftest import with_database
 from trainer_fixtures import (
+    TRAINER_ENV,
     enqueue,
     load_weights,
     make_samples,
@@ -122,3 +126,40 @@ def test_accelerate_launch_with_the_cpu_config(tiny_model_dir: Path, samples, fr
                          launcher=(accelerate, "launch", "--config_file", str(config)))
     assert result.returncode == 0, result.stdout
     assert _metric(uri, 1)["samples"] == 4 and (tmp_path / "out" / "final" / "model.safetensors").is_file()
+
+    # the config's settings are applied: mixed_precision bf16 turns bf16 on (which on CPU the trainer flags)
+    bf16_config = tmp_path / "bf16.yml"
+    bf16_config.write_text(config.read_text().replace("mixed_precision: 'no'", "mixed_precision: bf16"))
+    uri = fresh_db(samples[:4])
+    result = run_trainer(trainer_args(uri, tiny_model_dir, tmp_path / "bf16", *FLAGS, "--save_steps", "0"),
+                         launcher=(accelerate, "launch", "--config_file", str(bf16_config)))
+    assert result.returncode == 0, result.stdout
+    assert "--bf16 true on cpu" in result.stdout
+
+
+def test_trainer_collectives_take_backend_tensors_and_only_rank0_reads_weights(
+        tiny_model_dir: Path, samples, single_process, fresh_db, tmp_path: Path) -> None:
+    """Two gloo ranks run under ``collective_probe.py`` (the stand-in for NCCL: see its docstring). No AgentRL
+    collective receives a tensor not placed on the backend's device;
+    only rank 0 reads weights from disk; the run (with activation checkpointing, set up on the meta-device model)
+    still equals one process: rank-0 loading is exact."""
+    reference, _ = single_process
+    uri = fresh_db(samples)
+    out = tmp_path / "probe"
+    out.mkdir()
+    probe = Path(__file__).with_name("collective_probe.py")
+    command = [*TORCHRUN, str(probe), str(out),
+               *trainer_args(uri, tiny_model_dir, out / "run", *FLAGS, "--max_steps", "2", "--save_steps", "2",
+                             "--gradient_checkpointing", "true")]
+    result = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=180,
+                            env={**os.environ, **TRAINER_ENV})
+    assert result.returncode == 0, result.stdout
+    assert "rank 0 read the weights" in result.stdout
+    ranks = [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    for report in ranks:
+        assert report["violations"] == [], report["violations"]
+        assert report["calls"], "the probe saw no AgentRL collective: it is not wired in"
+    assert [r["loads"] for r in ranks] == [1, 0]
+    difference = max_weight_difference(load_weights(out / "run" / "checkpoint-2"),
+                                       load_weights(reference / "checkpoint-2"))
+    assert difference < TOLERANCE, difference

@@ -11,7 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from agentrl.store import DBRecordData
 from agentrl.training.data import sample_staleness, split_shares, to_merged, tokens_if_unmerged
-from agentrl.training.parallel import ParallelError, resolve_tp_size
+from agentrl.training.config import TrainConfig
+from agentrl.training.launcher import BOOLEAN_FIELDS, LaunchConfigError, apply_launch_config
 from agentrl.training.weights import WeightsError, load_pretrained
 
 
@@ -67,11 +68,40 @@ def test_pretrained_weights_are_required(tiny_model_dir: Path, tmp_path: Path) -
     assert json.loads((tiny_model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
-def test_tp_degree_from_flag_or_accelerate_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("ACCELERATE_USE_PARALLELISM_CONFIG", raising=False)
-    assert resolve_tp_size(None) == 1 and resolve_tp_size(4) == 4
-    monkeypatch.setenv("ACCELERATE_USE_PARALLELISM_CONFIG", "true")
-    monkeypatch.setenv("PARALLELISM_CONFIG_TP_SIZE", "2")
-    assert resolve_tp_size(None) == 2 and resolve_tp_size(2) == 2
-    with pytest.raises(ParallelError, match="--tp_size 4 disagrees"):
-        resolve_tp_size(4)
+ACCELERATE_FSDP2 = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
+                   "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_RESHARD_AFTER_FORWARD": "false",
+                   "FSDP_CPU_RAM_EFFICIENT_LOADING": "false", "FSDP_OFFLOAD_PARAMS": "false",
+                   "ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_TP_SIZE": "2"}
+
+
+def test_accelerate_config_fields_become_trainer_settings() -> None:
+    assert apply_launch_config(TrainConfig(tp_size=4), {}).tp_size == 4
+    resolved = apply_launch_config(TrainConfig(), ACCELERATE_FSDP2)
+    assert (resolved.bf16, resolved.gradient_checkpointing, resolved.reshard_after_forward,
+            resolved.cpu_ram_efficient_loading, resolved.tp_size) == (True, True, False, False, 2)
+    assert apply_launch_config(TrainConfig(tp_size=2, bf16=True), ACCELERATE_FSDP2).tp_size == 2
+    with pytest.raises(LaunchConfigError, match="--tp_size 4 disagrees with the accelerate config's "
+                                                "parallelism_config_tp_size"):
+        apply_launch_config(TrainConfig(tp_size=4), ACCELERATE_FSDP2)
+    with pytest.raises(LaunchConfigError, match="--bf16 false disagrees with the accelerate config's mixed_precision"):
+        apply_launch_config(TrainConfig(bf16=False), ACCELERATE_FSDP2)
+    for variable, value, message in (("FSDP_OFFLOAD_PARAMS", "true", "fsdp_offload_params"),
+                                     ("FSDP_VERSION", "1", "fsdp_version 1"),
+                                     ("ACCELERATE_MIXED_PRECISION", "fp16", "mixed_precision 'fp16'")):
+        with pytest.raises(LaunchConfigError, match=message):
+            apply_launch_config(TrainConfig(), {**ACCELERATE_FSDP2, variable: value})
+
+
+def test_shipped_accelerate_configs_mean_what_they_say() -> None:
+    """Every field of the shipped configs is one accelerate uses to launch or one the trainer applies."""
+    import yaml
+
+    launch = {"compute_environment", "distributed_type", "num_processes", "num_machines", "machine_rank",
+              "main_training_function", "rdzv_backend", "same_network", "use_cpu", "downcast_bf16"}
+    applied = {"mixed_precision", "fsdp_version", "fsdp_offload_params", "parallelism_config_dp_shard_size",
+               *(field for field, _ in BOOLEAN_FIELDS.values()), "parallelism_config_tp_size"}
+    for path in (Path(__file__).parents[1] / "assets" / "accelerate").glob("*.yml"):
+        config = yaml.safe_load(path.read_text())
+        fields = {k for k in config if k not in ("fsdp_config", "parallelism_config")}
+        fields |= set(config.get("fsdp_config", {})) | set(config.get("parallelism_config", {}))
+        assert fields <= launch | applied, (path.name, fields - launch - applied)

@@ -32,13 +32,21 @@ def test_leave_one_out_baseline() -> None:
     assert group_advantages([0.7], cfg) == [0.0]
 
 
-def test_scale_rewards_divides_by_population_std() -> None:
+def test_scale_rewards_divides_by_the_unbiased_std() -> None:
     cfg = AdvantageConfig(scale_rewards=True, std_epsilon=1e-12)
-    assert group_advantages([1, 0, 0, 1], cfg) == approx([1.0, -1.0, -1.0, 1.0])  # std 0.5
-    std = math.sqrt(2 / 3)  # of (3, 1, 2)
-    assert group_advantages([3.0, 1.0, 2.0], cfg) == approx([1 / std, -1 / std, 0.0])
+    # (1, 0, 0, 1): mean 0.5, squared deviations sum to 1, Bessel: std = sqrt(1/3) -> ±0.5·sqrt(3)
+    assert group_advantages([1, 0, 0, 1], cfg) == approx([0.5 * math.sqrt(3), -0.5 * math.sqrt(3),
+                                                           -0.5 * math.sqrt(3), 0.5 * math.sqrt(3)])
+    # (3, 1, 2): squared deviations sum to 2, over n - 1 = 2: std 1
+    assert group_advantages([3.0, 1.0, 2.0], cfg) == approx([1.0, -1.0, 0.0])
+    # (0.2, 0.2, 0.8): mean 0.4, deviations (-0.2, -0.2, 0.4), sum of squares 0.24, std sqrt(0.12)
+    std = math.sqrt(0.12)
+    assert group_advantages([0.2, 0.2, 0.8], cfg) == approx([-0.2 / std, -0.2 / std, 0.4 / std])
     loo = AdvantageConfig(scale_rewards=True, leave_one_out=True, std_epsilon=1e-12)
-    assert group_advantages([1, 0, 0, 1], loo) == approx([4 / 3, -4 / 3, -4 / 3, 4 / 3])
+    assert group_advantages([1, 0, 0, 1], loo) == approx([2 / 3 * math.sqrt(3), -2 / 3 * math.sqrt(3),
+                                                          -2 / 3 * math.sqrt(3), 2 / 3 * math.sqrt(3)])
+    # a group of one has std 0 and advantage 0 (no division by zero, with or without leave-one-out)
+    assert group_advantages([0.7], cfg) == [0.0] and group_advantages([0.7], loo) == [0.0]
 
 
 def test_zero_variance_group_gets_zero_not_nan() -> None:

@@ -154,11 +154,33 @@ def test_gspo_matches_the_sequence_objective() -> None:
     assert total.item() / 3 == pytest.approx(loss)
 
 
+def test_gspo_is_sequence_level_whatever_token_level_loss_says() -> None:
+    # sequences of 3, 2 and 2 loss tokens: a token mean would weigh sequence 0 by 3/7, GSPO weighs each by 1/3
+    log_r = [0.1, 0.2, -0.15, 0.5, 0.4, 0.3, 0.5]
+    advs = [1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
+    seq_ids = [0, 0, 0, 1, 1, 2, 2]
+    over = dict(seq_ids=seq_ids, ratios=[math.exp(x) for x in log_r], advs=advs, mask=[1] * 7)
+    results = []
+    for config in (LossConfig(loss_calculater="GSPO", token_level_loss=True),
+                   LossConfig(loss_calculater="GSPO", token_level_loss=False),
+                   LossConfig(loss_calculater="GSPO", token_level_loss=False, skip_length_normalization=True)):
+        assert not config.normalises_by_tokens and config.needs_seq_ids
+        normaliser = count_normaliser(config, torch.tensor([[1] * 7]), torch.tensor([seq_ids]))
+        assert normaliser == 3  # sequences
+        loss, grad, _ = run(config, normaliser, **over)
+        results.append((loss, grad))
+    s0, s2 = math.exp(0.05), math.exp(0.4)
+    for loss, grad in results:
+        assert loss == pytest.approx(results[0][0], abs=1e-12) and grad == pytest.approx(results[0][1], abs=1e-12)
+        assert loss == pytest.approx((-s0 - 1.3 + s2) / 3)
+        assert grad == pytest.approx([-s0 / 9] * 3 + [0.0, 0.0] + [s2 / 6] * 2)
+
+
 def test_gspo_band_uses_the_sequence_ratio() -> None:
     config = LossConfig(loss_calculater="GSPO", strict_in_bound=True)
     # one sequence with token ratios 2.0 and 0.8 (s = sqrt(2.0 · 0.8) = 1.265 inside [0.8, 1.3]): no token
     # is dropped even though token 0's own ratio is out of the band
-    _, grad, metrics = run(config, 2, seq_ids=[0, 0], ratios=[2.0, 0.8], advs=[1.0, 1.0], mask=[1, 1])
+    _, grad, metrics = run(config, 1, seq_ids=[0, 0], ratios=[2.0, 0.8], advs=[1.0, 1.0], mask=[1, 1])
     s = math.sqrt(2.0 * 0.8)
     assert metrics.masked_tokens == 0
     assert grad == pytest.approx([-s / 2, -s / 2])
@@ -240,6 +262,7 @@ def test_metrics_add_up() -> None:
 CONFIGS = {
     "grpo-token": LossConfig(loss_calculater="GRPO", importance_weight_cap_ratio=2.0, truncated_is_cap=1.5),
     "gspo-seq": LossConfig(loss_calculater="GSPO", token_level_loss=False),
+    "gspo-token-flag": LossConfig(loss_calculater="GSPO", token_level_loss=True),
     "minirl-recipe": LossConfig(
         loss_calculater="MINIRL", strict_in_bound=True, token_level_loss=False, skip_length_normalization=True,
         out_of_date_decay=0.2,

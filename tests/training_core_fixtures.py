@@ -134,6 +134,9 @@ def rank_worker(rank: int, world: int, port: int, config_json: str, out_path: st
     """One data-parallel rank: train on samples ``rank::world`` with the global normaliser, all-reduce (SUM) the
     gradients and metrics, and (rank 0) save them to ``out_path``."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from agentrl.training.parallel import ParallelState
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -143,10 +146,12 @@ def rank_worker(rank: int, world: int, port: int, config_json: str, out_path: st
         samples = step_samples(model)
         mine = samples[rank::world]
         batches = pack_micro_batches(mine, max_tokens=48)
-        normaliser = global_normaliser(config, batches)
+        parallel = ParallelState(rank=rank, world_size=world, dp_rank=rank, dp_size=world,
+                                 mesh=init_device_mesh("cpu", (world, 1), mesh_dim_names=("dp", "tp")))
+        normaliser = global_normaliser(config, batches, parallel)
         grad, metrics = accumulate_gradient(model, config, batches, normaliser)
         dist.all_reduce(grad)
-        metrics = metrics.all_reduce()
+        metrics = metrics.all_reduce(parallel)
         if rank == 0:
             torch.save({"grad": grad, "normaliser": normaliser, "metrics": metrics.as_dict(),
                         "num_batches": len(batches)}, out_path)

@@ -21,5 +21,5 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.train import config_from_namespace
     from agentrl.train import run as run_trainer
 
-    config = config_from_namespace(args, args._parser)
-    return run_trainer(config, verbose=args.verbose)
+    config, warnings = config_from_namespace(args, args._parser)
+    return run_trainer(config, verbose=args.verbose, warnings=warnings)

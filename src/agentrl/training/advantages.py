@@ -3,7 +3,10 @@
 Pure functions on plain floats (no database, no tensors). The pipeline per group, in order:
 
 1. ``group_advantages``: ``A_i = R_i - b_i`` with the baseline ``b_i`` the group mean, or with ``leave_one_out``
-   the mean of the *other* members; with ``scale_rewards`` divided by the group's standard deviation.
+   the mean of the *other* members; with ``scale_rewards`` divided by ``std + std_epsilon``, ``std`` the group's
+   unbiased (Bessel, ``n - 1``) standard deviation, as ``torch.std`` computes it in verl and TRL (the original
+   never divided its advantage by a std, so there is nothing of it to follow). A group of one has std 0 and
+   advantage 0.
 2. ``call_advantages``: every LLM call of a trajectory inherits its trajectory's advantage; calls whose status
    is an error status (``formaterror``, ``repeaterror`` by default) are capped at 0 (never rewarded, may still
    be penalised); calls whose status is not trainable get ``None``. The result is multiplied by
@@ -38,7 +41,9 @@ class AdvantageConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    scale_rewards: bool = Field(False, description="divide R - baseline by the group's standard deviation")
+    scale_rewards: bool = Field(
+        False, description="divide R - baseline by the group's unbiased standard deviation (n - 1, as verl and "
+        "TRL; a group of one gets advantage 0)")
     leave_one_out: bool = Field(False, description="baseline = mean of the other members of the group")
     adv_scaling: float = Field(1.0, description="multiply every advantage by this factor")
     drop_zero_advantage: bool = Field(True, description="no loss on calls whose advantage is exactly 0")
@@ -66,8 +71,8 @@ def group_advantages(rewards: Sequence[float], config: AdvantageConfig) -> list[
     """Advantage of each member of one group (before ``adv_scaling``), in the order of ``rewards``.
 
     ``R_i - mean(R)``, or ``R_i - mean_{j != i}(R_j)`` with ``leave_one_out`` (0 for a group of one); divided by
-    ``std(R) + std_epsilon`` (population std, over the whole group) with ``scale_rewards``. With
-    ``reward_sign_threshold`` the sign clamp is applied last.
+    ``std(R) + std_epsilon`` (unbiased std over the whole group, 0 for a group of one) with ``scale_rewards``.
+    With ``reward_sign_threshold`` the sign clamp is applied last.
     """
     values = [float(r) for r in rewards]
     for index, value in enumerate(values):
@@ -83,7 +88,7 @@ def group_advantages(rewards: Sequence[float], config: AdvantageConfig) -> list[
     else:
         advantages = [r - mean for r in values]
     if config.scale_rewards:
-        std = math.sqrt(math.fsum((r - mean) ** 2 for r in values) / n)
+        std = math.sqrt(math.fsum((r - mean) ** 2 for r in values) / (n - 1)) if n > 1 else 0.0
         advantages = [a / (std + config.std_epsilon) for a in advantages]
     threshold = config.reward_sign_threshold
     if threshold is not None:

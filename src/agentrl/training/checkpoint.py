@@ -9,6 +9,10 @@ Layout of one checkpoint directory:
 * ``scheduler.pt``, ``rng_state_<rank>.pt`` (torch CPU/CUDA and Python generators);
 * ``trainer_state.json`` (:class:`TrainerState`: step, epoch, layout, version → step map), written last.
 
+With ``--save_only_model`` (``model_only``) there is no ``optimizer/`` and no ``scheduler.pt``. A resume from such
+a checkpoint starts AdamW afresh (zero moments, with a warning) and sets the learning-rate schedule to the
+checkpoint's step; the data-stream state is complete, so every sample is still trained exactly once.
+
 A checkpoint is written into ``.checkpoint-<step>.tmp`` and renamed when complete, so ``latest`` (the highest
 complete step) never points at a partial one, even after a SIGKILL in the middle of saving.
 """
@@ -24,7 +28,7 @@ import re
 import shutil
 import warnings
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +59,8 @@ class TrainerState:
     dp_size: int = 1
     train_batch_size: int = 0
     version_steps: dict[int, int] = field(default_factory=dict)
+    model_only: bool = False
+    """In a checkpoint: saved without optimizer and scheduler state (``--save_only_model``)."""
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -101,8 +107,9 @@ def resolve_resume(value: str | None, output_dir: Path) -> Path | None:
 
 def save_checkpoint(output_dir: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     state: TrainerState, parallel: ParallelState, *, tokenizer: Any | None = None,
-                    save_total_limit: int | None = None) -> Path:
-    """Write ``checkpoint-<state.step>`` (every rank must call this); returns its path."""
+                    save_total_limit: int | None = None, model_only: bool = False) -> Path:
+    """Write ``checkpoint-<state.step>`` (every rank must call this; ``model_only``: without optimizer and
+    scheduler state); returns its path."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -113,17 +120,19 @@ def save_checkpoint(output_dir: Path, model: nn.Module, optimizer: torch.optim.O
         tmp.mkdir(parents=True)
     parallel.barrier()
     export_pretrained(model, parallel, tmp / "model", dtype=torch.float32, tokenizer=tokenizer)
-    with _single_process_dcp(parallel):
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=str(tmp / "optimizer"),
-                 no_dist=not parallel.distributed)
+    if not model_only:
+        with _single_process_dcp(parallel):
+            dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},
+                     checkpoint_id=str(tmp / "optimizer"), no_dist=not parallel.distributed)
     torch.save(_rng_state(), tmp / f"rng_state_{parallel.rank}.pt")
     parallel.barrier()
     if parallel.is_main:
         for item in (tmp / "model").iterdir():  # the HF files sit at the checkpoint's top level
             os.replace(item, tmp / item.name)
         (tmp / "model").rmdir()
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        (tmp / STATE_FILE).write_text(state.to_json())
+        if not model_only:
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        (tmp / STATE_FILE).write_text(replace(state, model_only=model_only).to_json())
         if final.exists():  # left by an earlier incarnation that went further before a resume from an older one
             shutil.rmtree(final)
         os.replace(tmp, final)
@@ -137,7 +146,8 @@ def save_checkpoint(output_dir: Path, model: nn.Module, optimizer: torch.optim.O
 def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler: Any,
                     parallel: ParallelState) -> TrainerState:
     """Restore optimizer, scheduler and RNG state from ``path`` (the model weights were loaded from it already);
-    returns its ``TrainerState``. Every rank must call this."""
+    returns its ``TrainerState``. Every rank must call this. A ``model_only`` checkpoint leaves the optimizer
+    fresh (with a warning) and steps the scheduler to the checkpoint's step."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
@@ -145,11 +155,17 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         state = TrainerState.from_json((path / STATE_FILE).read_text())
     except (OSError, ValueError, TypeError) as error:
         raise CheckpointError(f"{path / STATE_FILE}: unreadable trainer state ({error})") from error
-    optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
-    with _single_process_dcp(parallel):
-        dcp.load(optim_state, checkpoint_id=str(path / "optimizer"), no_dist=not parallel.distributed)
-    set_optimizer_state_dict(model, optimizer, optim_state["optimizer"])
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    if state.model_only:
+        if parallel.is_main:
+            logger.warning("%s was saved with --save_only_model: the optimizer state starts fresh (AdamW moments "
+                           "at zero); the learning-rate schedule goes on from step %d", path, state.step)
+        _advance_scheduler(scheduler, state.step)
+    else:
+        optim_state = {"optimizer": get_optimizer_state_dict(model, optimizer)}
+        with _single_process_dcp(parallel):
+            dcp.load(optim_state, checkpoint_id=str(path / "optimizer"), no_dist=not parallel.distributed)
+        set_optimizer_state_dict(model, optimizer, optim_state["optimizer"])
+        scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     rng_file = path / f"rng_state_{parallel.rank}.pt"
     if rng_file.is_file():
         _set_rng_state(torch.load(rng_file, weights_only=False))
@@ -157,6 +173,14 @@ def load_checkpoint(path: Path, model: nn.Module, optimizer: torch.optim.Optimiz
         logger.warning("%s has no RNG state for rank %d (saved with fewer ranks): random streams restart from "
                        "the seed", path, parallel.rank)
     return state
+
+
+def _advance_scheduler(scheduler: Any, steps: int) -> None:
+    """Step a fresh LR scheduler ``steps`` times, to where a run that saved its state would have it."""
+    with warnings.catch_warnings():  # "lr_scheduler.step() before optimizer.step()": on purpose here
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        for _ in range(steps):
+            scheduler.step()
 
 
 @contextlib.contextmanager

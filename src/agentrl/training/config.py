@@ -6,18 +6,65 @@ data-parallel size``, the Hugging Face convention the original followed. Within 
 share into micro-batches by a token budget (``max_tokens`` padded tokens per forward pass), so gradient
 accumulation follows from the data, not from a fixed count; normalisers are global over the whole step.
 
+Flags of the original kept for its scripts: ``--optim_args`` (Hugging Face syntax) sets ``adam_beta1``,
+``adam_beta2`` and ``adam_epsilon``; ``--preferred_sampling_params`` gives ``temperature`` (that of the behaviour
+logprobs); ``--report_to`` accepts every Hugging Face integration, but only tensorboard and wandb are sinks here.
+:meth:`TrainConfig.advisories` lists, one line each, what is accepted but not done, and loss recipes combined
+with settings their authors recommend against.
+
 This module imports no torch, so building the command-line parser stays fast.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import json
+import shlex
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LossName = Literal["GRPO", "MINIRL", "GSPO", "CrossEntropy"]
 SchedulerName = Literal["constant", "linear", "cosine"]
-ReportTarget = Literal["none", "tensorboard", "wandb"]
+ReportTarget = Literal["none", "tensorboard", "wandb", "all", "azure_ml", "clearml", "codecarbon", "comet_ml",
+                       "dagshub", "dvclive", "flyte", "kubeflow", "mlflow", "neptune", "swanlab", "trackio"]
+"""Hugging Face's ``report_to`` values; only ``SUPPORTED_REPORT_TARGETS`` are sinks of this trainer."""
+SUPPORTED_REPORT_TARGETS: frozenset[str] = frozenset({"none", "tensorboard", "wandb"})
+
+OPTIM_ARGS: dict[str, str] = {"beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon"}
+"""``--optim_args`` keys and the fields they set."""
+
+RECIPES: dict[str, dict[str, bool]] = {
+    "MINIRL": {"token_level_loss": False, "strict_in_bound": True, "skip_length_normalization": True},
+    "GRPO": {"token_level_loss": True},
+}
+"""The settings the original's README recommends with each loss."""
+
+
+def _flag(name: str, value: Any) -> str:
+    return f"--{name} {str(value).lower() if isinstance(value, bool) else value}"
+
+
+def _set_unless_contradicted(data: dict[str, Any], field: str, value: float, source: str) -> None:
+    """``data[field] = value``, or an error naming ``source`` and ``--field`` when that was given otherwise."""
+    given = data.get(field)
+    if given is not None and float(given) != value:
+        raise ValueError(f"{source} contradicts --{field} {given}")
+    data[field] = value
+
+
+def _apply_optim_args(data: dict[str, Any], text: str) -> None:
+    """Set the fields of ``key=value,key=value`` (Hugging Face's ``optim_args``; keys from OPTIM_ARGS)."""
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        key, sep, raw = (part.strip() for part in item.partition("="))
+        if not sep or not key:
+            raise ValueError(f"--optim_args: expected key=value pairs separated by commas, got {item!r}")
+        if key not in OPTIM_ARGS:
+            raise ValueError(f"--optim_args: unknown key {key!r} (expected {', '.join(OPTIM_ARGS)})")
+        try:
+            value = float(raw)
+        except ValueError:
+            raise ValueError(f"--optim_args {key}={raw}: not a number") from None
+        _set_unless_contradicted(data, OPTIM_ARGS[key], value, f"--optim_args {key}={raw}")
 
 
 class TrainConfig(BaseModel):
@@ -39,6 +86,9 @@ class TrainConfig(BaseModel):
     attention_implementation: str = Field("sdpa", description="sdpa, eager or flash_attention_2")
     trust_remote_code: bool = Field(False, description="allow model code from the model directory")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    cpu_ram_efficient_loading: bool = Field(
+        True, description="several ranks: only rank 0 reads the weights into host memory, the others build the "
+        "model on the meta device and receive their shards by broadcast (false: every rank reads them)")
 
     # ------------------------------------------------------------------------------------------------- batches
     train_batch_size: int | None = Field(
@@ -50,6 +100,9 @@ class TrainConfig(BaseModel):
                             "sample gets a micro-batch of its own")
     pad_to_multiple_of: int = Field(1, ge=1, description="pad micro-batch length to a multiple of this")
     temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the behaviour logprobs")
+    preferred_sampling_params: dict[str, Any] | None = Field(
+        None, description="the original's engine sampling defaults as JSON: the trainer takes its temperature as "
+        "--temperature (the other parameters belong to the samplers or the engine)")
 
     # -------------------------------------------------------------------------------------------------- losses
     loss_calculater: LossName = Field("GRPO", description="GRPO, MINIRL, GSPO or CrossEntropy (SFT)")
@@ -72,6 +125,9 @@ class TrainConfig(BaseModel):
     adam_beta1: float = Field(0.9, ge=0.0, lt=1.0)
     adam_beta2: float = Field(0.999, ge=0.0, lt=1.0)
     adam_epsilon: float = Field(1e-8, gt=0.0)
+    optim_args: str | None = Field(
+        None, description="Hugging Face syntax, comma-separated key=value: beta1, beta2 and eps set adam_beta1, "
+        "adam_beta2 and adam_epsilon (e.g. beta1=0.9,beta2=0.98)")
     max_grad_norm: float | None = Field(1.0, gt=0.0, description="clip the global gradient norm (none: no clip)")
     lr_scheduler_type: SchedulerName = Field("constant", description="constant, linear or cosine (these two need "
                                              "max_steps), all after a linear warmup")
@@ -86,9 +142,14 @@ class TrainConfig(BaseModel):
     num_train_epochs: int = Field(1, ge=1, description="passes over the queued data when enable_sampling is false")
     save_steps: int = Field(500, ge=0, description="checkpoint every this many steps (0: no checkpoints)")
     save_total_limit: int | None = Field(None, ge=1, description="keep only this many checkpoints")
+    save_only_model: bool = Field(
+        False, description="checkpoints without optimizer and scheduler state (much smaller); a resume from one "
+        "starts the optimizer afresh, continues the learning-rate schedule and still trains every sample once")
     resume_from_checkpoint: str | None = Field(None, description="checkpoint directory, or 'latest' in output_dir")
     logging_steps: int = Field(1, ge=1, description="console progress line every this many steps")
-    report_to: list[ReportTarget] = Field(default_factory=list, description="also log to tensorboard and/or wandb")
+    report_to: list[ReportTarget] = Field(
+        default_factory=list, description="also log to tensorboard and/or wandb (Hugging Face's other "
+        "integrations are accepted with a warning and ignored)")
     logging_dir: str | None = Field(None, description="tensorboard directory (default: output_dir/runs)")
     poll_interval_s: float = Field(2.0, gt=0.0, description="longest pause between two polls of an empty queue")
 
@@ -105,12 +166,34 @@ class TrainConfig(BaseModel):
     publish_retries: int = Field(3, ge=0, description="extra attempts per inference service when publishing")
 
     # ------------------------------------------------------------------------------------ precision, parallelism
-    bf16: bool | None = Field(None, description="bf16 compute with fp32 master weights (default: on CUDA only)")
+    bf16: bool | None = Field(None, description="bf16 compute with fp32 master weights and an fp32 LM head "
+                              "(default: on CUDA only)")
+    reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after each layer's "
+                                        "forward pass (false: keep them for backward, faster, more memory)")
     tp_size: int | None = Field(None, ge=1, description="tensor-parallel degree (default: accelerate's "
                                 "parallelism_config_tp_size, else 1); data-parallel size = world size / tp_size")
     ddp_backend: Literal["gloo", "nccl"] | None = Field(None, description="default: nccl on CUDA, gloo on CPU")
     ddp_timeout: int = Field(1800, ge=1, description="seconds a collective may wait")
     num_threads: int | None = Field(None, ge=1, description="torch CPU threads per process")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _original_flags(cls, data: Any) -> Any:
+        """Apply ``optim_args`` and the temperature of ``preferred_sampling_params`` to the fields they set."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        if isinstance(data.get("optim_args"), str):
+            _apply_optim_args(data, data["optim_args"])
+        params = data.get("preferred_sampling_params")
+        if isinstance(params, dict) and "temperature" in params:
+            temperature = params["temperature"]
+            if isinstance(temperature, bool) or not isinstance(temperature, int | float) or temperature <= 0:
+                raise ValueError(f"--preferred_sampling_params temperature must be a number > 0 (the trainer "
+                                 f"divides the logits by it), got {temperature!r}")
+            _set_unless_contradicted(data, "temperature", float(temperature),
+                                     f"--preferred_sampling_params temperature {temperature}")
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -126,6 +209,40 @@ class TrainConfig(BaseModel):
         if self.kl_coef == 0 and self.ref_model_name_or_path is not None:
             raise ValueError("--ref_model_name_or_path is only used with --kl_coef > 0")
         return self
+
+    def advisories(self) -> list[str]:
+        """One line per setting that is accepted but not (entirely) done, or that combines a loss with settings
+        its authors recommend against; ``agentrl train`` logs them at start-up."""
+        notes: list[str] = []
+        explicit = self.model_fields_set
+        unsupported = [target for target in self.report_to if target not in SUPPORTED_REPORT_TARGETS]
+        if unsupported:
+            notes.append(f"--report_to {' '.join(unsupported)}: not supported here (supported: tensorboard, wandb); "
+                         "metrics still go to the database (Metric), the console and the supported sinks")
+        other = sorted(set(self.preferred_sampling_params or {}) - {"temperature"})
+        if other:
+            value = shlex.quote(json.dumps(self.preferred_sampling_params))
+            notes.append(f"--preferred_sampling_params: the trainer uses only its temperature ({self.temperature}); "
+                         f"the others ({', '.join(other)}) are sampling settings: pass them to the samplers, "
+                         f"`agentrl sample --preferred_sampling_params {value}` (or as the engine's defaults, "
+                         f"`agentrl engine --preferred_sampling_params {value}`)")
+        if "num_train_epochs" in explicit and self.num_train_epochs > 1 and self.enable_sampling:
+            notes.append(f"--num_train_epochs {self.num_train_epochs}: passes over the queued samples apply to "
+                         "offline training (--enable_sampling false); with sampling every uploaded task gets its "
+                         "samples once and training ends when they are trained or at --max_steps")
+        if self.loss_calculater == "GSPO":
+            ignored = [_flag(name, True) for name in ("token_level_loss", "skip_length_normalization")
+                       if name in explicit and getattr(self, name)]
+            if ignored:
+                notes.append(f"--loss_calculater GSPO: {' and '.join(ignored)} ignored: GSPO is sequence-level "
+                             "(each sequence's token mean, averaged over the step's sequences)")
+        recipe = RECIPES.get(self.loss_calculater, {})
+        deviations = [_flag(name, getattr(self, name)) for name, value in recipe.items()
+                      if getattr(self, name) != value]
+        if deviations:
+            notes.append(f"--loss_calculater {self.loss_calculater} with {', '.join(deviations)}: its authors "
+                         f"recommend {' '.join(_flag(name, value) for name, value in recipe.items())}")
+        return notes
 
     @property
     def staleness_bound(self) -> int | None:

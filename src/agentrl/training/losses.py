@@ -29,6 +29,10 @@ Aggregation, with ``N`` the caller's GLOBAL normaliser for the whole optimiser s
 * ``token_level_loss``: ``Σ_tokens L·M / N``, ``N`` = loss tokens of the step (all micro-batches, all ranks);
 * otherwise ``Σ_seq [Σ_{t∈seq} L·M / n_seq] / N`` (``n_seq`` = loss tokens of the sequence), or without the
   ``/ n_seq`` with ``skip_length_normalization``; ``N`` = sequences of the step with at least one loss token.
+* GSPO is sequence-level by definition: always the per-sequence mean divided by the step's sequences, whatever
+  ``token_level_loss`` and ``skip_length_normalization`` say (``agentrl train`` warns when they ask otherwise).
+  The original's README recommends MINIRL with ``token_level_loss false``, ``strict_in_bound true``,
+  ``skip_length_normalization true`` and GRPO with ``token_level_loss true``; other combinations also warn.
 Masked tokens leave the numerator, not ``N`` (which is fixed before the forward pass). The returned
 ``loss_sum`` of every micro-batch and rank add up to the step's loss, so summing their gradients gives the
 step's gradient whatever the split. FSDP/DDP *average* gradients over data-parallel ranks: multiply the loss by
@@ -40,11 +44,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
-from typing import Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import torch
-import torch.distributed as dist
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    from agentrl.training.parallel import ParallelState
 
 LossName = Literal["GRPO", "MINIRL", "GSPO", "CrossEntropy"]
 
@@ -84,12 +90,17 @@ class LossConfig(BaseModel):
 
     @property
     def normalises_by_tokens(self) -> bool:
-        """Whether the global normaliser counts loss tokens (else sequences)."""
-        return self.token_level_loss
+        """Whether the global normaliser counts loss tokens (else sequences; always sequences for GSPO)."""
+        return self.token_level_loss and self.loss_calculater != "GSPO"
+
+    @property
+    def length_normalised(self) -> bool:
+        """Whether each sequence's sum is divided by its loss tokens (GSPO always: its objective is a mean)."""
+        return self.loss_calculater == "GSPO" or not (self.token_level_loss or self.skip_length_normalization)
 
     @property
     def needs_seq_ids(self) -> bool:
-        return self.loss_calculater == "GSPO" or not (self.token_level_loss or self.skip_length_normalization)
+        return self.length_normalised
 
 
 @dataclass
@@ -112,16 +123,14 @@ class LossMetrics:
         merged["ratio_max"] = max(self.ratio_max, other.ratio_max)
         return LossMetrics(**merged)
 
-    def all_reduce(self, group: dist.ProcessGroup | None = None) -> LossMetrics:
-        """Sum (``ratio_max``: max) over the ranks of ``group``; unchanged without torch.distributed."""
-        if not (dist.is_available() and dist.is_initialized()):
+    def all_reduce(self, parallel: ParallelState | None = None) -> LossMetrics:
+        """Sum (``ratio_max``: max) over the data-parallel ranks of ``parallel``; unchanged without one."""
+        if parallel is None or not parallel.distributed:
             return self
         names = [f.name for f in fields(self) if f.name != "ratio_max"]
-        sums = torch.tensor([getattr(self, n) for n in names], dtype=torch.float64)
-        peak = torch.tensor([self.ratio_max], dtype=torch.float64)
-        dist.all_reduce(sums, group=group)
-        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
-        return LossMetrics(**dict(zip(names, sums.tolist())), ratio_max=peak.item())
+        sums = parallel.all_reduce([getattr(self, n) for n in names], group="dp")
+        (peak,) = parallel.all_reduce([self.ratio_max], op="max", group="dp")
+        return LossMetrics(**dict(zip(names, sums)), ratio_max=peak)
 
     def as_dict(self) -> dict[str, float]:
         """Loggable values: ``loss``, fractions of loss tokens, ratio mean/max, KL means (k3)."""
@@ -156,17 +165,15 @@ def count_normaliser(config: LossConfig, loss_mask: torch.Tensor, seq_ids: torch
 
 
 def global_normaliser(
-    config: LossConfig, micro_batches: Iterable[_Masked], group: dist.ProcessGroup | None = None
+    config: LossConfig, micro_batches: Iterable[_Masked], parallel: ParallelState | None = None
 ) -> float:
-    """The step's normaliser ``N``: ``count_normaliser`` summed over this rank's micro-batches and, when
-    torch.distributed is initialised, all-reduced (SUM) over ``group``. Call it once per optimiser step, before
-    the first forward pass, on every rank."""
-    local = sum(count_normaliser(config, mb.loss_mask, mb.seq_ids) for mb in micro_batches)
-    if dist.is_available() and dist.is_initialized():
-        total = torch.tensor([float(local)], dtype=torch.float64)
-        dist.all_reduce(total, group=group)
-        return float(total.item())
-    return float(local)
+    """The step's normaliser ``N``: ``count_normaliser`` summed over this rank's micro-batches and, with a
+    distributed ``parallel``, over its data-parallel ranks. Call it once per optimiser step, before the first
+    forward pass, on every rank."""
+    local = float(sum(count_normaliser(config, mb.loss_mask, mb.seq_ids) for mb in micro_batches))
+    if parallel is None:
+        return local
+    return parallel.all_reduce([local], group="dp")[0]
 
 
 def _check_inputs(config: LossConfig, shape: torch.Size, **tensors: torch.Tensor | None) -> None:
@@ -298,10 +305,10 @@ def loss_fn(
         contribution = contribution + torch.where(mask, config.kl_coef * k3, zero)
         counts["ref_kl_sum"] = k3.detach()[mask].sum()
 
-    if config.token_level_loss or config.skip_length_normalization:
-        total = contribution.sum()
-    else:
+    if config.length_normalised:
         total = torch.where(mask, contribution / seq_lengths.clamp_min(1.0)[seq], zero).sum()
+    else:
+        total = contribution.sum()
     loss_sum = total / normaliser
     counts["loss"] = loss_sum.detach()
     # one device-to-host transfer for all metrics

@@ -79,11 +79,25 @@ class ParallelState:
 
     # ------------------------------------------------------------------------------------------ collectives
 
+    @property
+    def collective_device(self) -> torch.device:
+        """Where a tensor handed to a collective must live: the rank's CUDA device under NCCL (which accepts no
+        CPU tensor), the CPU under gloo. Every trainer collective builds its tensors with ``collective_tensor``."""
+        return backend_device(dist.get_backend() if self.distributed else "gloo", self.device)
+
+    def collective_tensor(self, values: list[float] | torch.Tensor, dtype: torch.dtype | None = None
+                          ) -> torch.Tensor:
+        """A new tensor holding ``values`` on ``collective_device`` (float64 for a list): the one way trainer code
+        makes the inputs of its collectives."""
+        if isinstance(values, torch.Tensor):
+            return values.to(device=self.collective_device, dtype=dtype or values.dtype, copy=True)
+        return torch.tensor(values, dtype=dtype or torch.float64, device=self.collective_device)
+
     def all_reduce(self, values: list[float], op: str = "sum", group: str = "world") -> list[float]:
         """``values`` reduced (``sum``, ``max`` or ``min``) over the world or the ``dp`` group; unchanged alone."""
         if not self.distributed:
             return list(values)
-        tensor = torch.tensor(values, dtype=torch.float64, device=self._collective_device())
+        tensor = self.collective_tensor(values)
         reduce_op = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op]
         dist.all_reduce(tensor, op=reduce_op, group=self.dp_group if group == "dp" else None)
         return tensor.tolist()
@@ -94,7 +108,7 @@ class ParallelState:
             return obj
         box = [obj]
         group = self.tp_group
-        dist.broadcast_object_list(box, group_src=0, group=group)
+        dist.broadcast_object_list(box, group_src=0, group=group, device=self.collective_device)
         return box[0]
 
     def broadcast_from_main(self, obj: Any) -> Any:
@@ -102,28 +116,22 @@ class ParallelState:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, device=self.collective_device)
         return box[0]
 
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()
 
-    def _collective_device(self) -> torch.device:
-        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
 
-
-ACCELERATE_TP_VAR = "PARALLELISM_CONFIG_TP_SIZE"
-
-
-def resolve_tp_size(flag: int | None) -> int:
-    """``--tp_size``, else the TP degree of an ``accelerate launch`` config (``parallelism_config_tp_size``),
-    else 1; the two must agree when both are set."""
-    launched = os.environ.get(ACCELERATE_TP_VAR) if os.environ.get("ACCELERATE_USE_PARALLELISM_CONFIG") else None
-    if launched is not None and flag is not None and int(launched) != flag:
-        raise ParallelError(f"--tp_size {flag} disagrees with the accelerate config's parallelism_config_tp_size "
-                            f"{launched}")
-    return flag if flag is not None else int(launched or 1)
+def backend_device(backend: str, device: torch.device) -> torch.device:
+    """The device whose tensors ``backend`` reduces: ``device`` (CUDA) for NCCL, the CPU for gloo; a mixed
+    backend such as ``cpu:gloo,cuda:nccl`` takes ``device``."""
+    if backend == "gloo":
+        return torch.device("cpu")
+    if backend == "nccl" and device.type != "cuda":
+        raise ParallelError(f"the NCCL backend reduces CUDA tensors only, but this rank computes on {device}")
+    return device
 
 
 def init_parallel(tp_size: int = 1, backend: str | None = None, timeout_s: int = 1800) -> ParallelState:
@@ -200,7 +208,9 @@ def apply_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
 def shard_model(model: nn.Module, state: ParallelState, *, bf16: bool, reshard_after_forward: bool = True) -> None:
     """Apply tensor parallelism (``tp_size > 1``) and FSDP2 over ``dp`` to ``model``, in place.
 
-    Parameters stay fp32 (master weights); with ``bf16`` FSDP2 computes in bf16 and reduces gradients in fp32.
+    Parameters stay fp32 (master weights). With ``bf16`` the decoder layers compute in bf16 and reduce gradients
+    in fp32, while the root group (embeddings, final norm, LM head) keeps fp32 parameters: the logits that feed
+    the logprobs are fp32. Works on a meta-device model too (``materialize_from_main`` fills it afterwards).
     """
     if not state.distributed:
         return
@@ -208,36 +218,82 @@ def shard_model(model: nn.Module, state: ParallelState, *, bf16: bool, reshard_a
 
     if state.tp_size > 1:
         apply_tensor_parallel(model, state)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
+    layer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     dp_mesh = state.mesh["dp"]
     for layer in decoder_layers(model):
-        fully_shard(layer, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, mesh=dp_mesh, mp_policy=policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(layer, mesh=dp_mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
+    fully_shard(model, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
 
 
-def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float | None) -> float:
+def materialize_from_main(model: nn.Module, state: ParallelState, source: nn.Module | None) -> None:
+    """Fill ``model`` (sharded on the meta device) with ``source``'s weights, which only rank 0 holds.
+
+    Parameters and persistent buffers are broadcast from rank 0 straight into each rank's shards
+    (``set_model_state_dict`` with ``broadcast_from_rank0``); the tensors a model computes at construction and
+    does not save (rotary ``inv_freq``...) are broadcast one by one. Every rank must call it.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    model.to_empty(device=state.device)
+    full = source.state_dict() if state.is_main else {}
+    set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    sources = dict(_unsaved_tensors(source)) if state.is_main else {}
+    for (module, name), tensor in _unsaved_tensors(model):
+        received = state.collective_tensor(sources[(module, name)] if state.is_main
+                                           else torch.zeros(tensor.shape, dtype=tensor.dtype))
+        dist.broadcast(received, src=0)
+        setattr(model.get_submodule(module), name, received.to(state.device))
+
+
+def _unsaved_tensors(model: nn.Module) -> list[tuple[tuple[str, str], torch.Tensor]]:
+    """Non-persistent buffers and plain tensor attributes of ``model``'s modules, in a fixed order."""
+    found = []
+    for module_name, module in model.named_modules():
+        unsaved = set(module._non_persistent_buffers_set)
+        for name, value in sorted(vars(module).items()):
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter):
+                found.append(((module_name, name), value))
+        for name in sorted(unsaved):
+            if module._buffers.get(name) is not None:
+                found.append(((module_name, name), module._buffers[name]))
+    return found
+
+
+def clip_grad_norm(parameters: list[nn.Parameter], max_norm: float | None, state: ParallelState) -> float:
     """Global L2 norm of the gradients (sharded or replicated DTensors or plain tensors), clipped to ``max_norm``.
 
-    Each gradient's norm is computed on its own layout and made whole (so replicated tensor-parallel copies are
-    counted once), then the gradients are scaled by ``max_norm / norm`` when that is below 1.
+    One fused norm per gradient layout (device mesh and placements) over the local shards
+    (``torch.nn.utils.get_total_norm``), each squared norm divided by the number of ranks holding the same
+    values (replicas: tensor-parallel copies count once), then one all-reduce over the world for all of them.
+    ``torch.nn.utils.clip_grads_with_norm_`` then scales each layout's gradients by ``max_norm / norm`` when that
+    is below 1.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, Shard
 
-    grads = [p.grad for p in parameters if p.grad is not None]
-    if not grads:
+    by_layout: dict[Any, list[nn.Parameter]] = {}
+    for param in parameters:
+        if param.grad is not None:
+            grad = param.grad
+            layout = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
+            by_layout.setdefault(layout, []).append(param)
+    if not by_layout:
         return 0.0
     squares = []
-    for grad in grads:
-        norm = torch.linalg.vector_norm(grad, dtype=torch.float32)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
-        squares.append(norm.square())
-    total = float(torch.stack(squares).sum().sqrt())
+    for layout, params in by_layout.items():
+        local = [p.grad.to_local() if layout is not None else p.grad for p in params]
+        shards = 1
+        if layout is not None:
+            mesh, placements = layout
+            shards = math.prod(mesh.size(dim) for dim, placement in enumerate(placements)
+                               if isinstance(placement, Shard))
+        replicas = state.world_size / shards
+        squares.append(float(torch.nn.utils.get_total_norm(local, norm_type=2.0)) ** 2 / replicas)
+    total = math.sqrt(state.all_reduce([math.fsum(squares)])[0])
     if not math.isfinite(total):
         raise FloatingPointError(f"the gradient norm is {total}: the step's gradients are not finite")
     if max_norm is not None and total > max_norm:
-        scale = max_norm / (total + 1e-6)
-        for grad in grads:
-            grad.mul_(scale)
+        norm = torch.tensor(total)
+        for params in by_layout.values():
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return total

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from agentrl.store import Store
+from agentrl.store.runs import VersionConflict
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
 from agentrl.training.weights import export_pretrained
@@ -75,10 +76,10 @@ class WeightPublisher:
                 result.failures[service.base_url] = error
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
                              result.version, service.base_url, error)
-        new_version = await self.store.runs.bump_policy_version(weights_path=str(result.path))
-        if new_version != result.version:
-            raise PublishError(f"Run.policy_version became {new_version}, expected {result.version}: is another "
-                               "trainer publishing weights to this run?")
+        try:
+            await self.store.runs.bump_policy_version(str(result.path), expected=result.version - 1)
+        except VersionConflict as error:
+            raise PublishError(f"cannot publish weights version {result.version}: {error}") from error
         logger.info("published weights version %d to %d of %d inference services (%s)", result.version,
                     len(services) - len(result.failures), len(services), result.path)
 

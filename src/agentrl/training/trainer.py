@@ -43,6 +43,7 @@ from agentrl.training.checkpoint import (
 )
 from agentrl.training.config import TrainConfig
 from agentrl.training.data import SampleStream, StepData, StepEnd, move_record, to_merged
+from agentrl.training.launcher import LaunchConfigError, apply_launch_config
 from agentrl.training.logprobs import model_token_logprobs
 from agentrl.training.losses import LossMetrics, global_normaliser, loss_fn
 from agentrl.training.merge import MergedSample
@@ -59,12 +60,10 @@ from agentrl.training.parallel import (
     ParallelState,
     clip_grad_norm,
     init_parallel,
-    resolve_tp_size,
-    shard_model,
     shutdown_parallel,
 )
 from agentrl.training.publish import PublishError, WeightPublisher
-from agentrl.training.weights import WeightsError, export_pretrained, load_pretrained, load_tokenizer
+from agentrl.training.weights import WeightsError, export_pretrained, load_sharded, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +76,7 @@ class TrainerError(RuntimeError):
 
 
 SETUP_ERRORS: tuple[type[Exception], ...] = (TrainerError, ReportError, WeightsError, CheckpointError, ParallelError,
-                                             PublishError)
+                                             PublishError, LaunchConfigError)
 """Errors whose message says everything (no traceback needed)."""
 
 
@@ -98,17 +97,17 @@ class Trainer:
     def _setup(self) -> None:
         from transformers.utils import logging as hf_logging
 
-        cfg = self.cfg
+        self.cfg = cfg = apply_launch_config(self.cfg)
         hf_logging.disable_progress_bar()
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.parallel = parallel = init_parallel(resolve_tp_size(cfg.tp_size), cfg.ddp_backend, cfg.ddp_timeout)
+        self.parallel = parallel = init_parallel(cfg.tp_size or 1, cfg.ddp_backend, cfg.ddp_timeout)
         if not parallel.is_main:
             logging.getLogger("agentrl").setLevel(logging.WARNING)
         self.bf16 = cfg.bf16 if cfg.bf16 is not None else parallel.device.type == "cuda"
         if self.bf16 and parallel.device.type != "cuda":
-            raise TrainerError("--bf16 true needs a CUDA device: on CPU the trainer computes in fp32 "
-                               "(drop the flag or pass --bf16 false)")
+            logger.warning("--bf16 true on %s: bf16 compute is emulated and slow there (meant for precision "
+                           "checks; the default on CPU is fp32)", parallel.device)
         torch.manual_seed(cfg.seed)
         self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
 
@@ -176,25 +175,22 @@ class Trainer:
         return str(default_model_path())
 
     def _build_model(self, path: str | Path) -> torch.nn.Module:
-        cfg, parallel = self.cfg, self.parallel
-        model = load_pretrained(path, attn_implementation=cfg.attention_implementation,
-                                trust_remote_code=cfg.trust_remote_code)
-        model.config.use_cache = False
-        if cfg.gradient_checkpointing:
-            model.gradient_checkpointing_enable()
-        shard_model(model, parallel, bf16=self.bf16)
-        if not parallel.distributed:
-            model.to(parallel.device)
-        return model
+        def prepare(model: torch.nn.Module) -> None:
+            model.config.use_cache = False
+            if self.cfg.gradient_checkpointing:
+                model.activation_checkpointing_enable()
+
+        return self._load(path, prepare)
 
     def _build_ref_model(self, path: str | Path) -> torch.nn.Module:
-        model = load_pretrained(path, attn_implementation=self.cfg.attention_implementation,
-                                trust_remote_code=self.cfg.trust_remote_code)
-        model.requires_grad_(False).eval()
-        shard_model(model, self.parallel, bf16=self.bf16)
-        if not self.parallel.distributed:
-            model.to(self.parallel.device)
-        return model
+        return self._load(path, lambda model: model.requires_grad_(False).eval())
+
+    def _load(self, path: str | Path, prepare) -> torch.nn.Module:
+        cfg = self.cfg
+        return load_sharded(path, self.parallel, bf16=self.bf16, reshard_after_forward=cfg.reshard_after_forward,
+                            rank0_loading=cfg.cpu_ram_efficient_loading,
+                            attn_implementation=cfg.attention_implementation,
+                            trust_remote_code=cfg.trust_remote_code, prepare=prepare)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -359,7 +355,7 @@ class Trainer:
         passes = int(parallel.all_reduce([float(len(micro))], op="max", group="dp")[0])
         while len(micro) < passes:  # FSDP2 needs the same number of forward/backward passes on every rank
             micro.append(_empty_micro_batch(pad_id))
-        normaliser = global_normaliser(self.loss_cfg, micro, group=parallel.dp_group)
+        normaliser = global_normaliser(self.loss_cfg, micro, parallel)
         loss_metrics, mismatch = LossMetrics(), Reducer()
         padded = 0
         self.model.train()
@@ -370,7 +366,7 @@ class Trainer:
                 metrics = self._micro_step(batch.to(device), normaliser, mismatch)
                 loss_metrics = loss_metrics + metrics
                 padded += batch.input_ids.numel()
-            grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm)
+            grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm, parallel)
             learning_rate = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
@@ -384,7 +380,7 @@ class Trainer:
         add_sample_stats(reducer, data.samples, self.version, self.state.version_steps)
         raw = reducer.reduce(parallel, SAMPLE_STATS)
         values = data_metrics(raw)
-        values.update(loss_metrics.all_reduce(parallel.dp_group).as_dict())
+        values.update(loss_metrics.all_reduce(parallel).as_dict())
         values.update(self._mismatch_metrics(mismatch))
         padded_total = parallel.all_reduce([float(padded)], group="dp")[0]
         values.update(grad_norm=grad_norm, learning_rate=learning_rate, padded_tokens=padded_total,
@@ -450,7 +446,8 @@ class Trainer:
 
     def _checkpoint(self) -> None:
         path = save_checkpoint(self.output_dir, self.model, self.optimizer, self.scheduler, self.state,
-                               self.parallel, tokenizer=self.tokenizer, save_total_limit=self.cfg.save_total_limit)
+                               self.parallel, tokenizer=self.tokenizer, save_total_limit=self.cfg.save_total_limit,
+                               model_only=self.cfg.save_only_model)
         if self.parallel.is_tp_leader:
             self.io.run(self.store.samples.mark_trained_through(self.parallel.dp_rank, self.state.step))
         self.parallel.barrier()

@@ -11,12 +11,13 @@ import logging
 import os
 import shutil
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
 
-from agentrl.training.parallel import ParallelState
+from agentrl.training.parallel import ParallelState, materialize_from_main, shard_model
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +56,50 @@ def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trus
         names = ", ".join(str(k) for k in (missing + mismatched)[:5])
         raise WeightsError(f"{path}: {len(missing)} missing and {len(mismatched)} mismatched weights (e.g. "
                            f"{names}): they would be randomly initialised")
+    return model
+
+
+def load_sharded(path: str | Path, parallel: ParallelState, *, bf16: bool, reshard_after_forward: bool = True,
+                 rank0_loading: bool = True, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                 prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
+    """The pretrained model at ``path``, sharded over ``parallel`` (``shard_model``) and on its device.
+
+    With several ranks and ``rank0_loading`` only rank 0 reads the weights into host memory: the others build the
+    model on the meta device, shard it, and receive their shards by broadcast (``materialize_from_main``), so host
+    memory holds one full copy per machine instead of one per rank. A load error on rank 0 is raised on every
+    rank. ``prepare`` runs on the unsharded model (e.g. to enable gradient checkpointing).
+    """
+    if not (parallel.distributed and rank0_loading):
+        model = load_pretrained(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        if prepare is not None:
+            prepare(model)
+        shard_model(model, parallel, bf16=bf16, reshard_after_forward=reshard_after_forward)
+        return model if parallel.distributed else model.to(parallel.device)
+    from transformers import AutoModelForCausalLM
+
+    source, failure = None, None
+    if parallel.is_main:
+        try:
+            source = load_pretrained(path, attn_implementation=attn_implementation,
+                                     trust_remote_code=trust_remote_code)
+        except WeightsError as error:
+            failure = str(error)
+    failure = parallel.broadcast_from_main(failure)
+    if failure is not None:
+        raise WeightsError(failure if parallel.is_main else f"rank 0 could not load the model: {failure}")
+    config = parallel.broadcast_from_main(source.config if parallel.is_main else None)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
+                                                 trust_remote_code=trust_remote_code)
+    if source is not None:
+        model.generation_config = source.generation_config
+    if prepare is not None:
+        prepare(model)
+    shard_model(model, parallel, bf16=bf16, reshard_after_forward=reshard_after_forward)
+    materialize_from_main(model, parallel, source)
+    del source
+    logger.info("rank 0 read the weights of %s; %d ranks received their shards by broadcast", path,
+                parallel.world_size)
     return model
 
 
