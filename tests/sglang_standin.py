@@ -55,6 +55,8 @@ class StandInSettings(BaseModel):
     reply_text: str = ""
     preferred_sampling_params: dict[str, Any] | None = None
     model_path: str = "Qwen/Qwen3-0.6B"
+    abort_first: int = Field(0, ge=0, description="answer this many /generate requests as aborted (as SGLang does "
+                             "on /abort_request or a shutdown), with the first token generated so far")
 
 
 def create_app(settings: StandInSettings) -> FastAPI:
@@ -86,6 +88,9 @@ def create_app(settings: StandInSettings) -> FastAPI:
         output_ids = settings.reply_ids[:limit]
         whole = len(output_ids) == len(settings.reply_ids)
         finish = {"type": "stop", "matched": output_ids[-1]} if whole else {"type": "length", "length": limit}
+        if sum(r["path"] == "/generate" for r in state["requests"]) <= settings.abort_first:
+            output_ids, whole = output_ids[:1], False
+            finish = {"type": "abort", "message": "Abort request", "status_code": 200}
         temperature = float(used["temperature"]) or 1.0  # SGLang runs greedy requests at temperature 1, top_k 1
         meta: dict[str, Any] = {
             "id": body.get("rid") or uuid.uuid4().hex, "finish_reason": finish,
@@ -150,11 +155,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply_ids", required=True, help="comma-separated token ids of every reply")
     parser.add_argument("--reply_text", default="")
     parser.add_argument("--preferred_sampling_params", default=None, metavar="JSON")
+    parser.add_argument("--abort_first", type=int, default=0)
     args = parser.parse_args(argv)
     settings = StandInSettings(
         reply_ids=[int(i) for i in args.reply_ids.split(",")], reply_text=args.reply_text,
         preferred_sampling_params=json.loads(args.preferred_sampling_params) if args.preferred_sampling_params
-        else None)
+        else None, abort_first=args.abort_first)
     sock = socket.socket()
     sock.bind(("127.0.0.1", args.port))
     sock.listen(128)
@@ -168,8 +174,10 @@ class StandInProcess:
     """``tests/sglang_standin.py`` as a subprocess; ``url`` once it serves. Stop it with :meth:`stop` (by PID)."""
 
     def __init__(self, reply_ids: list[int], reply_text: str = "",
-                 preferred_sampling_params: dict[str, Any] | None = None, startup_timeout_s: float = 60.0):
-        command = [sys.executable, __file__, "--reply_ids", ",".join(map(str, reply_ids)), "--reply_text", reply_text]
+                 preferred_sampling_params: dict[str, Any] | None = None, startup_timeout_s: float = 60.0,
+                 abort_first: int = 0):
+        command = [sys.executable, __file__, "--reply_ids", ",".join(map(str, reply_ids)), "--reply_text", reply_text,
+                   "--abort_first", str(abort_first)]
         if preferred_sampling_params is not None:
             command += ["--preferred_sampling_params", json.dumps(preferred_sampling_params)]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -66,7 +66,7 @@ async def test_status_shows_counts_leases_services_and_version(db_uri: str) -> N
         await store.slots.claim("train", "s3")
         await store.services.register("http://127.0.0.1:30000", kind="agentrl-engine", models=["tiny"])
         await store.runs.get_or_create("demo")
-        await store.runs.bump_policy_version()
+        await store.runs.bump_policy_version(expected=0)
         await store.runs.log_metrics(1, {"loss": 0.5, "reward_mean": 0.25})
     result = agentrl("status", "--db_connection_string", db_uri, "--json")
     assert result.returncode == 0, result.stderr

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentrl.store import Store
-from agentrl.store.runs import VersionConflict
+from agentrl.store import VersionConflict
 from agentrl.training.publish import PublishError, PublishResult, WeightPublisher
 
 
@@ -27,7 +27,7 @@ async def test_bump_needs_the_expected_current_version(db_uri: str) -> None:
 async def test_publisher_does_not_move_a_version_another_trainer_moved(db_uri: str, tmp_path: Path) -> None:
     async with Store(db_uri) as store:
         await store.runs.get_or_create("demo")
-        await store.runs.bump_policy_version("/elsewhere/1")  # another trainer published version 1
+        await store.runs.bump_policy_version("/elsewhere/1", expected=0)  # another trainer published version 1
         publisher = WeightPublisher(store, None, None, tmp_path, dtype=torch.float32, tokenizer=None)
         with pytest.raises(PublishError, match="another trainer"):
             await publisher._announce(PublishResult(version=1, path=tmp_path / "weights" / "1"))

@@ -16,6 +16,7 @@ from agentrl.store import (
     RecordStatus,
     Store,
     StoreError,
+    VersionConflict,
 )
 from agentrl.store.indexes import INDEXES
 from agentrl.store.models import utcnow
@@ -131,14 +132,19 @@ async def test_services_least_loaded_live_pick(db_uri: str) -> None:
 async def test_run_policy_version_bumps_are_atomic(db_uri: str) -> None:
     async with Store(db_uri) as store:
         with pytest.raises(NotFound):
-            await store.runs.bump_policy_version()
+            await store.runs.bump_policy_version(expected=0)
         run = await store.runs.get_or_create("demo", {"lr": 1e-6})
         assert run.policy_version == 0 and run.config == {"lr": 1e-6}
         again = await store.runs.get_or_create("demo", {"lr": 5.0})
         assert again.config == {"lr": 1e-6}  # the snapshot is never overwritten
-        versions = await asyncio.gather(*(store.runs.bump_policy_version(f"/ckpt/{i}") for i in range(20)))
-        assert sorted(versions) == list(range(1, 21))
-        assert await store.runs.policy_version() == 20
+        # 20 concurrent publishers expect version 0: exactly one moves it, the others conflict and change nothing
+        results = await asyncio.gather(*(store.runs.bump_policy_version(f"/ckpt/{i}", expected=0) for i in range(20)),
+                                       return_exceptions=True)
+        winners = [i for i, result in enumerate(results) if result == 1]
+        assert len(winners) == 1 and all(isinstance(r, VersionConflict) for r in results if r != 1), results
+        run = await store.runs.get()
+        assert (run.policy_version, run.weights_path) == (1, f"/ckpt/{winners[0]}")
+        assert await store.runs.bump_policy_version("/ckpt/next", expected=1) == 2
         await store.runs.log_metrics(1, {"loss": 0.5})
         await store.runs.log_metrics(1, {"loss": 0.25})
         assert (await store.db.Metric.find_one({"_id": "train/1"}))["values"] == {"loss": 0.25}

@@ -76,7 +76,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--min_turns", type=int, default=0)
     r.add_argument("--efficient_rewarding", type=bool_flag, default=False)
     r.add_argument("--reserve_context_error_count", type=int, default=-1)
-    r.add_argument("--scale_rewards", type=bool_flag, default=False)
+    r.add_argument("--scale_rewards", type=bool_flag, default=False,
+                   help="divide advantages by the group's unbiased (n-1) reward std; a group of one gets 0")
     r.add_argument("--leave_one_out", type=bool_flag, default=False)
     r.add_argument("--adv_scaling", type=float, default=1.0)
     r.add_argument("--drop_zero_advantage", type=bool_flag, default=True)

@@ -104,6 +104,12 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
             await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
                                          latency_s=time.monotonic() - started)
             return TrajectoryResult(FAILED, None, turn, branches, first_version, error=str(error))
+        if result.finish_reason == "abort":  # the service stopped the generation (shutdown, /abort_request)
+            error = f"the inference service aborted the generation: {result.meta_info.get('finish_reason')}"
+            await res.store.calls.finish(call.id, CallStatus.FAILED, output_ids=result.output_ids,
+                                         output_logprobs=result.output_token_logprobs, error=error,
+                                         latency_s=time.monotonic() - started)
+            return TrajectoryResult(FAILED, None, turn, branches, first_version, error=error)
         version = policy_version(result.weight_version)
         first_version = version if first_version is None else first_version
         text = result.text

@@ -1,7 +1,7 @@
 """The MongoDB trajectory store: document models, atomic operations, the embedded server (DESIGN §3)."""
 
 from agentrl.store.connection import database_name, resolve_connection_string, sync_client, with_database
-from agentrl.store.errors import InvalidTransition, LeaseLost, NotFound, StoreError
+from agentrl.store.errors import InvalidTransition, LeaseLost, NotFound, StoreError, VersionConflict
 from agentrl.store.models import (
     CallStatus,
     DBRecordData,
@@ -24,5 +24,5 @@ __all__ = [
     "CallStatus", "DBRecordData", "DispatchedSamplingTask", "GroupLease", "InferenceService", "InvalidTransition",
     "LeaseLost", "Metric", "NotFound", "Record", "RecordStatus", "Run", "RunStatus", "SampleStatus",
     "SamplingLoad", "ServiceStatus", "SlotLease", "Store", "StoreError", "Task", "TaskStatus", "database_name",
-    "resolve_connection_string", "sync_client", "with_database",
+    "VersionConflict", "resolve_connection_string", "sync_client", "with_database",
 ]

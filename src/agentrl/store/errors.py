@@ -24,3 +24,7 @@ class InvalidTransition(StoreError):
 
 class LeaseLost(StoreError):
     """The caller's lease expired and was taken over (or released); its work on that slot must stop."""
+
+
+class VersionConflict(StoreError):
+    """``Run.policy_version`` is not the version the caller expected; nothing was written."""

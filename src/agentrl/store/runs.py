@@ -8,14 +8,10 @@ from pymongo import ReturnDocument
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import DuplicateKeyError
 
-from agentrl.store.errors import NotFound, StoreError
+from agentrl.store.errors import NotFound, VersionConflict
 from agentrl.store.models import Metric, Run, RunStatus, utcnow
 
 RUN_ID = "run"
-
-
-class VersionConflict(StoreError):
-    """``Run.policy_version`` is not the version the caller expected; nothing was written."""
 
 
 class Runs:
@@ -40,19 +36,16 @@ class Runs:
         run = await self.get()
         return run.policy_version if run else 0
 
-    async def bump_policy_version(self, weights_path: str | None = None, *, expected: int | None = None) -> int:
-        """Increment ``policy_version`` (recording where the new weights are); returns the new one.
-
-        With ``expected`` (what a publisher passes) the increment is one atomic update with the precondition
-        ``policy_version == expected``: if another writer moved it, :class:`VersionConflict` is raised and the
-        document is left unchanged. Without it the increment is unconditional (tools that own the run).
-        """
+    async def bump_policy_version(self, weights_path: str | None = None, *, expected: int) -> int:
+        """Move ``policy_version`` from ``expected`` to ``expected + 1`` (recording where the new weights are) in
+        one atomic update whose filter is the precondition ``policy_version == expected``; returns the new version.
+        If another writer moved it, :class:`VersionConflict` is raised and the document is left unchanged."""
         fields: dict[str, Any] = {"updated_at": utcnow()}
         if weights_path is not None:
             fields["weights_path"] = weights_path
-        query: dict[str, Any] = {"_id": RUN_ID} if expected is None else {"_id": RUN_ID, "policy_version": expected}
         doc = await self.collection.find_one_and_update(
-            query, {"$inc": {"policy_version": 1}, "$set": fields}, return_document=ReturnDocument.AFTER)
+            {"_id": RUN_ID, "policy_version": expected}, {"$inc": {"policy_version": 1}, "$set": fields},
+            return_document=ReturnDocument.AFTER)
         if doc is not None:
             return doc["policy_version"]
         current = await self.get()

@@ -21,8 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from agentrl.store import Store
-from agentrl.store.runs import VersionConflict
+from agentrl.store import Store, VersionConflict
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
 from agentrl.training.weights import export_pretrained
