@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from agentrl.store import Store
-from agentrl.store import VersionConflict
+from agentrl.store import Store, VersionConflict
 from agentrl.training.publish import PublishError, PublishResult, WeightPublisher
 
 

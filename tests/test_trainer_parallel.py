@@ -89,6 +89,12 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_process_and_resumes_on_one(
     assert "2 ranks (dp 2 × tp 1)" in result.stdout
     difference = max_weight_difference(load_weights(out / "checkpoint-2"), load_weights(reference / "checkpoint-2"))
     assert difference < TOLERANCE, difference
+    client = sync_client(uri)
+    try:  # the step ledger on rank 0 lists both ranks' samples
+        ledger = [i for d in client.get_default_database().Metric.find() for i in d["sample_ids"]]
+    finally:
+        client.close()
+    assert len(ledger) == len(set(ledger)) == 8
     for step in (1, 2):
         ours, theirs = _metric(uri, step), _metric(reference_uri, step)
         for name in ("loss", "grad_norm", "loss_tokens", "tokens", "samples"):

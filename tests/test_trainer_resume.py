@@ -36,19 +36,13 @@ def _trained_steps(db_uri: str) -> list[int]:
         client.close()
 
 
-def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo_server_uri: str,
-                                                               tiny_model_dir: Path, tmp_path: Path) -> None:
-    samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
-    asyncio.run(enqueue(db_uri, samples))
-    out = tmp_path / "killed"
-    flags = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_steps", "2", "--enable_sampling",
-             "false")
-    process = start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags))
+def _kill_after_step(process, db_uri: str, step: int) -> None:
+    """SIGKILL the trainer ``process`` as soon as it has logged ``step``."""
     try:
         deadline = time.monotonic() + 120
-        while max(_trained_steps(db_uri), default=0) < 3:
+        while max(_trained_steps(db_uri), default=0) < step:
             assert process.poll() is None, process.communicate()[0]
-            assert time.monotonic() < deadline, "the trainer did not reach step 3"
+            assert time.monotonic() < deadline, f"the trainer did not reach step {step}"
             time.sleep(0.02)
         process.send_signal(signal.SIGKILL)
         process.communicate(timeout=30)
@@ -56,6 +50,16 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
         if process.poll() is None:
             process.kill()
     assert process.returncode == -signal.SIGKILL
+
+
+def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo_server_uri: str,
+                                                               tiny_model_dir: Path, tmp_path: Path) -> None:
+    samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
+    asyncio.run(enqueue(db_uri, samples))
+    out = tmp_path / "killed"
+    flags = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_steps", "2", "--enable_sampling",
+             "false")
+    _kill_after_step(start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags)), db_uri, 3)
     client = sync_client(db_uri)
     db = client.get_default_database()
     try:
@@ -71,6 +75,12 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
         assert len(docs) == len(samples) and {d["status"] for d in docs} == {"trained"}, at_kill
         assert Counter(d["claimed_step"] for d in docs) == {step: BATCH for step in range(1, STEPS + 1)}
         assert sorted(d["step"] for d in db.Metric.find()) == list(range(1, STEPS + 1))
+        # the step ledger: each step lists exactly the samples it trained, and every sample is in one step
+        ledger = {d["step"]: d["sample_ids"] for d in db.Metric.find()}
+        listed = [sample_id for ids in ledger.values() for sample_id in ids]
+        assert sorted(listed) == sorted(s.id for s in samples), "a sample is missing from the ledger or twice"
+        for step, ids in ledger.items():
+            assert set(ids) == {d["_id"] for d in docs if d["claimed_step"] == step}, step
     finally:
         client.close()
 
@@ -87,3 +97,17 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
         admin.close()
     difference = max_weight_difference(load_weights(out / "final"), load_weights(reference / "final"))
     assert difference < 1e-6, difference
+
+
+def test_a_resume_removes_the_lost_steps_from_the_ledger(db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Killed after step 3 with checkpoint 2: step 3's update is lost, so its Metric (and ledger) must go, even when
+    the resumed run never reaches step 3 again."""
+    asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=4)))
+    out = tmp_path / "out"
+    flags = ("--train_batch_size", "2", "--save_steps", "2", "--enable_sampling", "false")
+    _kill_after_step(start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "8")), db_uri, 3)
+    resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "2",
+                                       "--resume_from_checkpoint", "latest"))
+    assert resumed.returncode == 0, resumed.stdout
+    assert "their Metric documents are removed from the ledger" in resumed.stdout
+    assert sorted(_trained_steps(db_uri)) == [1, 2]

@@ -101,16 +101,18 @@ def trainer_args(db_uri: str, model_dir: Path, output_dir: Path, *extra: str) ->
             "--seed", "0", *extra]
 
 
-def start_trainer(args: Sequence[str], *, launcher: Sequence[str] = ()) -> subprocess.Popen:
-    """``python -m agentrl.train ARGS`` (or ``LAUNCHER -m agentrl.train ARGS``) as a subprocess, output piped."""
+def start_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), env: dict[str, str] | None = None
+                  ) -> subprocess.Popen:
+    """``python -m agentrl.train ARGS`` (or ``LAUNCHER -m agentrl.train ARGS``) as a subprocess, output piped;
+    ``env`` adds environment variables (e.g. ``AGENTRL_FAILPOINTS``)."""
     command = list(launcher) or [sys.executable]
     return subprocess.Popen([*command, "-m", "agentrl.train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **TRAINER_ENV})
+                            stderr=subprocess.STDOUT, text=True, env={**os.environ, **TRAINER_ENV, **(env or {})})
 
 
-def run_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), timeout_s: float = 180.0
-                ) -> subprocess.CompletedProcess:
-    process = start_trainer(args, launcher=launcher)
+def run_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), timeout_s: float = 180.0,
+                env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    process = start_trainer(args, launcher=launcher, env=env)
     try:
         output, _ = process.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:

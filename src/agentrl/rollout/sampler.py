@@ -86,8 +86,11 @@ class Sampler:
                     next_group_probe = now + self.cfg.lease_s / 2
                     await self._recover_group_stages()
                 claimed = False
-                if len(self._active) < self.cfg.max_concurrent_samples_per_process and await self._admit():
-                    lease = await self.res.store.slots.claim(self.cfg.split, self.owner)
+                if len(self._active) < self.cfg.max_concurrent_samples_per_process:
+                    slots = self.res.store.slots
+                    # Not admitted: no new slot, but lost slots of started groups are still recovered (they count
+                    # against admission, so waiting for admission first could wait forever).
+                    lease = await (slots.claim if await self._admit() else slots.recover)(self.cfg.split, self.owner)
                     if lease is not None:
                         task = asyncio.create_task(self._sample(lease), name=lease.record_id)
                         self._active.add(task)

@@ -17,13 +17,13 @@ INDEXES: dict[str, list[IndexModel]] = {
         _index("split", "status", "unclaimed", "order", name="claim_free_slot"),
         # group-stage (re)claim: {split, remaining 0, group_stage_done false, group_lease_expires_at $lt}
         _index("split", "remaining", "group_stage_done", "group_lease_expires_at", name="claim_group_stage"),
-        # orphan sweep: {split, status running, updated_at $lt}
+        # orphan sweep: {split, status running, updated_at $lt} sorted by updated_at (least recently touched first)
         _index("split", "status", "updated_at", name="sweep_stale"),
     ],
     "Record": [
         # expired-lease reclaim: {split, leased true, lease_expires_at $lt}
         _index("split", "leased", "lease_expires_at", name="reclaim_expired_lease"),
-        # a task's records (group stage, sweep): {task_id} sorted by slot, attempt
+        # a task's records (group stage, sweep; sweep's lease count {task_id $in, leased}): sorted by slot, attempt
         _index("task_id", "slot", "attempt", name="task_records"),
         # trainer conversion: {split, status}
         _index("split", "status", "updated_at", name="records_by_state"),

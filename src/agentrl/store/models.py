@@ -335,6 +335,8 @@ class Metric(Document):
     step: int
     split: str = "train"
     values: dict[str, float] = Field(default_factory=dict)
+    sample_ids: list[str] = Field(default_factory=list, description="the step ledger: the DBRecordData this step "
+                                  "trained (all ranks); after a resume only steps whose update survived are listed")
     created_at: UTCDatetime = Field(default_factory=utcnow)
 
 

@@ -57,7 +57,15 @@ class Runs:
     async def set_status(self, status: RunStatus) -> None:
         await self.collection.update_one({"_id": RUN_ID}, {"$set": {"status": str(status), "updated_at": utcnow()}})
 
-    async def log_metrics(self, step: int, values: dict[str, float], split: str = "train") -> None:
-        """Store the metrics of ``step`` (re-logging a step, e.g. after a resume, replaces it)."""
-        metric = Metric(id=f"{split}/{step}", step=step, split=split, values=values)
+    async def log_metrics(self, step: int, values: dict[str, float], split: str = "train",
+                          sample_ids: list[str] | None = None) -> None:
+        """Store the metrics of ``step`` and the ids of the samples it trained (re-logging a step, e.g. after a
+        resume, replaces it)."""
+        metric = Metric(id=f"{split}/{step}", step=step, split=split, values=values, sample_ids=sample_ids or [])
         await self.metrics.replace_one({"_id": metric.id}, metric.to_mongo(), upsert=True)
+
+    async def forget_metrics_after(self, step: int, split: str = "train") -> int:
+        """Delete the ``Metric`` documents of the steps after ``step``: a trainer resumed from checkpoint ``step``
+        lost their updates (their samples are trained again), so the ledger must not list them. Returns how many."""
+        result = await self.metrics.delete_many({"split": split, "step": {"$gt": step}})
+        return result.deleted_count

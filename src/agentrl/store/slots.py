@@ -12,6 +12,14 @@ a claim exactly-once across processes. The lease lives on that Record (``lease_i
 ``lease_expires_at``); ``heartbeat`` extends it, ``finish`` settles the slot, ``release`` gives it back early.
 The caller whose settlement completes a Task's group gets the group-stage lease (exactly one caller; if it dies,
 ``claim_group_stage`` hands the stage to another sampler after the lease expires).
+
+Crash safety: a slot not yet settled on its Task always has a Record holding a lease (live or expired), except
+in the two crash windows that ``sweep`` repairs (a claim cut off before its Record was inserted; an attempt
+retired by a take-over that died before inserting the next attempt or giving the slot up). ``finish`` therefore
+writes in this order: the Record's outcome (lease kept) → the slot settled on the Task → the lease dropped. A
+crash, SIGTERM or DB error between the writes leaves a scored (or failed) Record whose lease expires; the
+take-over path finds it like any expired lease and completes the settlement instead of starting a new attempt,
+so the score is kept and the slot is settled exactly once (``settle`` is idempotent).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ from pymongo import ReturnDocument
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import DuplicateKeyError
 
+from agentrl.failpoints import failpoint
 from agentrl.store.errors import LeaseLost
 from agentrl.store.models import EPOCH, Record, RecordStatus, Task, TaskStatus, utcnow
 
@@ -92,6 +101,12 @@ class SlotLeases:
         lease = await self._claim_unclaimed(split, owner)
         if lease is not None:
             return lease
+        return await self.recover(split, owner)
+
+    async def recover(self, split: str, owner: str) -> SlotLease | None:
+        """Only the recovery paths of ``claim`` (take over an expired lease, else ``sweep``): never starts a new
+        slot, so a sampler calls it even while admission control holds new groups back — otherwise lost slots
+        of the started groups, which count against admission, could never be recovered."""
         return await self._take_over_expired(split, owner) or await self.sweep(split, owner)
 
     async def _take_over_expired(self, split: str, owner: str, max_candidates: int = 8) -> SlotLease | None:
@@ -140,7 +155,13 @@ class SlotLeases:
         return SlotLease(task=task, slot=slot, attempt=attempt, lease_id=lease_id, owner=owner, record_id=record.id)
 
     async def _take_over(self, expired: Record, owner: str) -> SlotLease | None:
-        """Retire an expired attempt and claim the next attempt of its slot (or give the slot up)."""
+        """Retire an expired attempt and claim the next attempt of its slot (or give the slot up).
+
+        An attempt whose holder already wrote its outcome (``finish`` cut off before settling the slot) is not
+        retried: its settlement is completed instead."""
+        if expired.status not in (RecordStatus.RUNNING, RecordStatus.COMPLETED):
+            await self._complete_settlement(expired)
+            return None
         task = Task.from_mongo(await self.tasks.find_one({"_id": expired.task_id}))
         failures = expired.failures + (0 if expired.released else 1)
         reason = "released by its sampler" if expired.released else (
@@ -156,6 +177,16 @@ class SlotLeases:
         await self._retire(expired, f"{reason}; taken over by attempt {expired.attempt + 1}")
         return lease
 
+    async def _complete_settlement(self, record: Record) -> None:
+        """Finish a ``finish`` that died after writing the Record's outcome: settle its slot (a no-op if that was
+        done) and drop the lease. A Task completed here gets its group stage from ``claim_group_stage``."""
+        await self.settle(record.task_id, record.slot, failed=record.status == RecordStatus.FAILED)
+        await self._drop_lease(record.id, record.lease_id)
+
+    async def _drop_lease(self, rid: str, lease_id: str) -> None:
+        await self.records.update_one({"_id": rid, "lease_id": lease_id, "leased": True},
+                                      {"$set": {"leased": False}})
+
     async def _retire(self, record: Record, reason: str) -> bool:
         result = await self.records.update_one(
             {"_id": record.id, "lease_id": record.lease_id, "leased": True, "status": {"$in": _LIVE}},
@@ -164,39 +195,64 @@ class SlotLeases:
         )
         return result.modified_count == 1
 
-    async def sweep(self, split: str, owner: str, *, max_tasks: int = 32) -> SlotLease | None:
-        """Recover slots whose claim was cut off by a crash (claimed but no live or settled Record).
+    async def sweep(self, split: str, owner: str, *, max_tasks: int = 256) -> SlotLease | None:
+        """Recover slots that no lease covers: a claim cut off by a crash before its Record was inserted, an
+        attempt retired by a take-over that died before the next attempt, a Record given an outcome but never
+        settled (written by versions whose ``finish`` dropped the lease first).
 
-        Only Tasks untouched for longer than a lease are examined, so a claim in progress is never taken.
+        Only Tasks untouched for longer than a lease are examined, so a claim in progress is never taken; the
+        ``max_tasks`` least recently touched first (index ``sweep_stale``). A healthy Task has one leased Record
+        per claimed, unsettled slot, so one query counting the leases of those Tasks singles out the ones that
+        need recovery; Tasks whose long trajectories are merely still running cannot crowd them out.
         """
-        stale = self.tasks.find(
+        stale = [doc async for doc in self.tasks.find(
             {"split": split, "status": str(TaskStatus.RUNNING), "updated_at": {"$lt": utcnow() - self._ttl()}},
-            limit=max_tasks,
-        )
-        async for doc in stale:
-            task = Task.from_mongo(doc)
-            latest: dict[int, dict[str, Any]] = {}
-            async for rec in self.records.find({"task_id": task.id}, {"slot": 1, "attempt": 1, "status": 1,
-                                                                       "failures": 1, "leased": 1}):
-                if rec["slot"] not in latest or rec["attempt"] > latest[rec["slot"]]["attempt"]:
-                    latest[rec["slot"]] = rec
-            for slot in range(len(task.claim_ids)):
-                if slot in task.settled_slots:
+            {"remaining": 1, "unclaimed": 1}, sort=[("updated_at", 1)], limit=max_tasks)]
+        if not stale:
+            return None
+        leases: dict[str, int] = {}
+        async for rec in self.records.find({"task_id": {"$in": [doc["_id"] for doc in stale]}, "leased": True},
+                                           {"task_id": 1}):
+            leases[rec["task_id"]] = leases.get(rec["task_id"], 0) + 1
+        for doc in stale:
+            if leases.get(doc["_id"], 0) >= doc["remaining"] - doc["unclaimed"]:
+                continue  # every claimed, unsettled slot is leased: take-over handles any expiry
+            lease = await self._recover_task(doc["_id"], owner)
+            if lease is not None:
+                return lease
+        return None
+
+    async def _recover_task(self, task_id: str, owner: str) -> SlotLease | None:
+        task = Task.from_mongo(await self.tasks.find_one({"_id": task_id}))
+        if task is None or task.status != TaskStatus.RUNNING:
+            return None
+        latest: dict[int, dict[str, Any]] = {}
+        async for rec in self.records.find({"task_id": task.id}, {"slot": 1, "attempt": 1, "status": 1,
+                                                                   "failures": 1, "leased": 1}):
+            if rec["slot"] not in latest or rec["attempt"] > latest[rec["slot"]]["attempt"]:
+                latest[rec["slot"]] = rec
+        for slot in range(len(task.claim_ids)):
+            if slot in task.settled_slots:
+                continue
+            rec = latest.get(slot)
+            if rec is None:
+                lease = await self._insert_record(task, slot, attempt=1, failures=0, owner=owner)
+            elif rec["leased"]:
+                continue  # live, or expired and left to take-over
+            elif rec["status"] == str(RecordStatus.FAILED):
+                failures = rec.get("failures", 0) + 1
+                if failures >= task.max_attempts:
+                    await self.settle(task.id, slot, failed=True)
                     continue
-                rec = latest.get(slot)
-                if rec is None:
-                    lease = await self._insert_record(task, slot, attempt=1, failures=0, owner=owner)
-                elif rec["status"] == str(RecordStatus.FAILED) and not rec["leased"]:
-                    failures = rec.get("failures", 0) + 1
-                    if failures >= task.max_attempts:
-                        await self.settle(task.id, slot, failed=True)
-                        continue
-                    lease = await self._insert_record(task, slot, attempt=rec["attempt"] + 1, failures=failures,
-                                                      owner=owner)
-                else:
-                    continue
-                if lease is not None:
-                    return lease
+                lease = await self._insert_record(task, slot, attempt=rec["attempt"] + 1, failures=failures,
+                                                  owner=owner)
+            elif rec["status"] not in _LIVE:  # an outcome written, its settlement lost
+                await self.settle(task.id, slot, failed=False)
+                continue
+            else:
+                continue
+            if lease is not None:
+                return lease
         return None
 
     async def sampling_load(self, split: str) -> SamplingLoad:
@@ -236,15 +292,22 @@ class SlotLeases:
         """
         if status not in (RecordStatus.SCORED, RecordStatus.FAILED):
             raise ValueError(f"a slot is settled as scored or failed, not {status}")
+        await self._record_outcome(lease, status, fields)
+        failpoint("slots.finish.after_record")
+        # If we die here, the Record keeps its (expiring) lease: take-over completes the settlement.
+        completed = await self.settle(lease.task.id, lease.slot, failed=status == RecordStatus.FAILED)
+        await self._drop_lease(lease.record_id, lease.lease_id)
+        return await self.claim_group_stage(lease.task.id, lease.owner) if completed else None
+
+    async def _record_outcome(self, lease: SlotLease, status: RecordStatus, fields: dict[str, Any]) -> None:
+        """First write of ``finish``: the Record's outcome, keeping the lease until the slot is settled."""
         now = utcnow()
         result = await self.records.update_one(
             {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True, "status": {"$in": _LIVE}},
-            {"$set": {**fields, "status": str(status), "leased": False, "updated_at": now, "finished_at": now}},
+            {"$set": {**fields, "status": str(status), "updated_at": now, "finished_at": now}},
         )
         if result.modified_count != 1:
             raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
-        completed = await self.settle(lease.task.id, lease.slot, failed=status == RecordStatus.FAILED)
-        return await self.claim_group_stage(lease.task.id, lease.owner) if completed else None
 
     async def abandon(self, lease: SlotLease, reason: str) -> None:
         """Give the slot up after a failure: another sampler retakes it at once, as a failed attempt."""

@@ -14,7 +14,10 @@ a checkpoint starts AdamW afresh (zero moments, with a warning) and sets the lea
 checkpoint's step; the data-stream state is complete, so every sample is still trained exactly once.
 
 A checkpoint is written into ``.checkpoint-<step>.tmp`` and renamed when complete, so ``latest`` (the highest
-complete step) never points at a partial one, even after a SIGKILL in the middle of saving.
+complete step) never points at a partial one, even after a SIGKILL in the middle of saving. Directories are only
+ever replaced or deleted after being renamed aside (``weights.replace_dir``, ``weights.discard_dir``), so no crash
+leaves a half-deleted checkpoint under its name. Crash windows (failpoints): ``checkpoint.save.before_rename``,
+``checkpoint.save.after_aside``, ``checkpoint.save.after_rename``.
 """
 
 from __future__ import annotations
@@ -35,8 +38,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentrl.failpoints import failpoint
 from agentrl.training.parallel import ParallelState
-from agentrl.training.weights import export_pretrained
+from agentrl.training.weights import discard_dir, export_pretrained, replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -133,12 +137,12 @@ def save_checkpoint(output_dir: Path, model: nn.Module, optimizer: torch.optim.O
         if not model_only:
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
         (tmp / STATE_FILE).write_text(replace(state, model_only=model_only).to_json())
-        if final.exists():  # left by an earlier incarnation that went further before a resume from an older one
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        failpoint("checkpoint.save.before_rename")
+        # final exists when an earlier incarnation went further before a resume from an older checkpoint
+        replace_dir(tmp, final, failpoint_prefix="checkpoint.save")
         if save_total_limit:
             for _, old in list_checkpoints(output_dir)[:-save_total_limit]:
-                shutil.rmtree(old, ignore_errors=True)
+                discard_dir(old)
     parallel.barrier()
     return final
 

@@ -177,8 +177,9 @@ class MetricsSink:
                 raise ReportError("--report_to wandb needs the wandb package (pip install wandb)") from error
             self._wandb = wandb.init(name=run_name, config=config)
 
-    def log(self, step: int, values: dict[str, float]) -> None:
-        self.io.run(self.store.runs.log_metrics(step, values))
+    def log(self, step: int, values: dict[str, float], sample_ids: list[str]) -> None:
+        """Write the step's ``Metric`` (values and the ledger of trained sample ids), print and export it."""
+        self.io.run(self.store.runs.log_metrics(step, values, sample_ids=sample_ids))
         if step % self.logging_steps == 0 or step == self.max_steps:
             logger.info("%s", progress_line(step, self.max_steps, values))
         if self._tensorboard is not None:

@@ -119,6 +119,14 @@ class ParallelState:
         dist.broadcast_object_list(box, src=0, device=self.collective_device)
         return box[0]
 
+    def gather_to_main(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank 0 (None on the others)."""
+        if not self.distributed:
+            return [obj]
+        gathered = [None] * self.world_size if self.is_main else None
+        dist.gather_object(obj, gathered, dst=0)
+        return gathered
+
     def barrier(self) -> None:
         if self.distributed:
             dist.barrier()

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from agentrl.failpoints import failpoint
 from agentrl.log import redact
 from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
 from agentrl.training.aio import LoopThread
@@ -147,6 +148,11 @@ class Trainer:
         if resume is not None:
             saved = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, parallel)
             logger.info("resumed from %s at step %d (epoch %d)", resume, saved.step, saved.epoch)
+            if parallel.is_main:
+                lost = self.io.run(self.store.runs.forget_metrics_after(saved.step))
+                if lost:
+                    logger.info("the updates of %d later steps were not in the checkpoint: their Metric documents "
+                                "are removed from the ledger and their samples are trained again", lost)
             self._adopt_claims(saved)
             self.state.step, self.state.epoch = saved.step, saved.epoch
             self.state.version_steps = saved.version_steps
@@ -283,8 +289,11 @@ class Trainer:
             self.io.run(self._records_trained(data.samples))
             if cfg.save_steps == 0:
                 self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
+        # the step ledger: tensor-parallel peers hold the same samples, their leaders speak for them
+        ledger = parallel.gather_to_main([s.id for s in data.samples] if parallel.is_tp_leader else [])
         if self.sink is not None:
-            self.sink.log(step, values)
+            self.sink.log(step, values, [sample_id for ids in ledger for sample_id in ids])
+        failpoint("trainer.step.after_log")
         if cfg.save_steps and step % cfg.save_steps == 0:
             self._checkpoint()
 
@@ -448,6 +457,7 @@ class Trainer:
         path = save_checkpoint(self.output_dir, self.model, self.optimizer, self.scheduler, self.state,
                                self.parallel, tokenizer=self.tokenizer, save_total_limit=self.cfg.save_total_limit,
                                model_only=self.cfg.save_only_model)
+        failpoint("trainer.checkpoint.before_mark_trained")
         if self.parallel.is_tp_leader:
             self.io.run(self.store.samples.mark_trained_through(self.parallel.dp_rank, self.state.step))
         self.parallel.barrier()

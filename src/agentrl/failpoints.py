@@ -1,0 +1,76 @@
+"""Failpoints: named points where a test makes a process fail on purpose (the pattern of TiKV's ``fail-rs`` and
+FoundationDB's buggify).
+
+A failpoint is a call ``failpoint("area.operation.moment")`` placed in a crash window (between two writes that
+recovery must cope with being cut apart). It is **inert unless enabled**: with ``AGENTRL_FAILPOINTS`` unset (the
+only state in production) a call is one dictionary lookup and does nothing. A test enables points by setting the
+variable before the process starts; it is read once, at the first call. Its value is a comma-separated list of
+``name[=action][@n]``: the point fails the ``n``-th time this process reaches it (default: the first), with
+
+- ``raise`` (default): the point raises ``FailpointHit`` (in-process tests: the caller then behaves as if it died
+  there);
+- ``exit``: the process ends at once with ``os._exit(86)``: no ``finally``, no cleanup, like SIGKILL.
+
+Points in the code:
+
+- ``slots.finish.after_record`` (``SlotLeases.finish``: the Record is scored or failed, the slot is not yet settled
+  on its Task);
+- ``checkpoint.save.before_rename`` (a complete checkpoint under its temporary name), ``checkpoint.save.after_aside``
+  (an older checkpoint of the same step renamed aside, the new one not in place), ``checkpoint.save.after_rename``
+  (the new one in place, the old one not yet deleted), ``weights.replace.after_aside``/``after_rename`` (the same
+  for exported weights);
+- ``trainer.checkpoint.before_mark_trained`` (a checkpoint is complete, its steps' claims are not yet ``trained``),
+  ``trainer.step.after_log`` (a step's update and ledger are written, the next step not started).
+"""
+
+from __future__ import annotations
+
+import os
+
+ENV = "AGENTRL_FAILPOINTS"
+EXIT_CODE = 86
+ACTIONS = ("raise", "exit")
+
+_enabled: dict[str, tuple[str, int]] | None = None
+_reached: dict[str, int] = {}
+
+
+class FailpointHit(RuntimeError):
+    """Raised by an enabled failpoint (a deliberate, test-only failure)."""
+
+
+def _parse(spec: str) -> dict[str, tuple[str, int]]:
+    points = {}
+    for item in filter(None, (part.strip() for part in spec.split(","))):
+        head, _, count = item.partition("@")
+        name, _, action = head.partition("=")
+        action, count = action.strip() or "raise", count.strip() or "1"
+        if action not in ACTIONS or not count.isdigit() or int(count) < 1:
+            raise ValueError(f"{ENV}: {item!r} is not name[=raise|exit][@n] with n >= 1")
+        points[name.strip()] = (action, int(count))
+    return points
+
+
+def failpoint(name: str) -> None:
+    """Fail here if ``name`` is enabled in ``AGENTRL_FAILPOINTS`` and reached for the chosen time; else nothing."""
+    global _enabled
+    if _enabled is None:
+        _enabled = _parse(os.environ.get(ENV, ""))
+    point = _enabled.get(name)
+    if point is None:
+        return
+    _reached[name] = _reached.get(name, 0) + 1
+    action, count = point
+    if _reached[name] != count:
+        return
+    if action == "exit":
+        os._exit(EXIT_CODE)
+    raise FailpointHit(f"failpoint {name} hit ({ENV})")
+
+
+def reset() -> None:
+    """Read ``AGENTRL_FAILPOINTS`` again at the next call and forget how often points were reached (for tests that
+    change it in-process)."""
+    global _enabled
+    _enabled = None
+    _reached.clear()

@@ -1,0 +1,80 @@
+"""The trainer killed at each failpoint of its step, checkpoint and claim protocol (``agentrl.failpoints``, a real
+process ending with ``os._exit``) and resumed: every sample is trained exactly once — checked by the step ledger
+(``Metric.sample_ids``) and the claims — and nothing is left claimed."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+
+from agentrl.failpoints import ENV, EXIT_CODE, FailpointHit, reset
+from agentrl.store import sync_client
+from agentrl.training.checkpoint import list_checkpoints
+from agentrl.training.weights import replace_dir
+
+BATCH, STEPS = 4, 4
+FLAGS = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_steps", "1", "--enable_sampling",
+         "false")
+
+
+@pytest.mark.parametrize("point", [
+    "checkpoint.save.before_rename=exit@2",  # checkpoint-2 complete but not renamed: resume from 1
+    "checkpoint.save.after_rename=exit@2",  # checkpoint-2 in place, old copy not deleted, claims not marked trained
+    "trainer.checkpoint.before_mark_trained=exit@2",
+    "trainer.step.after_log=exit@3",  # step 3 trained and in the ledger, but not in any checkpoint
+])
+def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str, db_uri: str, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
+    asyncio.run(enqueue(db_uri, samples))
+    out = tmp_path / "out"
+    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS), env={ENV: point})
+    assert crashed.returncode == EXIT_CODE, crashed.stdout
+    resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS, "--resume_from_checkpoint", "latest"))
+    assert resumed.returncode == 0, resumed.stdout
+
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        docs = list(db.DBRecordData.find())
+        metrics = list(db.Metric.find())
+    finally:
+        client.close()
+    assert {d["status"] for d in docs} == {"trained"}
+    assert Counter(d["claimed_step"] for d in docs) == {step: BATCH for step in range(1, STEPS + 1)}
+    assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))
+    listed = [sample_id for m in metrics for sample_id in m["sample_ids"]]
+    assert sorted(listed) == sorted(s.id for s in samples), "the ledger lists a sample twice or misses one"
+    for metric in metrics:
+        assert set(metric["sample_ids"]) == {d["_id"] for d in docs if d["claimed_step"] == metric["step"]}
+    assert [step for step, _ in list_checkpoints(out)] == list(range(1, STEPS + 1))
+    assert not [p.name for p in out.iterdir() if p.name.startswith(".checkpoint")], "leftovers of the crash"
+
+
+def test_a_directory_is_never_half_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Crashed between renaming the old checkpoint aside and putting the new one in place: neither counts as a
+    checkpoint (``latest`` is the previous complete one), and the next save cleans up."""
+    def checkpoint(name: str, step: int) -> Path:
+        path = tmp_path / name
+        path.mkdir()
+        (path / "trainer_state.json").write_text(f'{{"step": {step}}}')
+        return path
+
+    checkpoint("checkpoint-1", 1)
+    checkpoint("checkpoint-2", 2)
+    monkeypatch.setenv(ENV, "checkpoint.save.after_aside")
+    reset()
+    try:
+        with pytest.raises(FailpointHit):
+            replace_dir(checkpoint(".checkpoint-2.tmp", 2), tmp_path / "checkpoint-2", failpoint_prefix="checkpoint.save")
+        assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
+        monkeypatch.delenv(ENV)
+        reset()
+        replace_dir(tmp_path / ".checkpoint-2.tmp", tmp_path / "checkpoint-2", failpoint_prefix="checkpoint.save")
+    finally:
+        reset()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2"]
