@@ -137,8 +137,9 @@ class Record(Document):
 
     ``_id`` is ``"{task_id}/{slot}/{attempt}"``: the unique key makes every (re)claim of a slot exactly-once.
     While ``leased`` is true the sampler ``lease_owner`` holds the slot until ``lease_expires_at`` (extended by
-    heartbeats); an expired lease is reclaimed by another sampler as attempt ``attempt + 1``. Turns live in
-    ``DispatchedSamplingTask`` (one document per LLM call), not here.
+    heartbeats); an expired lease is reclaimed by another sampler as attempt ``attempt + 1`` — or, when the Record
+    already has its outcome (its ``finish`` was cut off before settling the slot), the settlement is completed.
+    Turns live in ``DispatchedSamplingTask`` (one document per LLM call), not here.
     """
 
     collection: ClassVar[str] = "Record"
