@@ -25,6 +25,7 @@ from trainer_fixtures import (
     trainer_args,
 )
 
+from agentrl.failpoints import ENV
 from agentrl.store import DBRecordData, sync_client
 from agentrl.train import main
 
@@ -169,3 +170,26 @@ def test_trainer_collectives_take_backend_tensors_and_only_rank0_reads_weights(
     difference = max_weight_difference(load_weights(out / "run" / "checkpoint-2"),
                                        load_weights(reference / "checkpoint-2"))
     assert difference < TOLERANCE, difference
+
+
+def test_resume_on_fewer_ranks_settles_the_claims_of_the_missing_ranks(
+        tiny_model_dir: Path, samples, fresh_db, tmp_path: Path) -> None:
+    """Two ranks die right after checkpoint 2 is complete, before marking its claims trained; one process resumes:
+    the checkpoint holds rank 1's updates too, so rank 1's claims become trained (none stays claimed) and every
+    sample is trained exactly once (the ledger)."""
+    uri = fresh_db(samples)
+    out = tmp_path / "out"
+    args = trainer_args(uri, tiny_model_dir, out, *FLAGS, "--max_steps", "3", "--save_steps", "2")
+    crashed = run_trainer(args, launcher=TORCHRUN, env={ENV: "trainer.checkpoint.before_mark_trained=exit"})
+    assert crashed.returncode != 0 and (out / "checkpoint-2").is_dir(), crashed.stdout
+    assert main([*args, "--resume_from_checkpoint", "latest"]) == 0
+    client = sync_client(uri)
+    try:
+        db = client.get_default_database()
+        statuses = {d["_id"]: d["status"] for d in db.DBRecordData.find()}
+        ledger = [i for d in db.Metric.find() for i in d["sample_ids"]]
+    finally:
+        client.close()
+    trained = sorted(i for i, status in statuses.items() if status == "trained")
+    assert "claimed" not in statuses.values(), statuses
+    assert sorted(ledger) == trained and len(trained) == 3 * 4

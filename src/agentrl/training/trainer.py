@@ -218,6 +218,9 @@ class Trainer:
         parallel.barrier()
         if parallel.is_tp_leader:
             self.io.run(self.store.samples.mark_trained_through(parallel.dp_rank, saved.step))
+        if parallel.is_main:  # ranks of the checkpoint's layout that no longer exist: their updates are in it too
+            for rank in range(parallel.dp_size, saved.dp_size):
+                self.io.run(self.store.samples.mark_trained_through(rank, saved.step))
         parallel.barrier()
 
     def _release_stale_claims(self) -> None:
