@@ -123,3 +123,34 @@ def test_an_aborted_generation_ends_its_trajectory_as_failed(db_uri: str, tmp_pa
     assert aborted["record_id"] not in {s["record_id"] for s in samples} and len(samples) == 3
     for sample in samples:
         assert [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m] == ids
+
+
+def test_a_sampler_held_back_by_admission_still_recovers_lost_slots(
+        db_uri: str, tmp_path: Path, tiny_model_dir: Path, standin: StandInProcess) -> None:
+    """A dead sampler held both slots of the only group: they count against admission, so a new sampler is never
+    admitted to start a group — it must still take the expired leases over, or the run never ends."""
+    import asyncio
+
+    from agentrl.store import Store
+
+    one_task = tmp_path / "task.jsonl"
+    one_task.write_text(json.dumps({"id": "q0", "question": "What is 6 * 7?", "answer": "42"}) + "\n")
+    upload(db_uri, one_task, "--num_generations", "2")
+
+    async def die_holding_two_slots() -> None:
+        async with Store(db_uri, lease_s=1.0) as store:
+            assert await store.slots.claim("train", "dead-sampler") is not None
+            assert await store.slots.claim("train", "dead-sampler") is not None
+
+    asyncio.run(die_holding_two_slots())
+    done = subprocess.run(agentrl_cmd(
+        "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(tiny_model_dir),
+        "--inference_urls", standin.url, "--max_turns", "2", "--max_new_tokens", "32", "--exit_when_done", "true",
+        "--lease_s", "2", "--train_batch_size", "1", "--max_staleness", "0", "--zero_variance_threshold", "0",
+        "--drop_zero_advantage", "false"), capture_output=True, text=True, env=run_env(), timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = documents(db_uri, "Record")
+    # the dead sampler's attempts were retired, both slots sampled again as second attempts
+    assert sorted((r["attempt"], r["status"]) for r in records) == [(1, "failed"), (1, "failed"), (2, "ready"),
+                                                                     (2, "ready")], records
+    assert [t["status"] for t in documents(db_uri, "Task")] == ["completed"]

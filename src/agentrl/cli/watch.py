@@ -83,22 +83,17 @@ def status_line(progress: Progress, label: str, per_minute: float | None = None)
     return " | ".join(parts)
 
 
+STEP_FIELDS = (("samples", "{:.0f} samples"), ("loss", "loss {:.4g}"), ("reward_mean", "reward {:.3f}"),
+               ("staleness_mean", "staleness {:.2f}"), ("logprob_mismatch_mean", "lp-mismatch {:.1e}"),
+               ("tokens_per_s", "{:.0f} tok/s"))
+"""The metrics of a step line, in order: ``(Metric value name, format)``."""
+
+
 def step_line(progress: Progress, label: str) -> str:
     """The permanent line printed when a trainer step completes."""
     metric, total = progress.last_metric, f"/{progress.max_steps}" if progress.max_steps else ""
     parts = [f"{label} step {progress.step}{total} trained"]
-    if "samples" in metric:
-        parts.append(f"{metric['samples']:.0f} samples")
-    if "loss" in metric:
-        parts.append(f"loss {metric['loss']:.4g}")
-    if "reward_mean" in metric:
-        parts.append(f"reward {metric['reward_mean']:.3f}")
-    if "staleness_mean" in metric:
-        parts.append(f"staleness {metric['staleness_mean']:.2f}")
-    if "logprob_mismatch_mean" in metric:
-        parts.append(f"lp-mismatch {metric['logprob_mismatch_mean']:.1e}")
-    if "tokens_per_s" in metric:
-        parts.append(f"{metric['tokens_per_s']:.0f} tok/s")
+    parts += [template.format(metric[name]) for name, template in STEP_FIELDS if name in metric]
     if progress.step_seconds is not None:
         parts.append(f"{progress.step_seconds:.0f} s/step")
     return ", ".join(parts)

@@ -74,7 +74,7 @@ class Sampler:
     async def run(self) -> SamplerStats:
         """Sample until stopped (or, with ``exit_when_done``, until the split has no open Task left)."""
         started = last_status = time.monotonic()
-        next_group_probe = 0.0
+        next_group_probe = next_slot_recovery = 0.0
         logger.info("sampler %s started on split %s", self.owner, self.cfg.split)
         try:
             while not self._stop.is_set():
@@ -87,10 +87,16 @@ class Sampler:
                     await self._recover_group_stages()
                 claimed = False
                 if len(self._active) < self.cfg.max_concurrent_samples_per_process:
-                    slots = self.res.store.slots
-                    # Not admitted: no new slot, but lost slots of started groups are still recovered (they count
-                    # against admission, so waiting for admission first could wait forever).
-                    lease = await (slots.claim if await self._admit() else slots.recover)(self.cfg.split, self.owner)
+                    slots, lease = self.res.store.slots, None
+                    if await self._admit():
+                        lease = await slots.claim(self.cfg.split, self.owner)
+                    elif now >= next_slot_recovery:
+                        # Not admitted: no new slot, but lost slots of started groups are still recovered (they
+                        # count against admission, so waiting for admission could wait forever). A lease is lost
+                        # only once it expires, so looking every quarter lease is soon enough.
+                        lease = await slots.recover(self.cfg.split, self.owner)
+                        if lease is None:
+                            next_slot_recovery = now + self.cfg.lease_s / 4
                     if lease is not None:
                         task = asyncio.create_task(self._sample(lease), name=lease.record_id)
                         self._active.add(task)
