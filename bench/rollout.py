@@ -97,7 +97,8 @@ def write_inputs(workdir: Path, generations: int) -> tuple[Path, Path]:
     return tasks, mcp
 
 
-def upload(uri: str, tasks: Path) -> None:
+def upload(uri: str, tasks: Path, **defaults) -> None:
+    """Upload ``tasks`` (``defaults``: further ``UploadDefaults`` fields, e.g. ``max_attempts``)."""
     from agentrl.store import database_name, sync_client
     from agentrl.store.indexes import ensure_indexes_sync
     from agentrl.store.task_files import UploadDefaults, upload_tasks
@@ -106,7 +107,7 @@ def upload(uri: str, tasks: Path) -> None:
     try:
         db = client[database_name(uri)]
         ensure_indexes_sync(db)
-        upload_tasks(db, tasks, UploadDefaults(scorer="math", answer_schema="boxed"))
+        upload_tasks(db, tasks, UploadDefaults(scorer="math", answer_schema="boxed", **defaults))
     finally:
         client.close()
 

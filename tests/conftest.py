@@ -1,8 +1,10 @@
 """Shared fixtures: a real MongoDB-protocol server process for the whole session.
 
-By default the embedded NX-27017 server is started on a free port in a temporary directory. Set
-``AGENTRL_TEST_MONGO_URI`` (e.g. ``mongodb://localhost:27017``) to run the same tests against another server,
-such as a real MongoDB. Each test gets its own database name, so tests never see each other's data.
+By default the embedded NX-27017 server is started on a free port in a temporary directory. ``--mongo-server
+secantus`` starts a SecantusDB server instead (``secantus_fixtures.py``; ``scripts/test.sh`` runs the store, rollout
+and resume tests so). Set ``AGENTRL_TEST_MONGO_URI`` (e.g. ``mongodb://localhost:27017``) to run the same tests
+against another server, such as a real MongoDB. Each test gets its own database name, so tests never see each
+other's data.
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ from pymongo.uri_parser import parse_uri
 
 from agentrl.store.embedded import EmbeddedServer
 
-pytest_plugins = ["inference_fixtures", "rollout_fixtures"]  # shared session fixtures (tiny models, engines)
+# shared session fixtures (tiny models, engines, the SecantusDB server)
+pytest_plugins = ["inference_fixtures", "rollout_fixtures", "secantus_fixtures"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -31,12 +34,26 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--mongo-server", choices=["embedded", "secantus"], default="embedded",
+                     help="the server that mongo_server_uri starts: NX-27017 (default) or SecantusDB "
+                          "(AGENTRL_TEST_MONGO_URI, when set, names a running server instead)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if os.environ.get("AGENTRL_TEST_MONGO_URI") and config.getoption("--mongo-server") != "embedded":
+        raise pytest.UsageError("--mongo-server and AGENTRL_TEST_MONGO_URI both name a server: use one")
+
+
 @pytest.fixture(scope="session")
-def mongo_server_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def mongo_server_uri(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[str]:
     """Connection string (no database) of the session's server."""
     external = os.environ.get("AGENTRL_TEST_MONGO_URI")
     if external:
         yield external
+        return
+    if request.config.getoption("--mongo-server") == "secantus":
+        yield request.getfixturevalue("secantus_server_uri")
         return
     server = EmbeddedServer(data_dir=Path(tmp_path_factory.mktemp("nx27017")), port=free_port())
     server.start()

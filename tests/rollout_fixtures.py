@@ -6,8 +6,10 @@ Registered as a plugin by ``conftest.py``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -20,10 +22,30 @@ from inference_fixtures import TEST_ENV, start_engine
 from scripted_model import SCRIPTS, build_scripted_model, calculator_config
 
 
+SCRIPTED_STEPS = 150
+
+
 @pytest.fixture(scope="session")
-def scripted_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model trained on ``scripted_model.SCRIPTS`` (about a minute on one core)."""
-    return build_scripted_model(tmp_path_factory.mktemp("scripted"), steps=150)
+def scripted_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained on ``scripted_model.SCRIPTS`` (about a minute on one core), kept in pytest's cache
+    per version of ``scripted_model.py`` and of torch/transformers, so a second pytest run (the SecantusDB pass of
+    ``scripts/test.sh``) reuses it. Tests never write into it."""
+    import torch
+    import transformers
+
+    source = (Path(__file__).parent / "scripted_model.py").read_bytes()
+    key = hashlib.sha256(source + f"{SCRIPTED_STEPS}/{torch.__version__}/{transformers.__version__}".encode())
+    cached = Path(request.config.cache.mkdir("scripted-model")) / key.hexdigest()[:16]
+    if (cached / "config.json").exists():
+        return cached
+    build = build_scripted_model(tmp_path_factory.mktemp("scripted"), steps=SCRIPTED_STEPS)
+    staging = cached.with_name(cached.name + f".{os.getpid()}.tmp")
+    shutil.copytree(build, staging)
+    try:
+        staging.rename(cached)  # complete before anyone sees the name
+    except OSError:  # another run got there first
+        shutil.rmtree(staging, ignore_errors=True)
+    return cached
 
 
 @pytest.fixture(scope="session")

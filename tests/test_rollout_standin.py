@@ -101,26 +101,25 @@ def test_a_flag_contradicting_preferred_sampling_params_is_an_error(db_uri: str)
     assert "temprature" in done.stderr and "top_p" in done.stderr
 
 
-def test_an_aborted_generation_ends_its_trajectory_as_failed(db_uri: str, tmp_path: Path,
-                                                            tiny_model_dir: Path) -> None:
+def test_an_aborted_generation_is_retried_and_never_trained(db_uri: str, tmp_path: Path,
+                                                           tiny_model_dir: Path) -> None:
     """SGLang answers an aborted request (shutdown, /abort_request) with finish_reason abort and the tokens so far:
-    that turn is not the model's answer, so the trajectory fails (like any generation error) and is never
-    trained, instead of going on from a cut turn."""
+    that is the service's doing, not the model's answer, so the generation is retried (an infrastructure failure
+    is never scored) and the cut turn is never trained."""
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     ids = tokenizer.encode(REPLY, add_special_tokens=False) + [tokenizer.eos_token_id]
     upload(db_uri, write_tasks(tmp_path / "tasks.jsonl"), "--num_generations", "2")
     with StandInProcess(ids, REPLY, abort_first=1) as server:
-        run("sample", "--db_connection_string", db_uri, "--model_name_or_path", str(tiny_model_dir),
-            "--inference_urls", server.url, "--max_turns", "2", "--max_new_tokens", "32", "--exit_when_done", "true",
-            "--zero_variance_threshold", "0", "--drop_zero_advantage", "false")
+        done = run("sample", "--db_connection_string", db_uri, "--model_name_or_path", str(tiny_model_dir),
+                   "--inference_urls", server.url, "--max_turns", "2", "--max_new_tokens", "32", "--exit_when_done",
+                   "true", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false")
+    assert "aborted a generation; trying another service" in done.stderr
     calls = documents(db_uri, "DispatchedSamplingTask")
-    (aborted,) = [c for c in calls if c["status"] == "failed"]
-    assert "aborted the generation" in aborted["error"] and len(aborted["output_ids"]) == 1
-    assert len(calls) == 4, "the aborted trajectory made no second call"
-    records = {r["_id"]: r for r in documents(db_uri, "Record")}
-    assert records[aborted["record_id"]]["outcome"] == "failed_error"
+    assert len(calls) == 4 and {c["status"] for c in calls} == {"completed"}
+    assert all(c["output_ids"] == ids for c in calls), "a cut turn was kept"
+    assert {r["outcome"] for r in documents(db_uri, "Record")} == {"answer"}
     samples = documents(db_uri, "DBRecordData")
-    assert aborted["record_id"] not in {s["record_id"] for s in samples} and len(samples) == 3
+    assert len(samples) == 4
     for sample in samples:
         assert [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m] == ids
 

@@ -173,3 +173,20 @@ def test_the_example_agent_config(tmp_path: Path) -> None:
         load_agent_config(template)
     with pytest.raises(AgentConfigError, match="cannot read agent config"):
         load_agent_config(tmp_path / "missing.yml")
+
+
+async def test_a_judge_that_cannot_be_reached_is_unavailable_not_a_judge_error(judge_server: dict) -> None:
+    # Every model failing with 5xx, or refusing connections: no verdict could be had (retry later, not an error).
+    down = {"scorer_agent": JudgeConfig.model_validate(
+        {"models": [{"base_url": f"http://127.0.0.1:{free_port()}/v1", "model": "judge"}], "retry_delay": 0})}
+    for config in (judge(judge_server, "broken"), down):
+        result = await MCPScorerFactory.score("agentcpm", "42", "42", config)
+        assert result.unavailable and result.score is None and "cannot be reached" in result.error
+    # With retry_unavailable, it is retried with backoff for the judge's unavailable_retry_s.
+    config = judge(judge_server, "broken", max_retries=1, unavailable_retry_s=1.5)
+    result = await MCPScorerFactory.score("agentcpm", "42", "42", config, retry_unavailable=True)
+    assert result.unavailable and [model for model, _ in judge_server["calls"]] == ["broken", "broken"]
+    # A judge that answers without a verdict (or refuses the request) stays a judge error.
+    for config in (judge(judge_server, "babbler"), judge(judge_server, "broken", "babbler")):
+        result = await MCPScorerFactory.score("agentcpm", "42", "42", config, retry_unavailable=True)
+        assert not result.unavailable and "no Correct/Incorrect verdict" in result.error

@@ -79,8 +79,11 @@ async def test_sample_queue_claims_are_exactly_once_and_resumable(db_uri: str) -
         again = await store.samples.claim_batch(1, 0, 3)
         assert [s.id for s in again] == [s.id for s in batches[1]]
         await store.samples.mark_trained(0, 0, [s.id for s in batches[0]])
+        await store.samples.mark_trained(0, 0, [s.id for s in batches[0]])  # idempotent (a retry after an error)
+        with pytest.raises(StoreError):  # but samples claimed by another rank, or not trained by this one, refuse
+            await store.samples.mark_trained(0, 0, [s.id for s in batches[0] + batches[1]])
         with pytest.raises(StoreError):
-            await store.samples.mark_trained(0, 0, [s.id for s in batches[0]])
+            await store.samples.mark_trained(1, 0, [s.id for s in batches[0]])
         # rank 2 crashed before training step 0: its claims go back to the queue on resume
         assert await store.samples.requeue(rank=2, from_step=0) == 3
         counts = await store.samples.counts()
@@ -110,21 +113,21 @@ async def test_services_least_loaded_live_pick(db_uri: str) -> None:
     async with Store(db_uri) as store:
         await store.services.register("http://127.0.0.1:1/", kind="agentrl-engine", models=["m"])
         await store.services.register("http://127.0.0.1:2", kind="sglang", models=["m"])
-        first = await store.services.acquire()
-        second = await store.services.acquire()
+        first = await store.services.acquire("sampler-a")
+        second = await store.services.acquire("sampler-a")
         assert {first.id, second.id} == {"http://127.0.0.1:1", "http://127.0.0.1:2"}
-        third = await store.services.acquire()
+        third = await store.services.acquire("sampler-a")
         assert third.running_requests == 2
-        await store.services.release(third.id)
-        await store.services.release(third.id)
-        assert (await store.services.acquire()).id == third.id  # back to the least loaded
+        await store.services.release(third.id, "sampler-a")
+        await store.services.release(third.id, "sampler-a")
+        assert (await store.services.acquire("sampler-a")).id == third.id  # back to the least loaded
         await store.services.mark_down("http://127.0.0.1:2")
         assert [s.id for s in await store.services.live()] == ["http://127.0.0.1:1"]
         # a service whose heartbeat stopped is not picked
         await store.services.heartbeat("http://127.0.0.1:2", weight_version=4, engine_load={"running": 0})
         await store.db.InferenceService.update_one(
             {"_id": "http://127.0.0.1:1"}, {"$set": {"heartbeat_at": utcnow() - timedelta(minutes=5)}})
-        picks = {(await store.services.acquire()).id for _ in range(3)}
+        picks = {(await store.services.acquire("sampler-a")).id for _ in range(3)}
         assert picks == {"http://127.0.0.1:2"}
         assert not await store.services.heartbeat("http://127.0.0.1:9")
 

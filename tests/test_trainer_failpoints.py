@@ -26,15 +26,19 @@ FLAGS = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_st
     "checkpoint.save.after_rename=exit@2",  # checkpoint-2 in place, old copy not deleted, claims not marked trained
     "trainer.checkpoint.before_mark_trained=exit@2",
     "trainer.step.after_log=exit@3",  # step 3 trained and in the ledger, but not in any checkpoint
+    "samples.claim.after_one=exit@10",  # step 3 half claimed
+    "publish.after_export=exit@2",  # weights of version 2 written, nobody told
+    "publish.before_bump=exit@2",  # version 2 loaded by the (no) services, the Run still says 1
 ])
 def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str, db_uri: str, tiny_model_dir: Path,
                                                                      tmp_path: Path) -> None:
     samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
     asyncio.run(enqueue(db_uri, samples))
     out = tmp_path / "out"
-    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS), env={ENV: point})
+    flags = FLAGS if not point.startswith("publish.") else (*FLAGS[:-1], "true")  # publish: --enable_sampling true
+    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags), env={ENV: point})
     assert crashed.returncode == EXIT_CODE, crashed.stdout
-    resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS, "--resume_from_checkpoint", "latest"))
+    resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest"))
     assert resumed.returncode == 0, resumed.stdout
 
     client = sync_client(db_uri)
@@ -42,8 +46,12 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
         db = client.get_default_database()
         docs = list(db.DBRecordData.find())
         metrics = list(db.Metric.find())
+        run = db.Run.find_one()
     finally:
         client.close()
+    if point.startswith("publish."):  # versions only grow, and the newest one's weights exist
+        assert run["policy_version"] >= STEPS and Path(run["weights_path"]).name == str(run["policy_version"])
+        assert (Path(run["weights_path"]) / "config.json").exists()
     assert {d["status"] for d in docs} == {"trained"}
     assert Counter(d["claimed_step"] for d in docs) == {step: BATCH for step in range(1, STEPS + 1)}
     assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))

@@ -13,8 +13,16 @@ variable before the process starts; it is read once, at the first call. Its valu
 
 Points in the code:
 
-- ``slots.finish.after_record`` (``SlotLeases.finish``: the Record is scored or failed, the slot is not yet settled
-  on its Task);
+- ``slots.claim.before_record`` (a slot claimed on its Task, its Record not inserted), ``slots.take_over.between_writes``
+  (an expired attempt retired, its successor not inserted), ``slots.finish.after_record`` (``SlotLeases.finish``:
+  the Record is scored or failed, the slot is not yet settled on its Task), ``slots.finish.after_settle`` (settled,
+  the lease not dropped, the group stage not claimed);
+- ``sampler.sample.before_finish`` (a trajectory's Record ``completed``, not yet scored and settled);
+- ``group_stage.after_enqueue`` (a kept trajectory's samples queued, its Record not ``ready``),
+  ``group_stage.before_complete`` (every Record moved on, the Task not closed);
+- ``samples.claim.after_one`` (a trainer rank claimed one more sample of its step);
+- ``publish.after_export`` (new weights written, no service told), ``publish.before_bump`` (services loaded them,
+  ``Run.policy_version`` not bumped);
 - ``checkpoint.save.before_rename`` (a complete checkpoint under its temporary name), ``checkpoint.save.after_aside``
   (an older checkpoint of the same step renamed aside, the new one not in place), ``checkpoint.save.after_rename``
   (the new one in place, the old one not yet deleted), ``weights.replace.after_aside``/``after_rename`` (the same

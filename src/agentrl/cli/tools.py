@@ -1,6 +1,7 @@
 """``agentrl tools``: run the built-in MCP servers, list tools, serve an HTTP tool aggregator.
 
 - ``agentrl tools serve calculator|python [--transport stdio|http|sse] [--host 127.0.0.1] [--port 8000]``
+  (``python``: ``[--isolation auto|bwrap|unshare] [--allow_unsandboxed]`` and limits; see ``agentrl.tools.sandbox``)
 - ``agentrl tools list --mcp_config FILE | --mcp_manager_url URL [--mcp_server_name NAMES] [--json]``
 - ``agentrl tools aggregate --mcp_config FILE [--host 127.0.0.1] [--port 9700]`` (clients then use
   ``--mcp_manager_url http://HOST:PORT/mcpapi``)
@@ -30,9 +31,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     sandbox.add_argument("--timeout_s", type=float, default=10.0, help="wall-clock limit per run")
     sandbox.add_argument("--cpu_seconds", type=int, default=10)
     sandbox.add_argument("--memory_mb", type=int, default=1024)
+    sandbox.add_argument("--max_processes", type=int, default=32, help="processes and threads at once")
     sandbox.add_argument("--max_output_chars", type=int, default=8000)
-    sandbox.add_argument("--network", choices=("auto", "namespace", "audit"), default="auto",
-                         help="network isolation: empty network namespace, audit-hook fallback, or auto")
+    sandbox.add_argument("--isolation", choices=("auto", "bwrap", "unshare"), default="auto",
+                         help="namespace mechanism: bubblewrap, util-linux unshare, or auto (the first that works)")
+    sandbox.add_argument("--allow_unsandboxed", action="store_true",
+                         help="where this machine cannot isolate code, run it with audit hooks only (no file system "
+                              "or process isolation) instead of refusing every call")
     serve.set_defaults(func=_serve)
 
     listing = sub.add_parser("list", help="connect to MCP servers / an aggregator and print their tools")
@@ -73,7 +78,8 @@ def _serve(args: argparse.Namespace) -> int:
 
     sandbox = SandboxConfig(
         timeout_s=args.timeout_s, cpu_seconds=args.cpu_seconds, memory_mb=args.memory_mb,
-        max_output_chars=args.max_output_chars, network=args.network,
+        max_processes=args.max_processes, max_output_chars=args.max_output_chars, isolation=args.isolation,
+        allow_unsandboxed=args.allow_unsandboxed,
     )
     serve(args.name, transport=args.transport, host=args.host, port=args.port,
           auth_token=_token_from_env(args.auth_token_env), sandbox=sandbox)

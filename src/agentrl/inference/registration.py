@@ -5,6 +5,9 @@ heartbeat (with its weight version and load) every few seconds, and marks itself
 (uvicorn turns SIGTERM/SIGINT into a graceful shutdown, which runs :meth:`ServiceRegistration.stop`). The weight
 version is stored as the run's policy version (:func:`~agentrl.inference.protocol.policy_version`: a non-numeric
 one, such as SGLang's ``"default"``, is the initial policy, 0), exactly as samplers stamp the tokens it generates.
+Registering at startup resets the service's load counters (nothing can be in flight on a process that just
+started; the samplers' releases of requests to a previous process then change nothing). A sampler that cannot
+connect to the service marks it DOWN; the next heartbeat marks it UP again.
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ class ServiceRegistration:
         try:
             await self._store.services.register(
                 self.base_url, kind=self.kind, models=self.models,
-                weight_version=policy_version(self._weight_version()))
+                weight_version=policy_version(self._weight_version()), fresh_start=True)
         except Exception as error:
             await self._store.close()
             raise RuntimeError(f"cannot register {self.base_url} in the database {redact(self.uri)}: "

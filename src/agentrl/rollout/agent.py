@@ -4,7 +4,9 @@ Every LLM call is stored as a ``DispatchedSamplingTask`` before it is sent (``ru
 output ids, per-token logprobs, weight version (the run's policy version: a service's non-numeric version, such as
 SGLang's ``"default"``, is the initial policy 0) and timing; the tool stage may re-label it ``formaterror``,
 ``toolfailed`` or ``repeaterror``. The trajectory ends with an answer, or with ``turns_limit_error``,
-``length_limit_error``, ``repetition_error`` or ``failed_error``.
+``length_limit_error``, ``repetition_error`` or ``failed_error`` (a request the service rejects, or an aborted
+generation). When no live inference service answers (:class:`NoInferenceService`, an infrastructure failure) the
+call is finished ``failed`` and the error propagates: the attempt is not the policy's fault and is not scored.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from agentrl.inference.protocol import policy_version
 from agentrl.rollout.config import SamplerConfig
 from agentrl.rollout.context import reset_context
 from agentrl.rollout.conversation import TokenConversation
-from agentrl.rollout.inference_pool import InferencePool
+from agentrl.rollout.inference_pool import InferencePool, NoInferenceService
 from agentrl.rollout.prompting import initial_messages
 from agentrl.rollout.tool_parsers import ToolParser, TrajectoryOutcome
 from agentrl.scoring import AgentConfig, extract_answer
@@ -93,6 +95,7 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
             prompt_delta_ids=pending_delta[0] if pending_delta else [],
             prompt_delta_text=pending_delta[1] if pending_delta else res.tokenizer.decode(conversation.prompt_ids),
             sampling_params=sampling)
+        await res.store.slots.heartbeat(lease)  # the fence: a retired attempt makes no LLM call (LeaseLost)
         await res.store.calls.start(call)
         started = time.monotonic()
         params = dict(sampling)
@@ -100,7 +103,11 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
             params["sampling_seed"] = call_seed(cfg.seed, call.id)
         try:
             result, service_id = await res.inference.generate(conversation.prompt_ids, params)
-        except Exception as error:  # noqa: BLE001 - any generation failure ends the trajectory as failed_error
+        except NoInferenceService as error:  # infrastructure: the caller gives the attempt back unscored
+            await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
+                                         latency_s=time.monotonic() - started)
+            raise
+        except Exception as error:  # noqa: BLE001 - any other generation failure ends the trajectory as failed_error
             await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
                                          latency_s=time.monotonic() - started)
             return TrajectoryResult(FAILED, None, turn, branches, first_version, error=str(error))
@@ -130,7 +137,7 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
             if cfg.repetition_early_stop_times > 0 and repeats + 1 >= cfg.repetition_early_stop_times:
                 return TrajectoryResult(REPETITION, None, turn + 1, branches, first_version)
 
-        new_messages = await _tool_stage(res, call.id, text, repeated=repeats >= 1)
+        new_messages = await _tool_stage(res, lease, call.id, text, repeated=repeats >= 1)
         delta = conversation.append(result.output_ids, text, new_messages)
         if delta.new_branch:
             branches += 1
@@ -148,9 +155,11 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
     return TrajectoryResult(TURNS_LIMIT, None, cfg.max_turns, branches, first_version)
 
 
-async def _tool_stage(res: AgentResources, call_id: str, text: str, *, repeated: bool) -> list[dict[str, Any]]:
+async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text: str, *, repeated: bool
+                      ) -> list[dict[str, Any]]:
     """Parse and run the tool calls of ``text``; returns the messages to append (one per call: its result or why
-    it could not run). The call is labelled with the worst status of its tool calls (``formaterror`` first)."""
+    it could not run). The call is labelled with the worst status of its tool calls (``formaterror`` first).
+    Each tool call is fenced by a heartbeat: a retired attempt runs no (possibly non-idempotent) tool call."""
     parsed = res.parser.parse(text)
     if not parsed.calls:
         return []
@@ -166,6 +175,7 @@ async def _tool_stage(res: AgentResources, call_id: str, text: str, *, repeated:
             error = "no tools are available in this environment; answer directly"
             status, content, elapsed = CallStatus.FORMATERROR, error, 0.0
         else:
+            await res.store.slots.heartbeat(lease)
             result = await res.tools.call_tool(tool_call.name, tool_call.arguments, timeout=res.config.tool_timeout)
             status = CallStatus.COMPLETED if result.ok else CallStatus(str(result.status))
             content, error, elapsed = result.text, result.error, result.elapsed_s

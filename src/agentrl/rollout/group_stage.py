@@ -13,7 +13,11 @@ Run by exactly one sampler per Task (the store's group-stage lease). For the ``t
    and each kept trajectory is merged into DBRecordData samples (one per branch) and queued for the trainer.
 
 Other splits (evaluation) only mark their scored Records ``ready``. Redoing the stage after a crash is safe:
-transitions are guarded by state and queued samples have deterministic ids.
+the decisions are deterministic, queued samples have deterministic ids, and a Record already at or past the state
+the stage wants (``ready`` and since trained by the trainer, or abandoned as stale) is left as it is. Crash
+windows (failpoints): after a kept trajectory's samples are queued but before its Record is ``ready``
+(``group_stage.after_enqueue``), and after every Record moved but before the Task is closed
+(``group_stage.before_complete``); the trainer may train the queued samples in either window.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ import logging
 import random
 from dataclasses import dataclass, field
 
+from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
 from agentrl.store import DBRecordData, GroupLease, InvalidTransition, Record, RecordStatus, Store
-from agentrl.store.models import SUCCESS_SCORE, ZERO_VARIANCE_DECISION
+from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
 from agentrl.training.merge import CallTokens, merge_trajectory
 
@@ -123,7 +128,10 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     latest: dict[int, Record] = {}
     for record in await store.records.for_task(task.id):
         latest[record.slot] = record  # attempts come in order: the last one of each slot wins
-    scored = [r for r in latest.values() if r.status == RecordStatus.SCORED]
+    # Every Record that was scored, including those a crashed earlier run of this stage already moved on (and the
+    # trainer may have trained since): the redo must decide over the same group to reach the same decisions.
+    was_scored = reachable_from(RecordStatus.SCORED)
+    scored = [r for r in latest.values() if r.score is not None and str(r.status) in was_scored]
     if task.split != "train":
         for record in scored:
             await _move(store, record, RecordStatus.READY, group_decision="evaluation sample")
@@ -134,6 +142,7 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     for record in scored:
         if record.id in kept:
             samples = await _convert(store, record, advantages[record.id], rewards[record.id], adv_cfg, outcome)
+            failpoint("group_stage.after_enqueue")
             if samples:
                 await _move(store, record, RecordStatus.READY, advantage=advantages[record.id],
                             group_decision=kept[record.id], meta={**record.meta, "reward": rewards[record.id]})
@@ -143,6 +152,7 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
             dropped[record.id] = "no trainable tokens (advantage dropped on every call)"
         await _move(store, record, RecordStatus.ABANDONED, group_decision=dropped[record.id])
         outcome.dropped[record.id] = dropped[record.id]
+    failpoint("group_stage.before_complete")
     await store.slots.complete_group(group)
     return outcome
 
@@ -167,9 +177,21 @@ async def _convert(store: Store, record: Record, advantage: float, reward: float
     return len(samples)
 
 
+def reachable_from(state: RecordStatus) -> set[str]:
+    """``state`` and every state a Record can reach from it."""
+    seen, todo = {str(state)}, [state]
+    while todo:
+        for target in RECORD_TRANSITIONS[todo.pop()]:
+            if str(target) not in seen:
+                seen.add(str(target))
+                todo.append(target)
+    return seen
+
+
 async def _move(store: Store, record: Record, target: RecordStatus, **fields) -> None:
     try:
         await store.records.transition(record.id, target, **fields)
     except InvalidTransition as error:
-        if error.current != str(target):  # already there: the stage is being redone after a crash
+        # At or past the target: the stage is being redone after a crash (and e.g. the trainer trained the Record).
+        if error.current not in reachable_from(target):
             raise

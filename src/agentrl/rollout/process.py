@@ -1,4 +1,8 @@
-"""Assemble a sampler process from its configuration: store, tokenizer, tools, scorers, inference pool."""
+"""Assemble a sampler process from its configuration: store, tokenizer, tools, scorers, inference pool.
+
+The sampler and its inference pool share one owner id (``--sampler_id`` or ``host:pid:random``): slot leases and
+in-flight request counts of a process are its; the owner TTL of its request counts is ``--lease_s``.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,9 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
+
+import httpx
+from pymongo.errors import PyMongoError
 
 from agentrl.inference.embedded_model import policy_tokenizer
 from agentrl.log import redact
@@ -23,18 +30,28 @@ logger = logging.getLogger(__name__)
 URL_HEALTH_INTERVAL_S = 10.0
 
 
-async def _watch_static_services(store: Store, pool: InferencePool, urls: list[str]) -> None:
-    """Register SGLang URLs given on the command line and keep their heartbeat from their health checks."""
-    for url in urls:
-        await store.services.register(url, kind="sglang")
+async def _watch_static_services(store: Store, pool: InferencePool, urls: list[str],
+                                 interval_s: float = URL_HEALTH_INTERVAL_S) -> None:
+    """Keep the SGLang URLs given on the command line registered from their health checks: a healthy service is
+    heartbeated (registered first if it is not yet), an unhealthy one marked DOWN. Errors (database, HTTP) are
+    logged and retried at the next round; the watcher only stops when cancelled."""
     while True:
         for url in urls:
-            if await pool.client(url).health():
-                await store.services.heartbeat(url)
-            else:
-                logger.warning("inference service %s is not healthy", redact(url))
-                await store.services.mark_down(url)
-        await asyncio.sleep(URL_HEALTH_INTERVAL_S)
+            try:
+                if await pool.client(url).health():
+                    if not await store.services.heartbeat(url):
+                        await store.services.register(url, kind="sglang")
+                        logger.info("registered inference service %s", redact(url))
+                else:
+                    logger.warning("inference service %s is not healthy: marked DOWN", redact(url))
+                    await store.services.mark_down(url)
+            except (PyMongoError, httpx.HTTPError) as error:
+                logger.warning("health watch of inference service %s failed (retrying in %.0fs): %s: %s",
+                               redact(url), interval_s, type(error).__name__, redact(str(error)))
+            except Exception:  # noqa: BLE001 - an unexpected error must not end the watch either
+                logger.exception("health watch of inference service %s failed (retrying in %.0fs)",
+                                 redact(url), interval_s)
+        await asyncio.sleep(interval_s)
 
 
 @contextlib.asynccontextmanager
@@ -47,7 +64,8 @@ async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResourc
     agent_config = load_agent_config(config.agent_config_path) if config.agent_config_path else AgentConfig()
     async with contextlib.AsyncExitStack() as stack:
         store = await stack.enter_async_context(Store(uri, lease_s=config.lease_s))
-        pool = InferencePool(store, target_concurrency=config.target_concurrency, timeout_s=config.request_timeout)
+        pool = InferencePool(store, owner=config.sampler_id, owner_ttl_s=config.lease_s,
+                             target_concurrency=config.target_concurrency, timeout_s=config.request_timeout)
         stack.push_async_callback(pool.close)
         tools = None
         if config.mcp_config or config.mcp_manager_url:
@@ -70,6 +88,6 @@ async def run_sampler(config: SamplerConfig) -> SamplerStats:
             "distribution while the trainer's assume the policy's own, which biases the importance ratio",
             config.presence_penalty, config.frequency_penalty)
     async with sampler_resources(config) as resources:
-        sampler = Sampler(resources)
+        sampler = Sampler(resources, owner=resources.inference.owner)  # one identity for slots and load
         sampler.install_signal_handlers()
         return await sampler.run()

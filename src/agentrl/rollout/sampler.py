@@ -5,6 +5,11 @@ works), runs up to ``max_concurrent_samples_per_process`` trajectories on one as
 slot with its score; the sampler that settles a Task's last slot runs that Task's group stage. On SIGTERM/SIGINT
 it stops claiming, cancels its trajectories and releases their leases, so nothing is left ``running``.
 
+Failures of the infrastructure are not the policy's: a trajectory cut off by no live inference service, an
+unreachable judge or a database error gives its slot back unscored (``release``: not a failed attempt) to be
+retried. A database outage stalls the process instead of ending it (``agentrl.store.outage``): lease and
+group-stage heartbeats keep trying through errors, and the claim loop retries connection errors with backoff.
+
 Admission control (train split): a new group (Task) is started only while every slot of the groups being
 sampled plus the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started
 group's remaining slots are always claimed, so every group completes. Counting whole groups (not only the
@@ -22,16 +27,23 @@ import signal
 import socket
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from pymongo.errors import PyMongoError
+
+from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import ANSWER, AgentResources, TrajectoryResult, run_trajectory
 from agentrl.rollout.group_stage import run_group_stage
-from agentrl.scoring import MCPScorerFactory
-from agentrl.store import LeaseLost, RecordStatus, SlotLease
+from agentrl.rollout.inference_pool import NoInferenceService
+from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
+from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
+from agentrl.store.outage import is_transient
 
 logger = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 10.0
+SHUTDOWN_GRACE_S = 15.0
 
 
 @dataclass
@@ -75,6 +87,7 @@ class Sampler:
         """Sample until stopped (or, with ``exit_when_done``, until the split has no open Task left)."""
         started = last_status = time.monotonic()
         next_group_probe = next_slot_recovery = 0.0
+        backoff = 0.5
         logger.info("sampler %s started on split %s", self.owner, self.cfg.split)
         try:
             while not self._stop.is_set():
@@ -82,30 +95,46 @@ class Sampler:
                 if now - last_status >= STATUS_INTERVAL_S:
                     logger.info("sampler %s: %s", self.owner, self.stats.line(now - started, len(self._active)))
                     last_status = now
-                if now >= next_group_probe:
-                    next_group_probe = now + self.cfg.lease_s / 2
-                    await self._recover_group_stages()
-                claimed = False
-                if len(self._active) < self.cfg.max_concurrent_samples_per_process:
-                    slots, lease = self.res.store.slots, None
-                    if await self._admit():
-                        lease = await slots.claim(self.cfg.split, self.owner)
-                    elif now >= next_slot_recovery:
-                        # Not admitted: no new slot, but lost slots of started groups are still recovered (they
-                        # count against admission, so waiting for admission could wait forever). A lease is lost
-                        # only once it expires, so looking every quarter lease is soon enough.
-                        lease = await slots.recover(self.cfg.split, self.owner)
-                        if lease is None:
-                            next_slot_recovery = now + self.cfg.lease_s / 4
-                    if lease is not None:
-                        task = asyncio.create_task(self._sample(lease), name=lease.record_id)
-                        self._active.add(task)
-                        task.add_done_callback(self._active.discard)
-                        claimed = True
-                if claimed:
+                try:
+                    if now >= next_group_probe:
+                        next_group_probe = now + self.cfg.lease_s / 2
+                        await self._recover_group_stages()
+                    claimed = False
+                    if len(self._active) < self.cfg.max_concurrent_samples_per_process:
+                        slots, lease = self.res.store.slots, None
+                        if await self._admit():
+                            lease = await slots.claim(self.cfg.split, self.owner)
+                        elif now >= next_slot_recovery:
+                            # Not admitted: no new slot, but lost slots of started groups are still recovered
+                            # (they count against admission, so waiting for admission could wait forever). A lease
+                            # is lost only once it expires, so looking every quarter lease is soon enough.
+                            lease = await slots.recover(self.cfg.split, self.owner)
+                            if lease is None:
+                                next_slot_recovery = now + self.cfg.lease_s / 4
+                        if lease is not None:
+                            task = asyncio.create_task(self._sample(lease), name=lease.record_id)
+                            self._active.add(task)
+                            task.add_done_callback(self._active.discard)
+                            claimed = True
+                    if claimed:
+                        continue
+                    if (not self._active and self.cfg.exit_when_done
+                            and await self.res.store.slots.sampling_finished(self.cfg.split)):
+                        break
+                    backoff = 0.5
+                except PyMongoError as error:
+                    # A connection broken mid-operation (an unreachable database makes operations wait instead,
+                    # see agentrl.store.outage). A claim cut off this way is an orphaned lease: it expires and is
+                    # taken over. Past the outage tolerance the error is not transient and the sampler stops.
+                    if not is_transient(error):
+                        logger.error("sampler %s: the database stayed unreachable (%s); stopping (leases of its "
+                                     "trajectories expire and other samplers take them over)", self.owner, error)
+                        raise
+                    logger.warning("sampler %s: database connection broke (%s); retrying in %.1f s", self.owner,
+                                   error, backoff)
+                    await self._wait(backoff)
+                    backoff = min(backoff * 2, 10.0)
                     continue
-                if not self._active and self.cfg.exit_when_done and await self.res.store.slots.sampling_finished(self.cfg.split):
-                    break
                 await self._wait(0.5 if self._active else 1.0)
         finally:
             await self._shutdown()
@@ -120,10 +149,12 @@ class Sampler:
         waiters[0].cancel()
 
     async def _shutdown(self) -> None:
+        """Cancel the trajectories (each releases its slot); a release that cannot reach the database within
+        ``SHUTDOWN_GRACE_S`` is left to lease expiry."""
         for task in list(self._active):
             task.cancel()
         if self._active:
-            await asyncio.gather(*self._active, return_exceptions=True)
+            await asyncio.wait(list(self._active), timeout=SHUTDOWN_GRACE_S)
 
     async def _admit(self) -> bool:
         if self.cfg.split != "train":
@@ -134,34 +165,68 @@ class Sampler:
         return load.pending < (self.cfg.max_staleness + 1) * self.cfg.train_batch_size
 
     async def _recover_group_stages(self) -> None:
+        """Run the group stages whose sampler died (their lease expired) or that no one started."""
         while (group := await self.res.store.slots.claim_group_stage(None, self.owner, split=self.cfg.split)):
-            await self._group_stage(group)
+            try:
+                await self._group_stage(group)
+            except PyMongoError:
+                raise  # the run loop rides out connection errors
+            except Exception:  # noqa: BLE001 - a stage that fails must not stop the sampler; its lease expires
+                logger.exception("group stage of Task %s failed; another attempt follows when its lease expires",
+                                 group.task.id)
 
-    async def _group_stage(self, group) -> None:
-        outcome = await run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage)
+    async def _group_stage(self, group: GroupLease) -> None:
+        """Run ``group``'s stage in its own task, heartbeating its lease; stop it if another sampler took it over."""
+        stage = asyncio.create_task(run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage))
+        beat = asyncio.create_task(self._keep_alive(lambda: self.res.store.slots.heartbeat_group(group), stage,
+                                                    f"the group stage of Task {group.task.id}"))
+        try:
+            outcome = await stage
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if stage.cancelled() and not (current is not None and current.cancelling()):
+                return  # the lease was lost: the sampler that took the stage over completes it
+            raise
+        finally:
+            beat.cancel()
         self.stats.group_stages += 1
         self.stats.samples_queued += outcome.samples_queued
 
     async def _heartbeat(self, lease: SlotLease, worker: asyncio.Task) -> None:
-        try:
-            while True:
-                await asyncio.sleep(self.cfg.lease_s / 3)
-                await self.res.store.slots.heartbeat(lease)
-        except LeaseLost:
-            logger.warning("lost the lease on %s (another sampler took it over); stopping that trajectory",
-                           lease.record_id)
-            worker.cancel()
+        await self._keep_alive(lambda: self.res.store.slots.heartbeat(lease), worker, f"trajectory {lease.record_id}")
+
+    async def _keep_alive(self, beat: Callable[[], Awaitable[None]], work: asyncio.Task, what: str) -> None:
+        """Heartbeat a lease every ``lease_s / 3`` while ``work`` runs; cancel ``work`` once the lease is lost.
+
+        Database errors do not stop the heartbeats: they are logged and retried every 2 s (the lease is measured on
+        the server, so an outage shorter than the remaining lease costs nothing; after a longer one the first
+        heartbeat that lands either extends the lease or finds it taken over)."""
+        interval = self.cfg.lease_s / 3
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await beat()
+                interval = self.cfg.lease_s / 3
+            except LeaseLost:
+                logger.warning("lost the lease on %s (another sampler took it over); stopping it", what)
+                work.cancel()
+                return
+            except PyMongoError as error:
+                logger.warning("could not extend the lease on %s (%s); retrying", what, error)
+                interval = min(self.cfg.lease_s / 3, 2.0)
 
     async def _sample(self, lease: SlotLease) -> None:
         store = self.res.store
         worker = asyncio.current_task()
         beat = asyncio.create_task(self._heartbeat(lease, worker))
+        pause = False
         try:
             result = await run_trajectory(self.res, lease)
             await store.records.transition(
                 lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id, num_turns=result.num_turns,
                 outcome=result.outcome, final_answer=result.final_answer, policy_version=result.policy_version,
                 error=result.error, meta={"branches": result.num_branches})
+            failpoint("sampler.sample.before_finish")
             score, score_error, details = await self._score(lease, result)
             self.stats.trajectories += 1
             self.stats.outcomes[result.outcome] = self.stats.outcomes.get(result.outcome, 0) + 1
@@ -179,25 +244,50 @@ class Sampler:
         except LeaseLost as error:
             self.stats.lost_leases += 1
             logger.warning("%s", error)
+        except (NoInferenceService, ScorerUnavailable) as error:
+            # Infrastructure, not the policy: no score; the attempt is given back without counting as failed.
+            beat.cancel()
+            await asyncio.wait([beat])  # no heartbeat may extend the lease after it is given back
+            pause = isinstance(error, NoInferenceService)
+            logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
+                           "; pausing until an inference service is live" if pause else "")
+            with contextlib.suppress(Exception):
+                await store.slots.release(lease, f"{type(error).__name__}: {error}")
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(store.slots.release(lease))
             raise
+        except PyMongoError as error:
+            # The database, not the trajectory: give the slot back unscored (not a failed attempt); if the database
+            # stays unreachable the lease expires and the slot is taken over just the same.
+            logger.warning("database error during %s (%s); giving it back unscored, to be retried",
+                           lease.record_id, error)
+            with contextlib.suppress(Exception):
+                await store.slots.release(lease, f"{type(error).__name__}: {error}")
         except Exception as error:  # noqa: BLE001 - one broken trajectory must not stop the sampler
             logger.exception("trajectory %s failed", lease.record_id)
             with contextlib.suppress(Exception):
                 await store.slots.abandon(lease, f"{type(error).__name__}: {error}")
         finally:
             beat.cancel()
+        if pause:  # this task stays active meanwhile, so a sampler whose tasks all wait claims nothing
+            await self.res.inference.wait_until_live()
 
     async def _score(self, lease: SlotLease, result: TrajectoryResult) -> tuple[float, str | None, dict]:
-        """``(score, error, details)``; no answer scores 0 without asking the scorer."""
+        """``(score, error, details)``; no answer scores 0 without asking the scorer.
+
+        A scorer that cannot be reached (e.g. the LLM judge down) is retried with backoff while the lease is
+        heartbeated; ``ScorerUnavailable`` when it stays down past its bound (the slot is then given back).
+        """
         task = lease.task
         if result.outcome != ANSWER or result.final_answer is None:
             return 0.0, None, {"reason": f"no answer ({result.outcome})"}
         config = {**self.res.agent_config.model_dump(exclude_none=True), "query": task.query, **task.metadata}
         scored = await MCPScorerFactory.score(
-            task.scorer, result.final_answer, {"query": task.query, "answer": task.answer, **task.metadata}, config)
+            task.scorer, result.final_answer, {"query": task.query, "answer": task.answer, **task.metadata}, config,
+            retry_unavailable=True)
+        if scored.unavailable:
+            raise ScorerUnavailable(scored.error or f"scorer {task.scorer!r} unavailable")
         if scored.error is not None:
             return 0.0, scored.error, scored.details
         return float(scored.score), None, scored.details

@@ -17,6 +17,8 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from agentrl.scoring.errors import DEFAULT_UNAVAILABLE_RETRY_S
+
 REQUIRED_JUDGE_PLACEHOLDERS = ("{labeled_answer}", "{pred_answer}")
 
 
@@ -70,6 +72,9 @@ class JudgeConfig(LLMPoolConfig):
     """The LLM judge; the template must use ``{labeled_answer}`` and ``{pred_answer}``, may use ``{question}``."""
 
     judge_prompt_template: str | None = None
+    unavailable_retry_s: float = Field(
+        DEFAULT_UNAVAILABLE_RETRY_S, ge=0, description="how long a sampler retries a judge that cannot be reached "
+        "(connection errors, timeouts, 5xx on every model) before giving the slot back unscored")
 
     @field_validator("judge_prompt_template")
     @classmethod

@@ -10,7 +10,10 @@ settings, ``agentcpm``), ``query`` (``agentcpm``, when the ground truth has none
 
 ``score`` never raises for a scorer problem: an exception, a timeout, a judge that cannot answer or a result
 that is not a finite number becomes ``ScoreResult.error`` (with ``score`` None), so the caller records it
-instead of mistaking it for a reward of 0.
+instead of mistaking it for a reward of 0. A scorer whose backend cannot be reached raises
+:class:`ScorerUnavailable` (the LLM judge does when every model fails with connection errors, timeouts or 5xx):
+the result is then ``unavailable``, an infrastructure failure rather than a verdict, and with
+``retry_unavailable`` ``score`` retries it with backoff for the exception's ``retry_for_s`` first.
 """
 
 from __future__ import annotations
@@ -29,12 +32,14 @@ from pydantic import BaseModel, Field
 
 from agentrl.log import redact
 from agentrl.scoring.builtin import BUILTIN_SCORERS
+from agentrl.scoring.errors import ScorerUnavailable
 
 logger = logging.getLogger(__name__)
 
 ScorerFn = Callable[..., Any]
 
 DEFAULT_TIMEOUT_S = 300.0
+UNAVAILABLE_BACKOFF_S = (1.0, 30.0)  # first and longest wait between retries of an unavailable scorer
 
 
 class ScorerError(ValueError):
@@ -47,6 +52,7 @@ class ScoreResult(BaseModel):
     scorer: str
     score: float | None = None
     error: str | None = None
+    unavailable: bool = Field(False, description="the error is the scorer's backend being unreachable")
     details: dict[str, Any] = Field(default_factory=dict)
     elapsed_s: float = 0.0
 
@@ -137,12 +143,33 @@ class MCPScorerFactory:
         config: Mapping[str, Any] | None = None,
         *,
         timeout: float | None = DEFAULT_TIMEOUT_S,
+        retry_unavailable: bool = False,
     ) -> ScoreResult:
-        """Score one answer with scorer ``name``; failures are returned in ``ScoreResult.error``."""
+        """Score one answer with scorer ``name``; failures are returned in ``ScoreResult.error``.
+
+        With ``retry_unavailable``, a scorer that raises :class:`ScorerUnavailable` is tried again with growing
+        waits until it answers or its ``retry_for_s`` have passed (the result then stays ``unavailable``).
+        """
         started = time.perf_counter()
+        delay, longest = UNAVAILABLE_BACKOFF_S
+        while True:
+            result, retry_for_s = await cls._score_once(name, model_answer, ground_truth, config, timeout)
+            waited = time.perf_counter() - started
+            if not (result.unavailable and retry_unavailable and waited + delay <= retry_for_s):
+                result.elapsed_s = waited
+                return result
+            logger.warning("scorer %r unavailable; retrying in %.0f s (for up to %.0f s more)", name, delay,
+                           retry_for_s - waited)
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, longest)
+
+    @classmethod
+    async def _score_once(cls, name: str, model_answer: str, ground_truth: Any, config: Mapping[str, Any] | None,
+                          timeout: float | None) -> tuple[ScoreResult, float]:
+        """One try, and the ``retry_for_s`` of a :class:`ScorerUnavailable` it raised (else 0)."""
         entry = cls._scorers.get(name)
         if entry is None:
-            return ScoreResult(scorer=name, error=f"unknown scorer {name!r}; registered: {', '.join(cls.names())}")
+            return ScoreResult(scorer=name, error=f"unknown scorer {name!r}; registered: {', '.join(cls.names())}"), 0.0
         fn, wants_config = entry
         args = (model_answer, ground_truth, dict(config or {})) if wants_config else (model_answer, ground_truth)
         try:
@@ -156,12 +183,16 @@ class MCPScorerFactory:
             score, details = _as_score(value)
         except TimeoutError:
             error = f"scorer {name!r} did not finish within {timeout:g} s"
+        except ScorerUnavailable as exc:
+            error = redact(f"scorer {name!r} unavailable: {exc}")[:2000]
+            logger.warning("%s", error)
+            return ScoreResult(scorer=name, error=error, unavailable=True), exc.retry_for_s
         except Exception as exc:
             error = redact(f"scorer {name!r} failed: {type(exc).__name__}: {exc}")[:2000]
         else:
-            return ScoreResult(scorer=name, score=score, details=details, elapsed_s=time.perf_counter() - started)
+            return ScoreResult(scorer=name, score=score, details=details), 0.0
         logger.warning("%s", error)
-        return ScoreResult(scorer=name, error=error, elapsed_s=time.perf_counter() - started)
+        return ScoreResult(scorer=name, error=error), 0.0
 
 
 def _as_score(value: Any) -> tuple[float, dict[str, Any]]:

@@ -3,7 +3,10 @@
 The judge is the ``scorer_agent`` of the agent config (``config["scorer_agent"]``): its models are tried in
 order with retries (``agentrl.scoring.llm``). A reply must contain the verdict ``Correct`` or ``Incorrect``;
 anything else counts as a failed attempt. When no model gives a verdict the scorer raises, so the failure is
-recorded as a judge error and never becomes a silent reward of 0.
+recorded as a judge error and never becomes a silent reward of 0. When every attempt failed because the judge
+could not be reached (connection errors, timeouts, HTTP 5xx/429 on every model) it raises
+:class:`~agentrl.scoring.errors.ScorerUnavailable` instead: a sampler retries it for the judge's
+``unavailable_retry_s`` and then gives the slot back unscored (retried later), rather than failing it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from agentrl.scoring.agent_config import JudgeConfig
-from agentrl.scoring.llm import chat_with_failover
+from agentrl.scoring.errors import ScorerUnavailable
+from agentrl.scoring.llm import LLMUnavailableError, chat_with_failover
 
 DEFAULT_JUDGE_PROMPT = """You grade answers to questions. Compare the candidate answer with the reference answer.
 
@@ -67,7 +71,12 @@ async def agentcpm_score(
         return 0.0
     values = {"question": str(question), "labeled_answer": str(reference), "pred_answer": model_answer}
     prompt = _PLACEHOLDER.sub(lambda m: values[m.group(1)], judge.judge_prompt_template or DEFAULT_JUDGE_PROMPT)
-    (verdict, reply), model = await chat_with_failover(
-        judge, [{"role": "user", "content": prompt}], lambda text: (parse_verdict(text), text), temperature=0
-    )
+    try:
+        (verdict, reply), model = await chat_with_failover(
+            judge, [{"role": "user", "content": prompt}], lambda text: (parse_verdict(text), text), temperature=0
+        )
+    except LLMUnavailableError as error:
+        if error.unreachable:
+            raise ScorerUnavailable(f"the judge cannot be reached: {error}", judge.unavailable_retry_s) from error
+        raise
     return (1.0 if verdict else 0.0), {"judge_model": model, "judge_reply": reply}

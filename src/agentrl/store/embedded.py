@@ -17,8 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from pymongo import MongoClient
-from pymongo.errors import PyMongoError
+from agentrl.store.connection import answers_ping
 
 DEFAULT_PORT = 27017
 DEFAULT_HOST = "127.0.0.1"
@@ -71,15 +70,7 @@ class EmbeddedServer:
         return pid
 
     def answers_ping(self, timeout_s: float = 1.0) -> bool:
-        client: MongoClient = MongoClient(self.uri(), serverSelectionTimeoutMS=int(timeout_s * 1000),
-                                          connectTimeoutMS=int(timeout_s * 1000))
-        try:
-            client.admin.command("ping")
-            return True
-        except PyMongoError:
-            return False
-        finally:
-            client.close()
+        return answers_ping(self.uri(), timeout_s)
 
     def start(self, timeout_s: float = 30.0) -> str:
         """Start the server unless it already runs; return its connection string once it answers ``ping``."""

@@ -96,6 +96,7 @@ class Task(Document):
     status: TaskStatus = TaskStatus.CREATED
     group_stage_done: bool = False
     group_lease_owner: str | None = None
+    group_lease_id: str | None = None
     group_lease_expires_at: UTCDatetime = Field(default_factory=lambda: EPOCH)
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
@@ -286,8 +287,9 @@ class ServiceStatus(StrEnum):
 class InferenceService(Document):
     """An inference server (SGLang or ``agentrl engine``) that samplers may send requests to.
 
-    ``_id`` is the service's base URL. ``running_requests`` is the load counter samplers maintain; a service is
-    live while ``status == UP`` and its ``heartbeat_at`` is recent.
+    ``_id`` is the service's base URL. ``running_requests`` is the load counter samplers maintain: the sum of
+    the shares in ``running_by`` (``{owner key: {"n": in-flight requests, "seen": epoch seconds}}``, see
+    :mod:`agentrl.store.services`). A service is live while ``status == UP`` and its ``heartbeat_at`` is recent.
     """
 
     collection: ClassVar[str] = "InferenceService"
@@ -298,6 +300,8 @@ class InferenceService(Document):
     status: ServiceStatus = ServiceStatus.UP
     weight_version: int = 0
     running_requests: int = 0
+    running_by: dict[str, dict[str, int | float]] = Field(
+        default_factory=dict, description="each owner's in-flight requests (n) and when it was last seen")
     total_requests: int = 0
     engine_load: dict[str, Any] = Field(default_factory=dict, description="load the server reports about itself")
     heartbeat_at: UTCDatetime = Field(default_factory=utcnow)

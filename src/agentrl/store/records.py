@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import DuplicateKeyError
 
+from agentrl.store.errors import InvalidTransition
 from agentrl.store.models import (
     CALL_TRANSITIONS,
     RECORD_TRANSITIONS,
@@ -15,6 +17,7 @@ from agentrl.store.models import (
     RecordStatus,
     utcnow,
 )
+from agentrl.store.outage import retry_on_reconnect
 from agentrl.store.transitions import transition
 
 
@@ -27,12 +30,21 @@ class Records:
     async def get(self, record_id: str) -> Record | None:
         return Record.from_mongo(await self.collection.find_one({"_id": record_id}))
 
+    @retry_on_reconnect
     async def transition(self, record_id: str, target: RecordStatus, *, lease_id: str | None = None,
                          **fields: Any) -> Record:
-        """Move a Record to ``target`` (DESIGN §3 state machine); with ``lease_id``, only while that lease holds."""
+        """Move a Record to ``target`` (DESIGN §3 state machine); with ``lease_id``, only while that lease holds
+        (and then idempotent: a Record this lease already moved to ``target`` is returned as it is)."""
         extra = {"lease_id": lease_id, "leased": True} if lease_id is not None else None
-        doc = await transition(self.collection, RECORD_TRANSITIONS, record_id, target, extra_filter=extra,
-                               set_fields=fields)
+        try:
+            doc = await transition(self.collection, RECORD_TRANSITIONS, record_id, target, extra_filter=extra,
+                                   set_fields=fields)
+        except InvalidTransition as error:
+            if lease_id is None or error.current != str(target):
+                raise
+            doc = await self.collection.find_one({"_id": record_id, **extra})
+            if doc is None:
+                raise
         return Record.from_mongo(doc)
 
     async def for_task(self, task_id: str) -> list[Record]:
@@ -47,22 +59,40 @@ class Calls:
     def __init__(self, db: AsyncDatabase):
         self.collection = db[DispatchedSamplingTask.collection]
 
+    @retry_on_reconnect
     async def start(self, call: DispatchedSamplingTask) -> DispatchedSamplingTask:
-        """Store a call about to be sent (status ``running``)."""
-        await self.collection.insert_one(call.to_mongo())
+        """Store a call about to be sent (status ``running``). Idempotent: call ids are deterministic (Record id
+        and turn) and only the attempt holding the Record's lease writes them."""
+        try:
+            await self.collection.insert_one(call.to_mongo())
+        except DuplicateKeyError:
+            if await self.collection.count_documents({"_id": call.id, "record_id": call.record_id,
+                                                      "status": str(CallStatus.RUNNING)}) != 1:
+                raise
         return call
 
     async def finish(self, call_id: str, target: CallStatus, **fields: Any) -> DispatchedSamplingTask:
         """``running → completed | failed`` with the response fields (output ids, logprobs, ...)."""
         fields.setdefault("finished_at", utcnow())
-        return DispatchedSamplingTask.from_mongo(
-            await transition(self.collection, CALL_TRANSITIONS, call_id, target, set_fields=fields))
+        return await self._move(call_id, target, fields)
 
     async def relabel(self, call_id: str, target: CallStatus, **fields: Any) -> DispatchedSamplingTask:
         """``completed → formaterror | toolfailed | repeaterror`` after the tool stage looked at the output."""
-        return DispatchedSamplingTask.from_mongo(
-            await transition(self.collection, CALL_TRANSITIONS, call_id, target, set_fields=fields))
+        return await self._move(call_id, target, fields)
 
+    @retry_on_reconnect
+    async def _move(self, call_id: str, target: CallStatus, fields: dict[str, Any]) -> DispatchedSamplingTask:
+        """One call transition; a call already in ``target`` is returned as it is (a retry after a broken
+        connection: a call has one writer, the attempt holding its Record's lease)."""
+        try:
+            doc = await transition(self.collection, CALL_TRANSITIONS, call_id, target, set_fields=fields)
+        except InvalidTransition as error:
+            if error.current != str(target):
+                raise
+            doc = await self.collection.find_one({"_id": call_id})
+        return DispatchedSamplingTask.from_mongo(doc)
+
+    @retry_on_reconnect
     async def annotate(self, call_id: str, **fields: Any) -> None:
         """Add non-state fields (e.g. tool calls and results) to a call; its status is left as it is."""
         if "status" in fields:

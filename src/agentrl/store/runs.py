@@ -9,6 +9,7 @@ from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import DuplicateKeyError
 
 from agentrl.store.errors import NotFound, VersionConflict
+from agentrl.store.outage import retry_on_reconnect
 from agentrl.store.models import Metric, Run, RunStatus, utcnow
 
 RUN_ID = "run"
@@ -19,6 +20,7 @@ class Runs:
         self.collection = db[Run.collection]
         self.metrics = db[Metric.collection]
 
+    @retry_on_reconnect
     async def get_or_create(self, name: str, config: dict[str, Any] | None = None) -> Run:
         """The run's document, created on first use with ``config`` as its snapshot (never overwritten)."""
         now = utcnow()
@@ -29,13 +31,16 @@ class Runs:
         except DuplicateKeyError:
             return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
 
+    @retry_on_reconnect
     async def get(self) -> Run | None:
         return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
 
+    @retry_on_reconnect
     async def policy_version(self) -> int:
         run = await self.get()
         return run.policy_version if run else 0
 
+    @retry_on_reconnect
     async def bump_policy_version(self, weights_path: str | None = None, *, expected: int) -> int:
         """Move ``policy_version`` from ``expected`` to ``expected + 1`` (recording where the new weights are) in
         one atomic update whose filter is the precondition ``policy_version == expected``; returns the new version.
@@ -51,12 +56,16 @@ class Runs:
         current = await self.get()
         if current is None:
             raise NotFound("no Run document: create the run first (get_or_create)")
+        if current.policy_version == expected + 1 and weights_path is not None and current.weights_path == weights_path:
+            return current.policy_version  # this very bump landed before a broken connection hid its answer
         raise VersionConflict(f"Run {current.name!r}: expected policy_version {expected} but it is "
                               f"{current.policy_version}: is another trainer publishing weights to this run?")
 
+    @retry_on_reconnect
     async def set_status(self, status: RunStatus) -> None:
         await self.collection.update_one({"_id": RUN_ID}, {"$set": {"status": str(status), "updated_at": utcnow()}})
 
+    @retry_on_reconnect
     async def log_metrics(self, step: int, values: dict[str, float], split: str = "train",
                           sample_ids: list[str] | None = None) -> None:
         """Store the metrics of ``step`` and the ids of the samples it trained (re-logging a step, e.g. after a
@@ -64,6 +73,7 @@ class Runs:
         metric = Metric(id=f"{split}/{step}", step=step, split=split, values=values, sample_ids=sample_ids or [])
         await self.metrics.replace_one({"_id": metric.id}, metric.to_mongo(), upsert=True)
 
+    @retry_on_reconnect
     async def forget_metrics_after(self, step: int, split: str = "train") -> int:
         """Delete the ``Metric`` documents of the steps after ``step``: a trainer resumed from checkpoint ``step``
         lost their updates (their samples are trained again), so the ledger must not list them. Returns how many."""

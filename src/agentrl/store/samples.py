@@ -15,14 +15,17 @@ from typing import Any
 from pymongo import ReturnDocument
 from pymongo.asynchronous.database import AsyncDatabase
 
+from agentrl.failpoints import failpoint
 from agentrl.store.errors import StoreError
 from agentrl.store.models import DBRecordData, SampleStatus, utcnow
+from agentrl.store.outage import retry_on_reconnect
 
 
 class SampleQueue:
     def __init__(self, db: AsyncDatabase):
         self.collection = db[DBRecordData.collection]
 
+    @retry_on_reconnect
     async def enqueue(self, samples: list[DBRecordData]) -> int:
         """Insert samples (``seq`` is assigned in enqueue order when left at 0). Returns how many were queued.
 
@@ -46,6 +49,7 @@ class SampleQueue:
         await self.collection.insert_many(docs, ordered=True)
         return len(docs)
 
+    @retry_on_reconnect
     async def claim_batch(self, rank: int, step: int, size: int, split: str = "train") -> list[DBRecordData]:
         """Samples for ``rank``'s ``step``: those it already claimed for that step, topped up to ``size``."""
         claimed = [DBRecordData.from_mongo(doc) async for doc in self.collection.find(
@@ -61,19 +65,24 @@ class SampleQueue:
             if doc is None:
                 break
             claimed.append(DBRecordData.from_mongo(doc))
+            failpoint("samples.claim.after_one")
         return claimed
 
+    @retry_on_reconnect
     async def mark_trained(self, rank: int, step: int, sample_ids: list[Any]) -> None:
-        """``claimed(rank, step) → trained`` for exactly these samples; raises if any was not so claimed."""
+        """``claimed(rank, step) → trained`` for exactly these samples; raises if any was neither so claimed nor
+        already trained by this (rank, step) (idempotent: a retry after a broken connection succeeds)."""
+        mine = {"_id": {"$in": list(sample_ids)}, "claimed_rank": rank, "claimed_step": step}
         result = await self.collection.update_many(
-            {"_id": {"$in": list(sample_ids)}, "status": str(SampleStatus.CLAIMED), "claimed_rank": rank,
-             "claimed_step": step},
+            {**mine, "status": str(SampleStatus.CLAIMED)},
             {"$set": {"status": str(SampleStatus.TRAINED), "trained_at": utcnow()}},
         )
-        if result.modified_count != len(sample_ids):
+        if (result.modified_count != len(sample_ids) and await self.collection.count_documents(
+                {**mine, "status": str(SampleStatus.TRAINED)}) != len(sample_ids)):
             raise StoreError(f"rank {rank} step {step}: {len(sample_ids) - result.modified_count} of "
                              f"{len(sample_ids)} samples were not claimed by it (already trained or requeued)")
 
+    @retry_on_reconnect
     async def mark_trained_through(self, rank: int, step: int) -> int:
         """``claimed(rank, s) → trained`` for every step ``s <= step`` (e.g. once a checkpoint of ``step`` holds
         their updates). Returns how many samples changed."""
@@ -83,6 +92,7 @@ class SampleQueue:
         )
         return result.modified_count
 
+    @retry_on_reconnect
     async def skip(self, rank: int, step: int, sample_ids: list[Any], reason: str) -> int:
         """``claimed(rank, step) → skipped`` with ``reason``: claimed samples the trainer decided not to train.
         Returns how many changed."""
@@ -95,6 +105,7 @@ class SampleQueue:
         )
         return result.modified_count
 
+    @retry_on_reconnect
     async def start_epoch(self, split: str, epoch: int) -> int:
         """Queue the trained samples of ``split`` from earlier epochs again, for pass ``epoch`` (offline training
         over a fixed data set). Idempotent; returns how many were queued."""
@@ -105,6 +116,7 @@ class SampleQueue:
         )
         return result.modified_count
 
+    @retry_on_reconnect
     async def requeue(self, *, rank: int | None = None, from_step: int = 0) -> int:
         """Return claims of steps ``>= from_step`` (of ``rank``, or all ranks) to the queue, e.g. when resuming a
         trainer from the checkpoint of step ``from_step - 1``. Returns how many were requeued."""
@@ -116,6 +128,7 @@ class SampleQueue:
                              "claimed_at": None}})
         return result.modified_count
 
+    @retry_on_reconnect
     async def counts(self, split: str | None = None) -> dict[str, int]:
         """Samples per status (``skipped`` is listed only when there are some)."""
         query = {"split": split} if split else {}

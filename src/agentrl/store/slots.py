@@ -20,6 +20,15 @@ writes in this order: the Record's outcome (lease kept) → the slot settled on 
 crash, SIGTERM or DB error between the writes leaves a scored (or failed) Record whose lease expires; the
 take-over path finds it like any expired lease and completes the settlement instead of starting a new attempt,
 so the score is kept and the slot is settled exactly once (``settle`` is idempotent).
+
+Fencing: a take-over retires the expired attempt (only if its lease is still expired at that instant, so a late
+heartbeat wins) *before* inserting the next attempt; every write of a holder filters on its lease id and
+``leased``, so once retired, a dead attempt's heartbeat, outcome and transitions are refused (``LeaseLost``). The
+agent heartbeats before each LLM and tool call (the fence): its side effects happen while the lease holds.
+The group-stage lease is fenced the same way (a token, heartbeats, and ``complete_group`` refused once expired).
+
+All lease times are the database server's (``ServerClock``), so machines with skewed clocks do not steal each
+other's leases. Operations marked ``retry_on_reconnect`` are idempotent and re-run after a broken connection.
 """
 
 from __future__ import annotations
@@ -35,8 +44,10 @@ from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import DuplicateKeyError
 
 from agentrl.failpoints import failpoint
+from agentrl.store.clock import ServerClock
 from agentrl.store.errors import LeaseLost
-from agentrl.store.models import EPOCH, Record, RecordStatus, Task, TaskStatus, utcnow
+from agentrl.store.models import EPOCH, Record, RecordStatus, Task, TaskStatus
+from agentrl.store.outage import retry_on_reconnect
 
 DEFAULT_LEASE_S = 60.0
 _LIVE = [str(RecordStatus.RUNNING), str(RecordStatus.COMPLETED)]
@@ -74,20 +85,27 @@ class SlotLease:
 
 @dataclass(frozen=True)
 class GroupLease:
-    """The right (and duty) to run the group stage of ``task`` once all its slots are settled."""
+    """The right (and duty) to run the group stage of ``task`` once all its slots are settled; keep it alive with
+    ``heartbeat_group`` while the stage runs."""
 
     task: Task
     owner: str
+    lease_id: str
 
 
 class SlotLeases:
     """Lease operations on the ``Task`` and ``Record`` collections of one database."""
 
-    def __init__(self, db: AsyncDatabase, lease_s: float = DEFAULT_LEASE_S):
+    def __init__(self, db: AsyncDatabase, lease_s: float = DEFAULT_LEASE_S, *, clock: ServerClock | None = None):
         self.tasks = db[Task.collection]
         self.records = db[Record.collection]
         self.lease_s = lease_s
+        self.clock = clock or ServerClock(db.client)
         self._next_expiry_probe = 0.0
+
+    def now(self):
+        """The database server's time: leases are measured against one clock, whatever the machines' skew."""
+        return self.clock.now()
 
     # ------------------------------------------------------------------------------------------------- claiming
 
@@ -112,12 +130,12 @@ class SlotLeases:
     async def _take_over_expired(self, split: str, owner: str, max_candidates: int = 8) -> SlotLease | None:
         for _ in range(max_candidates):
             expired = await self.records.find_one(
-                {"split": split, "leased": True, "lease_expires_at": {"$lt": utcnow()}},
+                {"split": split, "leased": True, "lease_expires_at": {"$lt": self.now()}},
                 sort=[("lease_expires_at", 1)],
             )
             if expired is None:
                 break
-            lease = await self._take_over(Record.from_mongo(expired), owner)
+            lease = await self._take_over(Record.from_mongo(expired), owner, expired["lease_expires_at"])
             if lease is not None:
                 return lease
         return None
@@ -128,7 +146,7 @@ class SlotLeases:
             {"split": split, "status": {"$in": [str(TaskStatus.CREATED), str(TaskStatus.RUNNING)]},
              "unclaimed": {"$gt": 0}},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
-             "$set": {"status": str(TaskStatus.RUNNING), "updated_at": utcnow()}},
+             "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now()}},
             sort=[("order", 1)],
             return_document=ReturnDocument.AFTER,
         )
@@ -136,13 +154,14 @@ class SlotLeases:
             return None
         task = Task.from_mongo(doc)
         slot = task.claim_ids.index(lease_id)
+        failpoint("slots.claim.before_record")  # the slot is claimed on the Task, its Record not inserted: sweep
         return await self._insert_record(task, slot, attempt=1, failures=0, owner=owner, lease_id=lease_id)
 
     async def _insert_record(self, task: Task, slot: int, *, attempt: int, failures: int, owner: str,
                              lease_id: str | None = None) -> SlotLease | None:
         """Insert the slot's Record for ``attempt``; ``None`` if another claimer inserted it first."""
         lease_id = lease_id or uuid.uuid4().hex
-        now = utcnow()
+        now = self.now()
         record = Record(
             id=record_id(task.id, slot, attempt), task_id=task.id, split=task.split, slot=slot, attempt=attempt,
             failures=failures, lease_id=lease_id, lease_owner=owner, lease_expires_at=now + self._ttl(),
@@ -154,11 +173,13 @@ class SlotLeases:
             return None
         return SlotLease(task=task, slot=slot, attempt=attempt, lease_id=lease_id, owner=owner, record_id=record.id)
 
-    async def _take_over(self, expired: Record, owner: str) -> SlotLease | None:
+    async def _take_over(self, expired: Record, owner: str, seen_expiry: Any) -> SlotLease | None:
         """Retire an expired attempt and claim the next attempt of its slot (or give the slot up).
 
-        An attempt whose holder already wrote its outcome (``finish`` cut off before settling the slot) is not
-        retried: its settlement is completed instead."""
+        ``seen_expiry`` is the ``lease_expires_at`` value (as stored) that was seen expired: the retirement happens
+        only if it is unchanged, so a holder whose heartbeat landed meanwhile keeps its lease. An attempt whose
+        holder already wrote its outcome (``finish`` cut off before settling the slot) is not retried: its
+        settlement is completed instead."""
         if expired.status not in (RecordStatus.RUNNING, RecordStatus.COMPLETED):
             await self._complete_settlement(expired)
             return None
@@ -167,15 +188,19 @@ class SlotLeases:
         reason = "released by its sampler" if expired.released else (
             f"lease of sampler {expired.lease_owner} expired without heartbeat")
         if task is None or failures >= task.max_attempts:
-            retired = await self._retire(expired, f"{reason}; slot given up after {failures} failed attempts")
+            retired = await self._retire(expired, seen_expiry,
+                                         f"{reason}; slot given up after {failures} failed attempts")
             if retired and task is not None:
                 await self.settle(task.id, expired.slot, failed=True)
             return None
-        lease = await self._insert_record(task, expired.slot, attempt=expired.attempt + 1, failures=failures,
+        # Fencing: the old attempt is retired before its successor exists, so from here on every write of the old
+        # holder (heartbeat, outcome, transition) is refused. A crash between the two writes leaves a retired
+        # attempt without successor, which ``sweep`` recovers.
+        if not await self._retire(expired, seen_expiry, f"{reason}; taken over by attempt {expired.attempt + 1}"):
+            return None  # its holder heartbeated in time, or another claimer took it over first
+        failpoint("slots.take_over.between_writes")
+        return await self._insert_record(task, expired.slot, attempt=expired.attempt + 1, failures=failures,
                                           owner=owner)
-        # Retire the old attempt whether we or another claimer inserted its successor (idempotent).
-        await self._retire(expired, f"{reason}; taken over by attempt {expired.attempt + 1}")
-        return lease
 
     async def _complete_settlement(self, record: Record) -> None:
         """Finish a ``finish`` that died after writing the Record's outcome: settle its slot (a no-op if that was
@@ -183,15 +208,19 @@ class SlotLeases:
         await self.settle(record.task_id, record.slot, failed=record.status == RecordStatus.FAILED)
         await self._drop_lease(record.id, record.lease_id)
 
+    @retry_on_reconnect
     async def _drop_lease(self, rid: str, lease_id: str) -> None:
         await self.records.update_one({"_id": rid, "lease_id": lease_id, "leased": True},
                                       {"$set": {"leased": False}})
 
-    async def _retire(self, record: Record, reason: str) -> bool:
+    async def _retire(self, record: Record, seen_expiry: Any, reason: str) -> bool:
+        """End an attempt whose lease was seen expired, if that lease is unchanged (compare-and-set on the stored
+        expiry: a heartbeat landed meanwhile wins); ``True`` if this call retired it."""
         result = await self.records.update_one(
-            {"_id": record.id, "lease_id": record.lease_id, "leased": True, "status": {"$in": _LIVE}},
+            {"_id": record.id, "lease_id": record.lease_id, "leased": True, "status": {"$in": _LIVE},
+             "lease_expires_at": seen_expiry},
             {"$set": {"leased": False, "status": str(RecordStatus.FAILED), "error": reason,
-                      "updated_at": utcnow(), "finished_at": utcnow()}},
+                      "updated_at": self.now(), "finished_at": self.now()}},
         )
         return result.modified_count == 1
 
@@ -206,7 +235,7 @@ class SlotLeases:
         need recovery; Tasks whose long trajectories are merely still running cannot crowd them out.
         """
         stale = [doc async for doc in self.tasks.find(
-            {"split": split, "status": str(TaskStatus.RUNNING), "updated_at": {"$lt": utcnow() - self._ttl()}},
+            {"split": split, "status": str(TaskStatus.RUNNING), "updated_at": {"$lt": self.now() - self._ttl()}},
             {"remaining": 1, "unclaimed": 1}, sort=[("updated_at", 1)], limit=max_tasks)]
         if not stale:
             return None
@@ -275,11 +304,15 @@ class SlotLeases:
 
     # --------------------------------------------------------------------------------------------- lease holder
 
+    @retry_on_reconnect
     async def heartbeat(self, lease: SlotLease) -> None:
-        """Extend the lease; raises ``LeaseLost`` if it was taken over or released meanwhile."""
+        """Extend the lease; raises ``LeaseLost`` if it was taken over or released meanwhile.
+
+        Also the fence before a side effect (an LLM call, a tool call): after it, the lease holds for ``lease_s``,
+        and no take-over can happen before it expires."""
         result = await self.records.update_one(
             {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
-            {"$set": {"lease_expires_at": utcnow() + self._ttl()}},
+            {"$set": {"lease_expires_at": self.now() + self._ttl()}},
         )
         if result.matched_count != 1:
             raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
@@ -296,41 +329,48 @@ class SlotLeases:
         failpoint("slots.finish.after_record")
         # If we die here, the Record keeps its (expiring) lease: take-over completes the settlement.
         completed = await self.settle(lease.task.id, lease.slot, failed=status == RecordStatus.FAILED)
+        failpoint("slots.finish.after_settle")  # settled, lease kept: take-over drops it; the stage is recovered
         await self._drop_lease(lease.record_id, lease.lease_id)
         return await self.claim_group_stage(lease.task.id, lease.owner) if completed else None
 
+    @retry_on_reconnect
     async def _record_outcome(self, lease: SlotLease, status: RecordStatus, fields: dict[str, Any]) -> None:
-        """First write of ``finish``: the Record's outcome, keeping the lease until the slot is settled."""
-        now = utcnow()
+        """First write of ``finish``: the Record's outcome, keeping the lease until the slot is settled. Idempotent:
+        an outcome this lease already wrote (a retry after a broken connection) counts as written."""
+        now = self.now()
+        held = {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True}
         result = await self.records.update_one(
-            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True, "status": {"$in": _LIVE}},
+            {**held, "status": {"$in": _LIVE}},
             {"$set": {**fields, "status": str(status), "updated_at": now, "finished_at": now}},
         )
-        if result.modified_count != 1:
+        if result.modified_count != 1 and await self.records.count_documents({**held, "status": str(status)}) != 1:
             raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
 
+    @retry_on_reconnect
     async def abandon(self, lease: SlotLease, reason: str) -> None:
         """Give the slot up after a failure: another sampler retakes it at once, as a failed attempt."""
         await self.records.update_one(
             {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
-            {"$set": {"lease_expires_at": EPOCH, "error": reason, "updated_at": utcnow()}},
+            {"$set": {"lease_expires_at": EPOCH, "error": reason, "updated_at": self.now()}},
         )
 
+    @retry_on_reconnect
     async def release(self, lease: SlotLease, reason: str = "sampler shutting down") -> None:
         """Give the slot back now (e.g. on shutdown): another sampler retakes it at once; no failed attempt."""
         await self.records.update_one(
             {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
-            {"$set": {"lease_expires_at": EPOCH, "released": True, "error": reason, "updated_at": utcnow()}},
+            {"$set": {"lease_expires_at": EPOCH, "released": True, "error": reason, "updated_at": self.now()}},
         )
 
     # ------------------------------------------------------------------------------------------------ group stage
 
+    @retry_on_reconnect
     async def settle(self, task_id: str, slot: int, *, failed: bool) -> bool:
         """Count ``slot`` as settled once (idempotent); ``True`` if this call settled the Task's last slot."""
         doc = await self.tasks.find_one_and_update(
             {"_id": task_id, "settled_slots": {"$nin": [slot]}},
             {"$push": {"settled_slots": slot, ("failed_slots" if failed else "completed_slots"): slot},
-             "$inc": {"remaining": -1}, "$set": {"updated_at": utcnow()}},
+             "$inc": {"remaining": -1}, "$set": {"updated_at": self.now()}},
             return_document=ReturnDocument.AFTER,
         )
         return doc is not None and doc["remaining"] == 0
@@ -338,27 +378,56 @@ class SlotLeases:
     async def claim_group_stage(self, task_id: str | None, owner: str, *, split: str | None = None
                                 ) -> GroupLease | None:
         """Take the group-stage lease of ``task_id`` (or of any finished Task of ``split`` whose stage is pending)."""
+        return await self._claim_group_stage(task_id, owner, split, uuid.uuid4().hex)
+
+    @retry_on_reconnect
+    async def _claim_group_stage(self, task_id: str | None, owner: str, split: str | None, lease_id: str
+                                 ) -> GroupLease | None:
+        """One claim attempt under the token ``lease_id``; re-running it after it was applied finds the lease by
+        its token (so a broken connection does not lose the stage)."""
         query: dict[str, Any] = {"remaining": 0, "group_stage_done": False,
-                                 "group_lease_expires_at": {"$lt": utcnow()}}
+                                 "$or": [{"group_lease_expires_at": {"$lt": self.now()}}, {"group_lease_id": lease_id}]}
         if task_id is not None:
             query["_id"] = task_id
         if split is not None:
             query["split"] = split
         doc = await self.tasks.find_one_and_update(
             query,
-            {"$set": {"group_lease_owner": owner, "group_lease_expires_at": utcnow() + self._ttl()}},
+            {"$set": {"group_lease_owner": owner, "group_lease_id": lease_id,
+                      "group_lease_expires_at": self.now() + self._ttl()}},
             return_document=ReturnDocument.AFTER,
         )
-        return GroupLease(task=Task.from_mongo(doc), owner=owner) if doc is not None else None
+        return GroupLease(task=Task.from_mongo(doc), owner=owner, lease_id=lease_id) if doc is not None else None
 
+    @staticmethod
+    def _group_held(group: GroupLease) -> dict[str, Any]:
+        """The filter of a group-stage lease that is still ``group``'s: stage not done, and its token, which any
+        later claim replaces (an expired lease that nobody took over may still finish: that harms nothing)."""
+        return {"_id": group.task.id, "group_stage_done": False, "group_lease_id": group.lease_id}
+
+    @retry_on_reconnect
+    async def heartbeat_group(self, group: GroupLease) -> None:
+        """Extend the group-stage lease; raises ``LeaseLost`` if another sampler took the stage over."""
+        result = await self.tasks.update_one(self._group_held(group),
+                                             {"$set": {"group_lease_expires_at": self.now() + self._ttl()}})
+        if result.matched_count != 1:
+            raise LeaseLost(f"group stage of Task {group.task.id} is no longer held by {group.owner}")
+
+    @retry_on_reconnect
     async def complete_group(self, group: GroupLease, **fields: Any) -> Task:
-        """Close the Task after its group stage: ``completed``, or ``failed`` when no slot produced a sample."""
+        """Close the Task after its group stage: ``completed``, or ``failed`` when no slot produced a sample.
+
+        Only while the group lease is this one's: a stage that outlived its lease and was taken over is refused
+        (``LeaseLost``). Idempotent for the same lease."""
         status = TaskStatus.COMPLETED if group.task.completed_slots else TaskStatus.FAILED
         doc = await self.tasks.find_one_and_update(
-            {"_id": group.task.id, "group_stage_done": False, "group_lease_owner": group.owner},
-            {"$set": {**fields, "status": str(status), "group_stage_done": True, "updated_at": utcnow()}},
+            self._group_held(group),
+            {"$set": {**fields, "status": str(status), "group_stage_done": True, "updated_at": self.now()}},
             return_document=ReturnDocument.AFTER,
         )
+        if doc is None:
+            doc = await self.tasks.find_one({"_id": group.task.id, "group_stage_done": True,
+                                             "group_lease_id": group.lease_id})
         if doc is None:
             raise LeaseLost(f"group stage of Task {group.task.id} is no longer held by {group.owner}")
         return Task.from_mongo(doc)

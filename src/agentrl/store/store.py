@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from typing import Any
 
+import pymongo
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import PyMongoError
 
+from agentrl.log import redact
+from agentrl.store.clock import ServerClock
 from agentrl.store.connection import database_name
+from agentrl.store.errors import StoreError
 from agentrl.store.evals import Evals
 from agentrl.store.indexes import ensure_indexes
+from agentrl.store.outage import OutageLog, outage_tolerance_s
 from agentrl.store.records import Calls, Records
 from agentrl.store.runs import Runs
 from agentrl.store.samples import SampleQueue
 from agentrl.store.services import ServiceRegistry
 from agentrl.store.slots import DEFAULT_LEASE_S, SlotLeases
+
+CONNECT_TIMEOUT_S = 30.0
 
 
 class Store:
@@ -22,23 +30,44 @@ class Store:
 
     ``slots`` hands out Task sample slots as leases, ``records``/``calls`` move trajectories and LLM calls
     through their states, ``samples`` is the trainer's DBRecordData queue, ``services`` the inference-service
-    registry, ``runs`` the Run document and metrics. Use as ``async with Store(uri) as store:`` or call
-    ``close()``. Create it inside the event loop that will use it.
+    registry, ``runs`` the Run document and metrics. Use as ``async with Store(uri) as store:`` (which checks the
+    database answers within ``CONNECT_TIMEOUT_S`` and creates the indexes) or call ``close()``. Create it inside the
+    event loop that will use it.
+
+    Once open, an unreachable database is waited for (``agentrl.store.outage``): operations block for up to
+    ``$AGENTRL_DB_OUTAGE_S`` seconds instead of failing, and the outage is logged.
     """
 
     def __init__(self, uri: str, *, lease_s: float = DEFAULT_LEASE_S, client: AsyncMongoClient | None = None,
                  **client_kwargs: Any):
         self.uri = uri
         self._owns_client = client is None
-        self.client: AsyncMongoClient = client or AsyncMongoClient(uri, tz_aware=True, **client_kwargs)
+        if client is None:
+            tolerance_s = outage_tolerance_s()
+            client_kwargs.setdefault("serverSelectionTimeoutMS", int(tolerance_s * 1000))
+            client_kwargs.setdefault("event_listeners", [OutageLog(tolerance_s)])
+            client = AsyncMongoClient(uri, tz_aware=True, **client_kwargs)
+        self.client: AsyncMongoClient = client
         self.db: AsyncDatabase = self.client[database_name(uri)]
-        self.slots = SlotLeases(self.db, lease_s=lease_s)
+        self.clock = ServerClock(self.client)
+        self.slots = SlotLeases(self.db, lease_s=lease_s, clock=self.clock)
         self.records = Records(self.db)
         self.calls = Calls(self.db)
         self.samples = SampleQueue(self.db)
-        self.services = ServiceRegistry(self.db)
+        self.services = ServiceRegistry(self.db, clock=self.clock)
         self.runs = Runs(self.db)
         self.evals = Evals(self.db)
+
+    async def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
+        """Check that the database answers (measuring its clock) and create the indexes; a clear ``StoreError``
+        naming the (redacted) connection string if it does not answer within ``timeout_s``."""
+        try:
+            with pymongo.timeout(timeout_s):
+                await self.clock.sync()
+        except PyMongoError as error:
+            raise StoreError(f"cannot reach the database at {redact(self.uri)} within {timeout_s:.0f} s: "
+                             f"{redact(str(error))[:300]}") from None
+        await self.ensure_indexes()
 
     async def ensure_indexes(self) -> None:
         await ensure_indexes(self.db)
@@ -48,7 +77,11 @@ class Store:
             await self.client.close()
 
     async def __aenter__(self) -> Store:
-        await self.ensure_indexes()
+        try:
+            await self.connect()
+        except BaseException:
+            await self.close()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:

@@ -1,30 +1,61 @@
 """Run untrusted Python code in a sandboxed subprocess (the ``python`` tool).
 
-Each run gets a fresh temporary directory as its working directory (deleted afterwards), a minimal
-environment (no inherited variables, so no secrets), ``python -I`` (isolated mode), and these limits:
+Each run gets a fresh working directory (deleted afterwards), a minimal environment (no inherited variables, so no
+secrets), ``python -I`` (isolated mode), and these limits: ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address
+space, per process), ``RLIMIT_FSIZE`` (file size), no core dumps, a wall-clock timeout, and bounded output (past the
+limit the run is stopped and the output truncated).
 
-- **no network**: by default the child runs in a new, empty network namespace (``unshare --net
-  --map-root-user``: not even loopback is up), when the kernel allows it. Where it does not, the child installs
-  an audit hook (PEP 578) before running the code, which refuses to create non-Unix sockets, to resolve host
-  names, to start processes (``subprocess``, ``os.system``, ``os.exec*``, ``fork``, ...) and to load or look up
-  native functions through ``ctypes`` (``import ctypes`` and its types still work, so numpy does); audit hooks
-  cannot be removed by Python code. This fallback is best effort: code that corrupts memory through ``ctypes``
-  types could still get past it.
-  ``SandboxResult.isolation`` tells which mode ran.
-- ``RLIMIT_CPU`` (CPU seconds), ``RLIMIT_AS`` (address space), ``RLIMIT_FSIZE`` (file size), no core dumps;
-- a wall-clock timeout, after which the whole process group is killed;
-- captured output is bounded: once it exceeds the limit the process is killed and the output truncated.
+**Isolation.** The code runs in new PID, network, mount, IPC, UTS and cgroup namespaces, set up by bubblewrap
+(``bwrap`` 0.8 or later, preferred) or else by util-linux (``unshare``, then ``mount``, ``pivot_root`` and
+``setpriv``).
+``SandboxConfig.isolation`` picks one; ``SandboxResult.isolation`` records which ran.
 
-This contains mistakes and runaway code from a policy model; it is not a boundary against a determined
-attacker (the file system is not isolated) — run the server in a container for that.
+- Network: a namespace of its own, whose only interface is a loopback (down with ``unshare``; up with ``bwrap``,
+  where only the sandbox itself can listen on it). No port of this machine or beyond can be reached, nor the
+  host's abstract Unix sockets.
+- File system: a new root holding, read-only, ``/usr`` (and ``/bin``, ``/lib*`` or their symlinks),
+  ``/etc/ld.so.cache`` and the interpreter's prefixes (``sys.prefix``, ``sys.base_prefix``: its stdlib and
+  site-packages); ``/dev/{null,zero,full,random,urandom}``; a fresh ``/proc`` (``sys``, ``sysrq-trigger``, ``irq``,
+  ``bus`` and ``fs`` read-only); a private ``/tmp`` (tmpfs of ``max_file_mb``; ``/dev/shm`` points there); and the
+  run's working directory, the only writable host directory. Nothing else of the host is there (the prefixes
+  only, even under ``/work`` or ``/root``): not the repository, ``/home``, the host's ``/tmp`` or ``/etc``, task or
+  database files.
+- Processes: a new PID namespace, so ``/proc`` lists only the sandbox's own processes (no other process's
+  ``environ`` to read, none to signal). ``RLIMIT_NPROC`` (``max_processes``) contains fork bombs. The interpreter's
+  first process is a supervisor (in the ``unshare`` mode the namespace's init) that forks the program: when the
+  program ends, or the run is killed on a limit, the namespace ends and every process left in it dies, ``setsid``
+  and double-forked ones included. Should the server die, the supervisor's stdin ends and it kills the program.
+- User and privileges: no capabilities, ``no_new_privs``. A server running as an unprivileged user (or as root of
+  a user namespace, as in rootless containers) runs the code as itself in a new user namespace, in which no further
+  user namespace can be made (``RLIMIT_NPROC`` is counted there, per run; it does not hold where that namespace
+  maps its root to the host's root, which is exempt from it). A server running as the host's root
+  (exempt from ``RLIMIT_NPROC``, able to write ``/proc/sys``) makes the namespaces without a user
+  namespace and runs the code as a random unprivileged uid, one per run, from ``_ROOT_UIDS``; that code may make
+  user namespaces of its own, as any unprivileged user of the machine can.
+
+**Fail closed.** With ``isolation="auto"`` the first mechanism that works here is used (each is tried by running
+it). Where none works (neither tool installed, user namespaces disabled or forbidden in a container), a run raises
+:class:`SandboxUnavailable`, whose message the ``python`` server returns as the tool's error, unless
+``allow_unsandboxed`` is set (``agentrl tools serve python --allow_unsandboxed``). Then code runs with PEP 578 audit
+hooks only (``isolation == "audit"``): they refuse non-Unix sockets, name resolution, starting processes through
+``os``/``subprocess`` and loading native functions through ``ctypes``, but native code gets past them
+(``_posixsubprocess.fork_exec``, ``ctypes`` memory tricks), and the file system and other processes' ``/proc``
+entries stay open. Use that mode only for trusted code.
+
+Not isolated, even in namespaces: the kernel (no seccomp filter: any system call the namespaces allow can be made),
+memory and CPU in total (limits are per process: up to ``max_processes`` × ``memory_mb``), disk space in the working
+directory (only each file's size is limited), and whatever the code's uid may read under the bound directories.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import os
+import random
+import shlex
 import shutil
 import signal
 import subprocess
@@ -35,16 +66,42 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
+Isolation = Literal["bwrap", "unshare", "audit"]
+
 _KILL_GRACE_S = 5.0
+_PROBE_TIMEOUT_S = 30.0
+_DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom")
+_DEV_LINKS = (("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"), ("/proc/self/fd/1", "/dev/stdout"),
+              ("/proc/self/fd/2", "/dev/stderr"), ("/tmp", "/dev/shm"))
+_PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")  # writable for root, Docker keeps them read-only
+_TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # directories, or symlinks into /usr
+_SBIN = "/usr/sbin:/sbin"  # util-linux's pivot_root lives there, often off an unprivileged user's PATH
 
 _BOOTSTRAP = r"""
-import resource, runpy, sys, traceback
-memory, cpu, fsize, audit = (int(v) for v in sys.argv[1:5])
+import os, sys
+memory, cpu, fsize, nproc, audit, status_fd = (int(v) for v in sys.argv[1:7])
+runner = os.fork()
+if runner:  # the supervisor: reports how the program ended; its exit ends the sandbox
+    import threading
+    def _orphaned():  # stdin is a pipe the server never writes to: end of file means the server is gone
+        os.read(0, 1)
+        os.kill(runner, 9)
+    threading.Thread(target=_orphaned, daemon=True).start()
+    while (ended := os.waitpid(-1, 0))[0] != runner:  # as a PID namespace's init, it also reaps orphans
+        pass
+    os.write(status_fd, str(ended[1]).encode())
+    os._exit(0)
+os.close(status_fd)
+null = os.open(os.devnull, os.O_RDONLY)
+os.dup2(null, 0)
+os.close(null)
+import resource, runpy, traceback
 for kind, soft, hard in (
     (resource.RLIMIT_AS, memory, memory),
     (resource.RLIMIT_CPU, cpu, cpu + 1),
     (resource.RLIMIT_FSIZE, fsize, fsize),
     (resource.RLIMIT_CORE, 0, 0),
+    *([(resource.RLIMIT_NPROC, nproc, nproc)] if nproc else []),
 ):
     current_soft, current_hard = resource.getrlimit(kind)
     if current_hard != resource.RLIM_INFINITY:
@@ -60,7 +117,7 @@ def _guard(event, args):
         raise PermissionError(f"{event} is disabled in this sandbox")
 if audit:
     sys.addaudithook(_guard)
-del resource, _guard
+del os, resource, _guard
 sys.argv = ["main.py"]
 try:
     runpy.run_path("main.py", run_name="__main__")
@@ -74,17 +131,46 @@ except BaseException as exc:  # show the user's frames only, not this bootstrap'
     sys.exit(1)
 """
 
+_ROOT_UIDS = range(0x70000000, 0x70000000 + (1 << 20))
+"""Under a root server, each run's code runs as a random one of these uids (above the ranges systemd and container
+tools allocate); two concurrent runs that drew the same one would share their RLIMIT_NPROC count."""
+_DROP_PRIVILEGES = ("--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs")
+
+_UNSHARE_SETUP = """set -eu
+root=$1 fstab=$2 work=$3
+shift 3
+{forbid_userns}{mount} --all --fstab "$fstab"
+cd "$root"
+{pivot_root} . .old
+{umount} --lazy .old
+{mount} -o remount,bind,ro /
+cd "$work"
+exec "$@"
+"""
+"""Runs first in the new namespaces: mounts the layout (``fstab``) on ``root`` and makes it ``/`` (the host's root is
+detached), then runs the command (``setpriv``, which drops every capability, then the interpreter)."""
+
+
+class SandboxUnavailable(RuntimeError):
+    """The kernel cannot isolate code here and unsandboxed runs were not allowed."""
+
 
 class SandboxConfig(BaseModel):
-    """Limits of one sandboxed run."""
+    """Limits of one sandboxed run, and how it is isolated."""
 
     timeout_s: float = Field(10.0, gt=0, description="wall-clock limit")
     cpu_seconds: int = Field(10, ge=1, description="RLIMIT_CPU")
-    memory_mb: int = Field(1024, ge=64, description="RLIMIT_AS (address space)")
-    max_file_mb: int = Field(64, ge=1, description="RLIMIT_FSIZE")
+    memory_mb: int = Field(1024, ge=64, description="RLIMIT_AS (address space), per process")
+    max_file_mb: int = Field(64, ge=1, description="RLIMIT_FSIZE, and the size of the sandbox's /tmp")
+    max_processes: int = Field(
+        32, ge=4, description="RLIMIT_NPROC: processes and threads in the sandbox at once (its supervisor's 2-3 too)"
+    )
     max_output_chars: int = Field(8000, ge=100, description="stdout + stderr returned to the model")
-    network: Literal["auto", "namespace", "audit"] = Field(
-        "auto", description="namespace: empty network namespace; audit: audit-hook fallback; auto: the first that works"
+    isolation: Literal["auto", "bwrap", "unshare"] = Field(
+        "auto", description="namespace mechanism: bwrap, unshare (util-linux), or auto: the first that works here"
+    )
+    allow_unsandboxed: bool = Field(
+        False, description="where the mechanism cannot run, run code with audit hooks only instead of refusing"
     )
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter that runs the code")
 
@@ -100,7 +186,7 @@ class SandboxResult(BaseModel):
     output_limited: bool = Field(False, description="stopped because it printed more than the output limit")
     truncated: bool = False
     elapsed_s: float
-    isolation: Literal["namespace", "audit"]
+    isolation: Isolation
 
     def text(self, config: SandboxConfig) -> str:
         """The report the model reads: output first, then how the run ended."""
@@ -123,27 +209,217 @@ class SandboxResult(BaseModel):
         return "\n".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class _Layout:
+    """The sandbox's file system."""
+
+    read_only: tuple[tuple[str, str], ...]  # (host path, sandbox path)
+    symlinks: tuple[tuple[str, str], ...]  # (target, link)
+    workdir: str  # bound read-write at the same path
+    tmp_bytes: int
+
+
 @functools.cache
-def network_namespace_available() -> bool:
-    """Whether ``unshare --net --map-root-user`` works here (checked once per process)."""
-    unshare = shutil.which("unshare")
-    if unshare is None:
-        return False
+def _python_dirs(python: str) -> tuple[str, ...]:
+    """The directories ``python`` runs from: its prefixes (stdlib, site-packages) and its executable's."""
+    code = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, sep='\\n')"
+    found = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
+                           check=True)
+    return (*found.stdout.splitlines(), os.path.dirname(os.path.realpath(python)))
+
+
+def _under(path: str, directory: str) -> bool:
+    return path == directory or path.startswith(directory.rstrip("/") + "/")
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b/c`` -> ``["/a", "/a/b"]``."""
+    parts = path.strip("/").split("/")[:-1]
+    return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
+
+
+def _layout(config: SandboxConfig, workdir: str) -> _Layout:
+    read_only: list[tuple[str, str]] = [("/usr", "/usr")]
+    symlinks = list(_DEV_LINKS)
+    for top in _TOP_DIRS:
+        if os.path.islink(top):
+            symlinks.append((os.readlink(top), top))
+        elif os.path.isdir(top):
+            read_only.append((top, top))
+    if os.path.isfile("/etc/ld.so.cache"):
+        read_only.append(("/etc/ld.so.cache", "/etc/ld.so.cache"))
+    for directory in _python_dirs(config.python):
+        source = os.path.realpath(directory)
+        for target in dict.fromkeys((os.path.abspath(directory), source)):
+            taken = [bound for _, bound in read_only] + [link for _, link in symlinks]
+            # "/": an interpreter installed at the root has its stdlib in /lib or /usr/lib
+            if target != "/" and not any(_under(target, other) for other in taken):
+                read_only.append((source, target))
+    return _Layout(tuple(read_only), tuple(symlinks), workdir, config.max_file_mb << 20)
+
+
+def _tools(names: tuple[str, ...]) -> dict[str, str]:
+    """Absolute paths of ``names`` on ``$PATH`` (plus the sbin directories); raises SandboxUnavailable if absent."""
+    search_path = f"{os.environ.get('PATH', os.defpath)}{os.pathsep}{_SBIN}"
+    found = {name: shutil.which(name, path=search_path) for name in names}
+    missing = [name for name, path in found.items() if path is None]
+    if missing:
+        raise SandboxUnavailable(f"{', '.join(missing)} not found on PATH")
+    return found  # type: ignore[return-value]
+
+
+def _as_user(uid: int) -> list[str]:
+    return [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
+
+
+def _bwrap_argv(layout: _Layout, uid: int | None, command: list[str]) -> list[str]:
+    tools = _tools(("bwrap", "setpriv") if uid is not None else ("bwrap",))
+    argv = [tools["bwrap"], "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
+            "--die-with-parent"]
+    if uid is None:  # bwrap makes a user namespace, drops every capability and sets no_new_privs
+        argv += ["--unshare-user", "--disable-userns"]
+    else:  # root: no user namespace (it would map to root); setpriv switches to uid and drops the rest
+        argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
+        command = [tools["setpriv"], *_as_user(uid), *_DROP_PRIVILEGES, "--", *command]
+    made = {"/", "/tmp"}
+
+    def parents(path: str) -> list[str]:  # bwrap would make missing ones 0700, closed to the sandbox's uid
+        missing = [parent for parent in _ancestors(path) if parent not in made]
+        made.update(missing)
+        return [arg for parent in missing for arg in ("--perms", "0755", "--dir", parent)]
+
+    for source, target in layout.read_only:
+        argv += [*parents(target), "--ro-bind", source, target]
+    for device in _DEVICES:
+        argv += [*parents(device), "--dev-bind", device, device]
+    for target, link in layout.symlinks:
+        argv += ["--symlink", target, link]
+    argv += ["--proc", "/proc"]
+    for name in _PROC_READ_ONLY:  # bwrap covers some of them itself
+        argv += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
+    argv += ["--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp", *parents(layout.workdir),
+             "--bind", layout.workdir, layout.workdir, "--remount-ro", "/", "--chdir", layout.workdir, "--", *command]
+    return argv
+
+
+def _fstab_field(path: str) -> str:
+    return path.replace("\\", "\\134").replace(" ", "\\040").replace("\t", "\\011").replace("\n", "\\012")
+
+
+def _unshare_argv(layout: _Layout, uid: int | None, base: str, command: list[str]) -> list[str]:
+    """util-linux: the mount points are made in a skeleton root under ``base``, the mounts by ``_UNSHARE_SETUP``."""
+    tools = _tools(("unshare", "sh", "mount", "umount", "pivot_root", "setpriv"))
+    root, fstab = os.path.join(base, "root"), os.path.join(base, "fstab")
+    for path in ("/proc", "/tmp", "/.old", *(target for _, target in layout.read_only)):
+        os.makedirs(root + path, exist_ok=True)
+    for source, target in layout.read_only:
+        if not os.path.isdir(source):
+            os.rmdir(root + target)
+            open(root + target, "x").close()
+    os.makedirs(root + "/dev", exist_ok=True)
+    for device in _DEVICES:
+        open(root + device, "x").close()
+    for target, link in layout.symlinks:
+        os.symlink(target, root + link)
+    entries = [(root, root, "none", "bind")]
+    entries += [(source, root + target, "none", "bind,ro,nosuid,nodev") for source, target in layout.read_only]
+    entries += [(device, root + device, "none", "bind") for device in _DEVICES]
+    entries.append(("proc", root + "/proc", "proc", "nosuid,nodev,noexec"))
+    entries += [(root + f"/proc/{name}", root + f"/proc/{name}", "none", "bind,ro,nosuid,nodev,noexec")
+                for name in _PROC_READ_ONLY if os.path.exists(f"/proc/{name}")]
+    entries.append(("tmpfs", root + "/tmp", "tmpfs", f"nosuid,nodev,mode=1777,size={layout.tmp_bytes}"))
+    entries.append((layout.workdir, root + layout.workdir, "none", "bind,nosuid,nodev,X-mount.mkdir"))
+    with open(fstab, "w", encoding="utf-8") as handle:
+        handle.writelines(f"{_fstab_field(source)} {_fstab_field(target)} {kind} {options} 0 0\n"
+                          for source, target, kind, options in entries)
+    namespaces = ["--mount", "--pid", "--fork", "--kill-child", "--net", "--ipc", "--uts", "--cgroup"]
+    if uid is None:  # in its own user namespace, the sandbox may create no other (for root it would be global)
+        namespaces = ["--user", "--map-root-user", *namespaces]
+    script = _UNSHARE_SETUP.format(
+        forbid_userns="echo 0 > /proc/sys/user/max_user_namespaces\n" if uid is None else "",
+        **{name: shlex.quote(tools[name]) for name in ("mount", "umount", "pivot_root")},
+    )
+    drop = [tools["setpriv"], *(_as_user(uid) if uid is not None else []), *_DROP_PRIVILEGES, "--"]
+    return [tools["unshare"], *namespaces, "--", tools["sh"], "-c", script, "agentrl-sandbox", root, fstab,
+            layout.workdir, *drop, *command]
+
+
+@functools.cache
+def _real_root() -> bool:
+    """Whether this process is root of the initial user namespace (uid 0 in a user namespace is not the host's root,
+    and may have no other uid to switch to)."""
+    with open("/proc/self/uid_map", encoding="ascii") as handle:
+        return os.geteuid() == 0 and handle.read().split() == ["0", "0", "4294967295"]
+
+
+def _prepare(isolation: Isolation, config: SandboxConfig, base: str, command: list[str]) -> tuple[list[str], str]:
+    """Make a run's working directory under ``base`` and wrap ``command`` in ``isolation``: (argv, workdir)."""
+    workdir = os.path.join(base, "work")
+    os.mkdir(workdir)
+    if isolation == "audit":
+        return command, workdir
+    uid = random.choice(_ROOT_UIDS) if _real_root() else None
+    if uid is not None:
+        os.chown(workdir, uid, uid)
+    layout = _layout(config, workdir)
+    if isolation == "bwrap":
+        return _bwrap_argv(layout, uid, command), workdir
+    return _unshare_argv(layout, uid, base, command), workdir
+
+
+def _environment(workdir: str) -> dict[str, str]:
+    return {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
+        "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
+        "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    }
+
+
+_WORKING: set[tuple[str, str, str]] = set()
+"""(mechanism, python, $PATH) that ran the probe; failures are not cached, so they are retried on the next run."""
+
+
+def _probe(isolation: Literal["bwrap", "unshare"], config: SandboxConfig) -> str | None:
+    """Why ``isolation`` cannot run ``config.python`` here, or None where it can (found by running it)."""
+    key = (isolation, config.python, os.environ.get("PATH", os.defpath))
+    if key in _WORKING:
+        return None
     try:
-        probe = subprocess.run([unshare, "--net", "--map-root-user", "true"], capture_output=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return probe.returncode == 0
+        with tempfile.TemporaryDirectory(prefix="agentrl-sandbox-") as base:
+            argv, workdir = _prepare(isolation, config, base, [config.python, "-I", "-c", "print('ok')"])
+            probe = subprocess.run(argv, cwd=workdir, env=_environment(workdir), stdin=subprocess.DEVNULL,
+                                   capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S)
+    except (SandboxUnavailable, OSError, subprocess.SubprocessError) as exc:
+        return f"{isolation}: {exc}"
+    if probe.returncode != 0 or probe.stdout != "ok\n":
+        detail = (probe.stderr.strip().splitlines() or [f"exit code {probe.returncode}"])[-1]
+        return f"{isolation}: {detail}"
+    _WORKING.add(key)
+    return None
 
 
-def _isolation(config: SandboxConfig) -> Literal["namespace", "audit"]:
-    if config.network == "audit":
+def select_isolation(config: SandboxConfig) -> Isolation:
+    """The mechanism that runs code under ``config`` on this machine now.
+
+    Raises:
+        SandboxUnavailable: no namespace mechanism works and ``config.allow_unsandboxed`` is not set.
+    """
+    candidates: tuple[Literal["bwrap", "unshare"], ...] = (
+        ("bwrap", "unshare") if config.isolation == "auto" else (config.isolation,)
+    )
+    reasons = []
+    for mechanism in candidates:
+        reason = _probe(mechanism, config)
+        if reason is None:
+            return mechanism
+        reasons.append(reason)
+    if config.allow_unsandboxed:
         return "audit"
-    if network_namespace_available():
-        return "namespace"
-    if config.network == "namespace":
-        raise RuntimeError("network namespaces are not available here (unshare --net --map-root-user failed)")
-    return "audit"
+    raise SandboxUnavailable(
+        f"refusing to run code: this machine cannot sandbox it ({'; '.join(reasons)}). Install bubblewrap or allow "
+        "unprivileged user namespaces, or start the server with --allow_unsandboxed to run code without isolation "
+        "(audit hooks only)"
+    )
 
 
 def _kill_group(process: asyncio.subprocess.Process) -> None:
@@ -160,64 +436,95 @@ async def _pump(stream: asyncio.StreamReader, sink: bytearray, limit: int, overf
             return
 
 
+def _read_status(fd: int) -> int | None:
+    """The program's wait status as the supervisor reported it (None: the supervisor was killed first)."""
+    os.set_blocking(fd, False)
+    with contextlib.suppress(BlockingIOError):
+        if report := os.read(fd, 64):
+            return int(report)
+    return None
+
+
 async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
-    """Run ``code`` as ``main.py`` in a fresh temporary directory under the limits of ``config``."""
+    """Run ``code`` as ``main.py`` in a fresh temporary directory under the limits of ``config``.
+
+    Raises:
+        SandboxUnavailable: the code cannot be isolated here and ``config.allow_unsandboxed`` is not set.
+    """
     config = config or SandboxConfig()
-    isolation = _isolation(config)
+    isolation = select_isolation(config)
     byte_limit = config.max_output_chars * 4
-    with tempfile.TemporaryDirectory(prefix="agentrl-sandbox-") as workdir:
-        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as handle:
-            handle.write(code)
-        argv = [
-            config.python, "-I", "-c", _BOOTSTRAP,
-            str(config.memory_mb * 1024 * 1024), str(config.cpu_seconds), str(config.max_file_mb * 1024 * 1024),
-            "1" if isolation == "audit" else "0",
-        ]
-        if isolation == "namespace":
-            argv = [shutil.which("unshare") or "unshare", "--net", "--map-root-user", *argv]
-        env = {
-            "PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8",
-            "PYTHONIOENCODING": "utf-8", "PYTHONDONTWRITEBYTECODE": "1",
-            "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
-        }
-        started = time.perf_counter()
-        process = await asyncio.create_subprocess_exec(
-            *argv, cwd=workdir, env=env, stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, start_new_session=True,
-        )
-        assert process.stdout is not None and process.stderr is not None
-        out, err, overflow = bytearray(), bytearray(), asyncio.Event()
-        finished = asyncio.gather(
-            _pump(process.stdout, out, byte_limit, overflow),
-            _pump(process.stderr, err, byte_limit, overflow),
-            process.wait(),
-        )
-        overflow_wait = asyncio.ensure_future(overflow.wait())
-        timed_out = False
+    with tempfile.TemporaryDirectory(prefix="agentrl-sandbox-") as base:
+        status_read, status_write = os.pipe()  # the supervisor writes the program's wait status here
         try:
-            done, _ = await asyncio.wait(
-                {finished, overflow_wait}, timeout=config.timeout_s, return_when=asyncio.FIRST_COMPLETED
-            )
-            if finished not in done:
-                timed_out = not overflow.is_set()
-                _kill_group(process)
-                # a process that escaped the group may still hold the pipes: stop waiting for them
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(finished, _KILL_GRACE_S)
-            exit_code = await process.wait()
+            try:
+                bootstrap = [
+                    config.python, "-I", "-c", _BOOTSTRAP,
+                    str(config.memory_mb << 20), str(config.cpu_seconds), str(config.max_file_mb << 20),
+                    "0" if isolation == "audit" else str(config.max_processes),  # unsandboxed, it counts the host's
+                    "1" if isolation == "audit" else "0", str(status_write),
+                ]
+                argv, workdir = _prepare(isolation, config, base, bootstrap)
+                with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as handle:
+                    handle.write(code)
+                started = time.perf_counter()
+                process = await asyncio.create_subprocess_exec(
+                    *argv, cwd=workdir, env=_environment(workdir),
+                    stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                    start_new_session=True, pass_fds=(status_write,),
+                )
+            finally:
+                os.close(status_write)
+            exit_code, timed_out, out, err, overflow = await _supervise(process, config, byte_limit)
+            status = _read_status(status_read)
         finally:
-            overflow_wait.cancel()
-            if process.returncode is None:
-                _kill_group(process)
-                finished.cancel()
-                await process.wait()
+            os.close(status_read)
         elapsed = time.perf_counter() - started
+    if status is not None:
+        exit_code = os.waitstatus_to_exitcode(status)
     stdout, stderr = out.decode("utf-8", "replace"), err.decode("utf-8", "replace")
-    truncated = overflow.is_set() or len(stdout) + len(stderr) > config.max_output_chars
+    truncated = overflow or len(stdout) + len(stderr) > config.max_output_chars
     stdout = stdout[: config.max_output_chars]
     stderr = stderr[: max(config.max_output_chars - len(stdout), 0)]
-    cpu_limited = exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and not timed_out and not overflow.is_set()
+    cpu_limited = exit_code in (-signal.SIGXCPU, -signal.SIGKILL) and not timed_out and not overflow
     return SandboxResult(
         stdout=stdout, stderr=stderr, exit_code=exit_code, timed_out=timed_out, cpu_limited=cpu_limited,
-        output_limited=overflow.is_set(), truncated=truncated, elapsed_s=elapsed, isolation=isolation,
+        output_limited=overflow, truncated=truncated, elapsed_s=elapsed, isolation=isolation,
     )
+
+
+async def _supervise(
+    process: asyncio.subprocess.Process, config: SandboxConfig, byte_limit: int
+) -> tuple[int, bool, bytearray, bytearray, bool]:
+    """Collect the output of ``process`` until it ends, killing it on the wall-clock or output limit.
+
+    Returns its exit code, whether it timed out, its stdout and stderr, and whether the output overflowed.
+    """
+    assert process.stdin is not None and process.stdout is not None and process.stderr is not None
+    out, err, overflow = bytearray(), bytearray(), asyncio.Event()
+    finished = asyncio.gather(
+        _pump(process.stdout, out, byte_limit, overflow),
+        _pump(process.stderr, err, byte_limit, overflow),
+        process.wait(),
+    )
+    overflow_wait = asyncio.ensure_future(overflow.wait())
+    timed_out = False
+    try:
+        done, _ = await asyncio.wait(
+            {finished, overflow_wait}, timeout=config.timeout_s, return_when=asyncio.FIRST_COMPLETED
+        )
+        if finished not in done:
+            timed_out = not overflow.is_set()
+            _kill_group(process)
+            # unsandboxed, a process that escaped the group may still hold the pipes: stop waiting for them
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(finished, _KILL_GRACE_S)
+        exit_code = await process.wait()
+    finally:
+        overflow_wait.cancel()
+        if process.returncode is None:
+            _kill_group(process)
+            finished.cancel()
+            await process.wait()
+        process.stdin.close()  # only now: the supervisor reads its end of file as "the server is gone"
+    return exit_code, timed_out, out, err, overflow.is_set()

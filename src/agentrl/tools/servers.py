@@ -3,7 +3,8 @@
 - ``calculator``: tool ``calculate(expression)`` over the safe evaluator of ``agentrl.tools.calculator``;
   read-only and idempotent (clients may retry it).
 - ``python``: tool ``execute_code(code)`` running the code in the sandbox of ``agentrl.tools.sandbox``; not
-  idempotent (never retried).
+  idempotent (never retried). It fails closed: where this machine cannot isolate code, every call is refused with
+  an error naming ``--allow_unsandboxed``, unless the server was started with it (then a warning is logged at start).
 
 HTTP transports bind 127.0.0.1 by default. With ``auth_token`` set, HTTP clients must send
 ``Authorization: Bearer <token>`` (checked by the SDK's bearer-auth middleware).
@@ -24,7 +25,9 @@ from mcp_types import ToolAnnotations
 from pydantic import Field
 
 from agentrl.tools.calculator import CalculatorError, evaluate, format_number
-from agentrl.tools.sandbox import SandboxConfig, run_python
+from agentrl.tools.sandbox import SandboxConfig, SandboxUnavailable, run_python, select_isolation
+
+logger = logging.getLogger(__name__)
 
 ServeTransport = Literal["stdio", "http", "sse"]
 
@@ -80,8 +83,17 @@ def calculator_server(**server_kwargs: object) -> MCPServer:
 
 
 def python_server(sandbox: SandboxConfig | None = None, **server_kwargs: object) -> MCPServer:
-    """The ``python`` server (code runs under the limits of ``sandbox``)."""
+    """The ``python`` server (code runs under the limits of ``sandbox``); logs how code will be isolated, if at all."""
     config = sandbox or SandboxConfig()
+    try:
+        isolation = select_isolation(config)
+    except SandboxUnavailable as exc:
+        logger.error("python tool: every execute_code call will be refused: %s", exc)
+    else:
+        if isolation == "audit":
+            logger.warning("python tool: this machine cannot sandbox code, and --allow_unsandboxed was given: code "
+                           "runs UNSANDBOXED, with audit hooks only (the file system, other processes and native code "
+                           "are not isolated)")
     server = MCPServer(
         "python",
         instructions="Runs Python code in a sandbox and returns what it prints.",
@@ -90,7 +102,10 @@ def python_server(sandbox: SandboxConfig | None = None, **server_kwargs: object)
     )
 
     async def execute_code(code: Annotated[str, Field(description="the Python program to run")]) -> str:
-        result = await run_python(code, config)
+        try:
+            result = await run_python(code, config)
+        except SandboxUnavailable as exc:
+            raise ToolError(str(exc)) from None
         return result.text(config)
 
     server.add_tool(

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentrl.failpoints import failpoint
 from agentrl.store import Store, VersionConflict
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
@@ -59,6 +60,7 @@ class WeightPublisher:
             self.root.mkdir(parents=True, exist_ok=True)
         export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
         result = PublishResult(version=version, path=path)
+        failpoint("publish.after_export")
         if self.parallel.is_main:
             self.io.run(self._announce(result))
             self._prune(version)
@@ -75,6 +77,7 @@ class WeightPublisher:
                 result.failures[service.base_url] = error
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
                              result.version, service.base_url, error)
+        failpoint("publish.before_bump")
         try:
             await self.store.runs.bump_policy_version(str(result.path), expected=result.version - 1)
         except VersionConflict as error:

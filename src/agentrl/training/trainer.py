@@ -476,5 +476,5 @@ def _empty_micro_batch(pad_id: int) -> MicroBatch:
 
 async def _open_store(uri: str) -> Store:
     store = Store(uri)
-    await store.ensure_indexes()
+    await store.connect()
     return store

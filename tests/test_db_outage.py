@@ -1,0 +1,91 @@
+"""Every process rides out a database outage: the whole loop (registered engine, two samplers, trainer) runs on
+its own embedded database server, which is stopped for 60 s mid-run and restarted on the same port with the same
+data. Nothing may exit; afterwards the run finishes with every step's samples trained exactly once (by the
+ledger), every slot settled once and each process having said that it waited."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections import Counter
+from pathlib import Path
+
+from conftest import free_port, with_database
+from inference_fixtures import start_engine
+from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config
+from test_rl_loop import wait_for
+from trainer_fixtures import start_trainer, trainer_args
+
+from agentrl.store.embedded import EmbeddedServer
+
+OUTAGE_S = 60.0
+STEPS, BATCH = 4, 4
+
+
+def test_every_process_rides_out_a_60_s_database_outage(tmp_path: Path, scripted_model_dir: Path) -> None:
+    server = EmbeddedServer(data_dir=tmp_path / "db", port=free_port())
+    server.start()
+    db_uri = with_database(server.uri(), "outage")
+    tasks = tmp_path / "coin.jsonl"
+    tasks.write_text("".join(json.dumps({"id": f"coin{i}", "question": "What is 9 + 10?", "answer": "19"}) + "\n"
+                             for i in range(12)))
+    upload(db_uri, tasks, "--num_generations", "4")
+    engine = start_engine(scripted_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    logs = [tmp_path / f"sampler{i}.log" for i in range(2)]
+    samplers = [subprocess.Popen(
+        sample_args(db_uri, scripted_model_dir, None, write_mcp_config(tmp_path / "mcp.json"), "--temperature",
+                    "1.0", "--seed", str(i), "--train_batch_size", str(BATCH), "--max_staleness", "1",
+                    "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",  # every sample trainable
+                    "--lease_s", "20", "--exit_when_done", "false", "--max_concurrent_samples_per_process", "2"),
+        stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=run_env()) for i, log in enumerate(logs)]
+    out = tmp_path / "trainer"
+    trainer_log = tmp_path / "trainer.log"
+    trainer = start_trainer(trainer_args(db_uri, scripted_model_dir, out, "--train_batch_size", str(BATCH),
+                                         "--max_steps", str(STEPS), "--save_steps", "2"))
+    processes = (*samplers, trainer)
+    try:
+        wait_for(lambda: len(documents(db_uri, "Metric")) >= 1, 300, "the first trainer step", *processes,
+                 logs=tuple(logs))
+        server.stop()
+        stopped = time.monotonic()
+        while time.monotonic() - stopped < OUTAGE_S:
+            exited = [p.args[3:5] for p in processes if p.poll() is not None]
+            assert not exited, f"{exited} exited during the outage:\n" + "\n".join(l.read_text()[-2000:] for l in logs)
+            time.sleep(1.0)
+        server.start()
+        output, _ = trainer.communicate(timeout=400)
+        trainer_log.write_text(output)
+        assert trainer.returncode == 0, output[-4000:]
+        for sampler in samplers:
+            assert sampler.poll() is None, "a sampler exited after the outage"
+            sampler.send_signal(signal.SIGTERM)
+        for sampler, log in zip(samplers, logs):
+            sampler.wait(timeout=60)
+            assert sampler.returncode == 0, log.read_text()[-3000:]
+    finally:
+        for process in processes:
+            if process.poll() is None:
+                process.kill()
+        engine.stop()
+    try:
+        sampler_text = "\n".join(log.read_text() for log in logs)
+        for text, who in ((sampler_text, "samplers"), (output, "trainer")):
+            assert "unreachable" in text and "reachable again" in text, f"the {who} did not log the outage"
+        # The ledger: every step once, each with BATCH samples, no sample in two steps, all of them trained.
+        metrics = documents(db_uri, "Metric")
+        assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))
+        ledger = [sid for m in metrics for sid in m["sample_ids"]]
+        assert len(ledger) == STEPS * BATCH and len(set(ledger)) == len(ledger)
+        samples = {s["_id"]: s for s in documents(db_uri, "DBRecordData")}
+        assert all(samples[sid]["status"] == "trained" for sid in ledger)
+        assert Counter(s["status"] for s in samples.values())["trained"] == len(ledger)
+        # Every slot settled at most once; a settled slot has exactly one outcome (scored or failed attempt).
+        for task in documents(db_uri, "Task"):
+            assert len(task["settled_slots"]) == len(set(task["settled_slots"])), task["_id"]
+        outcomes = Counter((r["task_id"], r["slot"]) for r in documents(db_uri, "Record")
+                           if r["status"] in ("scored", "ready", "trained", "abandoned"))
+        assert all(count == 1 for count in outcomes.values()), outcomes
+    finally:
+        server.stop()

@@ -1,0 +1,60 @@
+"""A real sampler process killed at each failpoint of the claim, sample, slot and group-stage protocols
+(``agentrl.failpoints``: ``os._exit``, no cleanup, like SIGKILL), then a fresh sampler finishing the split.
+
+Invariants after recovery: every slot settled exactly once with one finished attempt, nothing ``running`` or
+leased, every Task ``completed`` with its group stage done, and the queue holds exactly one sample per ``ready``
+Record (nothing lost, nothing queued twice).
+"""
+
+from __future__ import annotations
+
+import subprocess
+from collections import Counter
+from pathlib import Path
+
+import pytest
+from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
+
+from agentrl.failpoints import ENV, EXIT_CODE
+
+FINISHED = ("scored", "ready", "trained", "abandoned")
+COMMON = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--lease_s",
+          "2", "--max_concurrent_samples_per_process", "4")
+
+
+@pytest.mark.parametrize("crashes", [
+    ("slots.claim.before_record=exit@3",),  # a slot claimed on its Task without a Record: sweep
+    ("sampler.sample.before_finish=exit@2",),  # a completed, unscored trajectory: retaken as a new attempt
+    ("slots.finish.after_record=exit@2",),  # scored, unsettled: take-over completes the settlement
+    ("slots.finish.after_settle=exit@4",),  # settled, lease and group stage left: recovered
+    ("group_stage.after_enqueue=exit@2",),  # the group stage cut mid-way: redone over the same group
+    ("group_stage.before_complete=exit",),
+    # a completed trajectory left leased, then the sampler taking it over dies between retiring it and inserting
+    # its successor: sweep recovers the slot
+    ("sampler.sample.before_finish=exit@1", "slots.take_over.between_writes=exit"),
+], ids=lambda crashes: "+".join(c.split("=")[0] for c in crashes))
+def test_a_sampler_killed_at_each_failpoint_loses_and_repeats_nothing(
+        crashes: tuple[str, ...], db_uri: str, tmp_path: Path, scripted_model_dir: Path,
+        scripted_engine_url: str) -> None:
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "4")
+    mcp = write_mcp_config(tmp_path / "mcp.json")
+    for crash in crashes:
+        done = subprocess.run(
+            sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *COMMON, "--sampler_id", "doomed"),
+            capture_output=True, text=True, env={**run_env(), ENV: crash}, timeout=240)
+        assert done.returncode == EXIT_CODE, f"{crash} was not reached:\n{done.stdout[-2000:]}{done.stderr[-3000:]}"
+    rescued = subprocess.run(
+        sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *COMMON, "--sampler_id", "rescuer"),
+        capture_output=True, text=True, env=run_env(), timeout=240)
+    assert rescued.returncode == 0, rescued.stderr[-3000:]
+
+    records = documents(db_uri, "Record")
+    assert not [r["_id"] for r in records if r["status"] in ("running", "completed") or r["leased"]]
+    finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)
+    assert sorted(finished.values()) == [1] * 8, finished  # every slot done exactly once
+    for task in documents(db_uri, "Task"):
+        assert sorted(task["settled_slots"]) == [0, 1, 2, 3], task["settled_slots"]
+        assert task["status"] == "completed" and task["group_stage_done"]
+    ready = sorted(r["_id"] for r in records if r["status"] == "ready")
+    samples = documents(db_uri, "DBRecordData")
+    assert len(ready) == 8 and sorted(s["record_id"] for s in samples) == ready
