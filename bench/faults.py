@@ -29,6 +29,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -57,7 +58,7 @@ class RunFigures:
     trained: int = 0
     lost: int = 0
     duplicated: int = 0
-    steps_redone: int = 0
+    problems: list[str] = field(default_factory=list)  # what a lost or duplicated sample looks like
 
     @property
     def samples_per_s(self) -> float:
@@ -154,16 +155,25 @@ def check(loop: Loop) -> RunFigures:
         db = client.get_default_database()
         ledger = [sid for m in db.Metric.find({"split": "train"}) for sid in m["sample_ids"]]
         records = list(db.Record.find({}, {"task_id": 1, "slot": 1, "status": 1}))
-        trained = {d["_id"] for d in db.DBRecordData.find({"status": "trained"}, {"_id": 1})}
+        samples = {d["_id"]: d for d in db.DBRecordData.find(
+            {}, {"status": 1, "claimed_step": 1, "claimed_rank": 1, "record_id": 1, "skip_reason": 1})}
+        trained = {sid for sid, d in samples.items() if d["status"] == "trained"}
+        steps = sorted(m["step"] for m in db.Metric.find({"split": "train"}, {"step": 1}))
     finally:
         client.close()
+    odd = (set(samples) ^ (set(ledger) & trained)) | {sid for sid, n in Counter(ledger).items() if n > 1}
+    problems = [f"sample {sid}: {samples.get(sid)}, in the ledger {ledger.count(sid)} time(s)" for sid in sorted(odd)]
+    if len(samples) != loop.slots:
+        problems.append(f"{len(samples)} samples for {loop.slots} slots")
+    if steps != list(range(1, loop.steps + 1)):
+        problems.append(f"ledger steps {steps[:3]}...{steps[-3:]} ({len(steps)} of {loop.steps})")
     finished = Counter((r["task_id"], r["slot"]) for r in records
                        if r["status"] in ("scored", "ready", "trained", "abandoned"))
     distinct = set(ledger)
     return RunFigures(
         slots=loop.slots, trajectories=sum(finished.values()) + sum(r["status"] == "failed" for r in records),
         trained=len(distinct & trained), lost=loop.slots - len(distinct & trained),
-        duplicated=(len(ledger) - len(distinct)) + sum(count - 1 for count in finished.values()))
+        duplicated=(len(ledger) - len(distinct)) + sum(count - 1 for count in finished.values()), problems=problems)
 
 
 def run(args: argparse.Namespace, model: Path, workdir: Path, name: str, faults: bool) -> RunFigures:
@@ -241,19 +251,25 @@ def main() -> int:
     args = parser.parse_args()
 
     model = scripted_model(args.cache_dir)
-    with tempfile.TemporaryDirectory(prefix="agentrl-faults-") as tmp:
-        workdir = Path(tmp)
-        log("run without faults ...")
-        clean = run(args, model, workdir, "clean", faults=False)
-        log("run with faults ...")
-        faulted = run(args, model, workdir, "faulted", faults=True)
+    workdir = Path(tempfile.mkdtemp(prefix="agentrl-faults-"))
+    log("run without faults ...")
+    clean = run(args, model, workdir, "clean", faults=False)
+    log("run with faults ...")
+    faulted = run(args, model, workdir, "faulted", faults=True)
     print(table(clean, faulted))
+    for name, figures in (("without faults", clean), ("with faults", faulted)):
+        for problem in figures.problems:
+            print(f"{name}: {problem}")
     out = BENCH / "results" / "faults.json"
     out.write_text(json.dumps({
         "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
         "cpus": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()},
         "clean": asdict(clean), "faulted": asdict(faulted)}, indent=2))
-    return 0 if faulted.lost == 0 and faulted.duplicated == 0 and clean.lost == 0 and clean.duplicated == 0 else 1
+    if clean.problems or faulted.problems:
+        print(f"logs and databases kept in {workdir}")
+        return 1
+    shutil.rmtree(workdir, ignore_errors=True)
+    return 0
 
 
 if __name__ == "__main__":

@@ -6,17 +6,20 @@ SGLang's ``"default"``, is the initial policy 0) and timing; the tool stage may 
 ``toolfailed`` or ``repeaterror``. The trajectory ends with an answer, or with ``turns_limit_error``,
 ``length_limit_error``, ``repetition_error`` or ``failed_error`` (a request the service rejects, or an aborted
 generation). When no live inference service answers (:class:`NoInferenceService`, an infrastructure failure) the
-call is finished ``failed`` and the error propagates: the attempt is not the policy's fault and is not scored.
+call is finished ``failed`` and the error propagates: the attempt is not the policy's fault and is not scored. The
+same holds for a database error while choosing the service (the pool's load counters live in the database).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from pymongo.errors import PyMongoError
 from transformers import PreTrainedTokenizerBase
 
 from agentrl.inference.protocol import policy_version
@@ -103,9 +106,10 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
             params["sampling_seed"] = call_seed(cfg.seed, call.id)
         try:
             result, service_id = await res.inference.generate(conversation.prompt_ids, params)
-        except NoInferenceService as error:  # infrastructure: the caller gives the attempt back unscored
-            await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
-                                         latency_s=time.monotonic() - started)
+        except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
+            with contextlib.suppress(PyMongoError):
+                await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
+                                             latency_s=time.monotonic() - started)
             raise
         except Exception as error:  # noqa: BLE001 - any other generation failure ends the trajectory as failed_error
             await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),

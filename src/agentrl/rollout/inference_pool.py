@@ -22,6 +22,7 @@ from collections import Counter
 from typing import Any
 
 import httpx
+from pymongo.errors import PyMongoError
 
 from agentrl.inference.client import GenerateResult, InferenceRequestError, InferenceServiceError, SGLangClient
 from agentrl.log import redact
@@ -124,7 +125,10 @@ class InferencePool:
                 self._in_flight[service.id] -= 1
                 if not self._in_flight[service.id]:
                     del self._in_flight[service.id]
-                await self.store.services.release(service.id, self.owner)
+                try:
+                    await self.store.services.release(service.id, self.owner)
+                except PyMongoError as error:  # not retried (not idempotent): the share stays one high meanwhile
+                    logger.warning("could not count a request on %s as finished (%s)", service.id, error)
         self._outages += 1
         raise NoInferenceService("generation failed on every attempt: " + "; ".join(errors))
 
