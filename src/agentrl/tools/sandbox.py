@@ -288,6 +288,8 @@ def _bwrap_argv(layout: _Layout, uid: int | None, command: list[str]) -> list[st
         made.update(missing)
         return [arg for parent in missing for arg in ("--perms", "0755", "--dir", parent)]
 
+    # The private /tmp first: the interpreter's prefixes may live under the host's /tmp (a checkout there).
+    argv += ["--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp"]
     for source, target in layout.read_only:
         argv += [*parents(target), "--ro-bind", source, target]
     for device in _DEVICES:
@@ -297,8 +299,7 @@ def _bwrap_argv(layout: _Layout, uid: int | None, command: list[str]) -> list[st
     argv += ["--proc", "/proc"]
     for name in _PROC_READ_ONLY:  # bwrap covers some of them itself
         argv += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
-    argv += ["--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp", *parents(layout.workdir),
-             "--bind", layout.workdir, layout.workdir, "--remount-ro", "/", "--chdir", layout.workdir, "--", *command]
+    argv += [*parents(layout.workdir), "--bind", layout.workdir, layout.workdir, "--remount-ro", "/", "--chdir", layout.workdir, "--", *command]
     return argv
 
 
@@ -322,12 +323,14 @@ def _unshare_argv(layout: _Layout, uid: int | None, base: str, command: list[str
     for target, link in layout.symlinks:
         os.symlink(target, root + link)
     entries = [(root, root, "none", "bind")]
-    entries += [(source, root + target, "none", "bind,ro,nosuid,nodev") for source, target in layout.read_only]
+    # The private /tmp first: the interpreter's prefixes may live under the host's /tmp (a checkout there).
+    entries.append(("tmpfs", root + "/tmp", "tmpfs", f"nosuid,nodev,mode=1777,size={layout.tmp_bytes}"))
+    entries += [(source, root + target, "none", "bind,ro,nosuid,nodev" + (",X-mount.mkdir" if (
+        target + "/").startswith("/tmp/") else "")) for source, target in layout.read_only]
     entries += [(device, root + device, "none", "bind") for device in _DEVICES]
     entries.append(("proc", root + "/proc", "proc", "nosuid,nodev,noexec"))
     entries += [(root + f"/proc/{name}", root + f"/proc/{name}", "none", "bind,ro,nosuid,nodev,noexec")
                 for name in _PROC_READ_ONLY if os.path.exists(f"/proc/{name}")]
-    entries.append(("tmpfs", root + "/tmp", "tmpfs", f"nosuid,nodev,mode=1777,size={layout.tmp_bytes}"))
     entries.append((layout.workdir, root + layout.workdir, "none", "bind,nosuid,nodev,X-mount.mkdir"))
     with open(fstab, "w", encoding="utf-8") as handle:
         handle.writelines(f"{_fstab_field(source)} {_fstab_field(target)} {kind} {options} 0 0\n"
