@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -253,3 +254,14 @@ async def test_serve_python_fails_closed_unless_started_with_allow_unsandboxed(t
     assert status is ToolStatus.TOOLFAILED
     assert "cannot sandbox" in text and "--allow_unsandboxed" in text
     assert await call("--allow_unsandboxed") == (ToolStatus.OK, "ran")
+
+
+def test_the_namespace_sandbox_works_wherever_the_kernel_allows_namespaces() -> None:
+    """The mechanism tests skip where a mechanism cannot run, which must not hide a broken sandbox: where util-linux's
+    ``unshare`` can make user and network namespaces, the ``unshare`` mechanism must work. (With the private
+    ``/tmp`` mounted over a Python installed under ``/tmp`` — a fresh clone there — it could not start, every
+    mechanism test skipped and only the python server's refusals showed it.)"""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "-Urn", "true"], capture_output=True).returncode != 0:
+        pytest.skip("this kernel or container allows no unprivileged namespaces")
+    assert _works("unshare")
