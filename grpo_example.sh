@@ -13,6 +13,11 @@
 #                      the run name becomes the database name
 #   SGLANG_URLS        comma-separated SGLang servers serving MODEL (default: an `agentrl engine` started here)
 #   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio)
+#   ENV                textcraft | babyai | sciworld: train on that AgentGym environment instead (episodes scored by
+#                      the environment's reward; tasks from `agentrl envs tasks`, NUM_TASKS of the train split, all
+#                      when unset; NUM_EVAL_TASKS of the test split held out; warm start on WARMUP oracle
+#                      demonstrations (32 for textcraft and babyai; sciworld has no oracle); MAX_TURNS 12)
+#   ENV_SERVER         with ENV: an AgentGym server of that environment (default: `agentrl envs serve ENV` here)
 #   TASKS              RL task file (default: assets/tasks/arith_tools.jsonl); NUM_TASKS: first N of it (64)
 #   SCORER             scorer of every RL task (math_format: 1 right, 0.1 for a boxed wrong answer; empty: the
 #                      tasks' own scorers)

@@ -124,7 +124,8 @@ use_inference() {
   log "inference: $(grep -o 'agentrl engine ready at .*' "$RUN_DIR/logs/engine.log" | head -n 1)"
 }
 
-# use_tools: MCP_CONFIG, or the built-in calculator (started over stdio by each sampler).
+# use_tools: MCP_CONFIG, or the built-in calculator (started over stdio by each sampler); TOOL_FLAGS holds the
+# matching sampler/eval flags.
 use_tools() {
   if [ -z "${MCP_CONFIG:-}" ]; then
     MCP_CONFIG="$RUN_DIR/mcp.json"
@@ -133,6 +134,30 @@ use_tools() {
 EOF
   fi
   log "tools: MCP servers of $MCP_CONFIG"
+  TOOL_FLAGS=(--mcp_config "$MCP_CONFIG")
+}
+
+# use_env: for ENV=textcraft|babyai|sciworld, one `agentrl envs serve ENV` shared by every sampler and evaluation
+# (ENV_SERVER: use that AgentGym server instead), its task files (train split for RL, test split held out) and
+# TOOL_FLAGS pointing the samplers at it.
+use_env() {
+  local url=${ENV_SERVER:-}
+  if [ -z "$url" ]; then
+    start_background env-server "$AGENTRL" envs serve "$ENV" --port 0
+    local pid=${STARTED_PIDS[-1]} deadline=$((SECONDS + 300))
+    until grep -q "agentrl envs: serving $ENV at http" "$RUN_DIR/logs/env-server.log" 2>/dev/null; do
+      kill -0 "$pid" 2>/dev/null || { tail -n 30 "$RUN_DIR/logs/env-server.log"; log "the $ENV server failed to start"; exit 1; }
+      ((SECONDS < deadline)) || { log "the $ENV server did not start within 300 s"; exit 1; }
+      sleep 0.5
+    done
+    url=$(sed -n "s/.*agentrl envs: serving $ENV at \(http[^ ]*\).*/\1/p" "$RUN_DIR/logs/env-server.log" | head -n 1)
+  fi
+  log "environment: $ENV at $url (log $RUN_DIR/logs/env-server.log)"
+  TOOL_FLAGS=(--env_server "$ENV=$url")
+  "$AGENTRL" envs tasks "$ENV" --split train --seed 0 ${NUM_TASKS:+--num "$NUM_TASKS"} --output "$RUN_DIR/env-train.jsonl"
+  "$AGENTRL" envs tasks "$ENV" --split test --seed 0 --num "${NUM_EVAL_TASKS:-16}" --output "$RUN_DIR/env-test.jsonl"
+  EVAL_TASKS="$RUN_DIR/env-test.jsonl"
+  TASKS="$RUN_DIR/env-train.jsonl"
 }
 
 # upload_tasks FILE SPLIT NUM_GENERATIONS [LIMIT]: the first LIMIT tasks of FILE into SPLIT; with SCORER set,
@@ -165,7 +190,7 @@ start_samplers() {
   local i
   for ((i = 0; i < count; i++)); do
     start_background "sampler-$i" "$AGENTRL" sample --db_connection_string "$DB_URI" \
-      ${MODEL:+--model_name_or_path "$MODEL"} --mcp_config "$MCP_CONFIG" "${SAMPLER_INFERENCE_FLAGS[@]}" "$@"
+      ${MODEL:+--model_name_or_path "$MODEL"} "${TOOL_FLAGS[@]}" "${SAMPLER_INFERENCE_FLAGS[@]}" "$@"
   done
   log "samplers: $count process(es) (logs $RUN_DIR/logs/sampler-*.log)"
 }
@@ -206,7 +231,7 @@ held_out_eval() {
   local out="$RUN_DIR/eval-$label.json" started=$SECONDS
   log "held-out evaluation ($label): ${NUM_EVAL_TASKS} tasks of $(basename "$EVAL_TASKS"), greedy (log $RUN_DIR/logs/eval-$label.log)"
   "$AGENTRL" eval --tasks "$EVAL_TASKS" --limit "$NUM_EVAL_TASKS" --name "$RUN_NAME $label" \
-    --db_connection_string "$DB_URI" --mcp_config "$MCP_CONFIG" --answer_schema boxed \
+    --db_connection_string "$DB_URI" "${TOOL_FLAGS[@]}" --answer_schema boxed \
     --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --temperature 0 --seed 0 --force \
     --engine_args "--num_threads ${ENGINE_THREADS:-2}" --output "$out" "$@" >"$RUN_DIR/logs/eval-$label.log" 2>&1 ||
     { tail -n 20 "$RUN_DIR/logs/eval-$label.log"; log "the held-out evaluation ($label) failed"; exit 1; }
@@ -227,11 +252,19 @@ warm_up() {
   local base=$1 dir="$RUN_DIR/warmup" started=$SECONDS
   local warm_db
   warm_db=$(database_uri "$RUN_NAME-warmup")
-  log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") (real calculator calls; log $RUN_DIR/logs/warmup.log)"
   mkdir -p "$dir"
+  if [ -n "${ENV:-}" ]; then
+    log "warm-up: SFT on $WARMUP oracle demonstrations of $ENV train tasks (log $RUN_DIR/logs/warmup.log)"
+  else
+    log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") (real calculator calls; log $RUN_DIR/logs/warmup.log)"
+  fi
   {
-    "$AGENTRL" sft demos "$WARMUP_TASKS" --limit "$WARMUP" --answer_schema boxed --tools "" \
-      --mcp_config "$MCP_CONFIG" --out "$dir/demos.jsonl" &&
+    if [ -n "${ENV:-}" ]; then
+      "$AGENTRL" envs demos "$ENV" --num "$WARMUP" --split train --seed 1 --output "$dir/demos.jsonl"
+    else
+      "$AGENTRL" sft demos "$WARMUP_TASKS" --limit "$WARMUP" --answer_schema boxed --tools "" \
+        --mcp_config "$MCP_CONFIG" --out "$dir/demos.jsonl"
+    fi &&
     "$AGENTRL" sft upload "$dir/demos.jsonl" --db_connection_string "$warm_db" ${base:+--model_name_or_path "$base"} &&
     "$PYTHON" -m agentrl.train --db_connection_string "$warm_db" ${base:+--model_name_or_path "$base"} \
       --loss_calculater CrossEntropy --enable_sampling false --train_batch_size 8 \
@@ -269,6 +302,11 @@ rl_example() {
   OUTPUT_DIR=${OUTPUT_DIR:-"$RUN_DIR/output"}
   TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-4}
   TEMPERATURE=${TEMPERATURE:-0.7}
+  if [ -n "${ENV:-}" ]; then  # environment episodes: the environment's reward is the score
+    SCORER=${SCORER:-}
+    MAX_TURNS=${MAX_TURNS:-12}
+    WARMUP=${WARMUP:-$(case $ENV in textcraft|babyai) echo 32 ;; *) echo 0 ;; esac)}
+  fi
   SCORER=${SCORER-math_format}
   MAX_STALENESS=${MAX_STALENESS:-1}
   MAX_TURNS=${MAX_TURNS:-2}
@@ -280,8 +318,13 @@ rl_example() {
   EVAL_RESULTS=()
 
   use_database
-  use_tools
-  upload_tasks "${TASKS:-$ROOT/assets/tasks/arith_tools.jsonl}" train "${NUM_GENERATIONS:-4}" "${NUM_TASKS:-64}"
+  if [ -n "${ENV:-}" ]; then
+    use_env
+    upload_tasks "$TASKS" train "${NUM_GENERATIONS:-4}"
+  else
+    use_tools
+    upload_tasks "${TASKS:-$ROOT/assets/tasks/arith_tools.jsonl}" train "${NUM_GENERATIONS:-4}" "${NUM_TASKS:-64}"
+  fi
   if [ "$NUM_EVAL_TASKS" != "0" ]; then
     if [ -n "${SGLANG_URLS:-}" ]; then
       held_out_eval before --inference_urls "$SGLANG_URLS" ${MODEL:+--model_name_or_path "$MODEL"}

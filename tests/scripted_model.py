@@ -83,7 +83,7 @@ async def _sequences(tokenizer, tools: ToolManager) -> list[tuple[list[int], lis
 
 def build_scripted_model(out_dir: Path, steps: int = 400, seed: int = 0) -> Path:
     """Train the tiny model on ``SCRIPTS`` and save it (with the tokenizer) into ``out_dir``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     torch.manual_seed(seed)
     path = build_tiny_model(out_dir, seed=seed, hidden_size=128, num_layers=2)
@@ -93,7 +93,14 @@ def build_scripted_model(out_dir: Path, steps: int = 400, seed: int = 0) -> Path
         async with ToolManager(calculator_config()) as tools:
             return await _sequences(tokenizer, tools)
 
-    sequences = asyncio.run(collect())
+    return train_on_sequences(path, asyncio.run(collect()), steps)
+
+
+def train_on_sequences(path: Path, sequences: list[tuple[list[int], list[int]]], steps: int) -> Path:
+    """Fit the model at ``path`` to ``(input_ids, loss_mask)`` sequences (full batch, AdamW) and save it there."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path)
     width = max(len(ids) for ids, _ in sequences)
     pad = tokenizer.pad_token_id

@@ -60,6 +60,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--agent_config_path", default=None, help="YAML with the LLM judge (scorer_agent) endpoints")
     t.add_argument("--scorer_module", action="append", default=[],
                    help="Python file registering scorers with MCPScorerFactory.register_scorer (repeatable)")
+    t.add_argument("--env_server", action="append", default=[], metavar="NAME=URL",
+                   help="AgentGym environment server of environment NAME (ours: `agentrl envs serve NAME`, or "
+                        "AgentGym's own), repeatable; a built-in environment without one gets a local server")
     c = p.add_argument_group("concurrency")
     c.add_argument("--max_concurrent_samples_per_process", type=int, default=16)
     c.add_argument("--target_concurrency", type=int, default=32, help="max in-flight requests per service")

@@ -28,6 +28,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "agentrl.cli.eval",
     "agentrl.cli.sft",
     "agentrl.cli.chat",
+    "agentrl.cli.envs",
 )
 
 

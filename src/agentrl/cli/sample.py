@@ -57,6 +57,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="YAML with the LLM judge (scorer_agent) and summariser (browse_agent) endpoints")
     t.add_argument("--scorer_module", action="append", default=[],
                    help="Python file registering scorers with MCPScorerFactory.register_scorer (repeatable)")
+    t.add_argument("--env_server", action="append", default=[], metavar="NAME=URL",
+                   help="AgentGym environment server of environment NAME (ours: `agentrl envs serve NAME`, or "
+                        "AgentGym's own), repeatable; a built-in environment without one gets a local server")
     c = p.add_argument_group("concurrency and admission control")
     c.add_argument("--max_concurrent_samples_per_process", type=int, default=8)
     c.add_argument("--target_concurrency", type=int, default=32, help="max in-flight requests per service")
@@ -118,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
 
     from pydantic import ValidationError
 
+    from agentrl.envs.pool import parse_env_servers
     from agentrl.rollout.config import SamplingFlagsError
     from agentrl.rollout.process import run_sampler
     from agentrl.scoring import ScorerError
@@ -132,10 +136,11 @@ def run(args: argparse.Namespace) -> int:
         loop_factory = None
     try:
         config = config_from_args(args)
+        parse_env_servers(config.env_server)
         with asyncio.Runner(loop_factory=loop_factory) as runner:
             stats = runner.run(run_sampler(config))
     except (ValidationError, SamplingFlagsError, ToolConfigError, AgentConfigError, ScorerError,
-            FileNotFoundError) as error:
+            FileNotFoundError, ValueError) as error:
         print(f"agentrl sample: error: {error}", file=sys.stderr)
         return 2
     print(f"sampler done: {stats.trajectories} trajectories, {stats.scored} scored, {stats.score_errors} scoring "

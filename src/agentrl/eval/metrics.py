@@ -2,11 +2,14 @@
 
 A task was sampled ``n_total = k × repeats`` times. Each sample is either **valid** (it has a verdict: a score
 from the scorer, including 0 for trajectories that ended without an answer — turns limit, length limit,
-repetition) or an **error** (no verdict: the inference service failed (``failed_error``), the scorer or judge
+repetition) or an **error** (no verdict: the inference service failed (``failed_error``, a generation error), an
+environment could not be started (``env_start_error``) or failed mid-episode (``env_error``), the scorer or judge
 failed (``score_error``), the slot was given up after repeated crashes (``slot_failed``), or it has no Record
 (``missing``)). Errors are excluded from every rate and counted separately, so an infrastructure failure never
 reads as a wrong answer. A valid sample is **correct** when its score is at least ``CORRECT_THRESHOLD`` (0.5, the
-group stage's threshold; binary scorers give 0 or 1).
+group stage's threshold; binary scorers give 0 or 1) — or, for an environment episode, when the environment says it
+succeeded (reward 1, or 100 for SciWorld: the success rate of AgentGym's evaluations); ``mean_env_reward`` is then
+the mean episode reward on the environment's own scale.
 
 For a task with ``n`` valid samples of which ``c`` are correct:
 
@@ -38,6 +41,8 @@ CORRECT_THRESHOLD = SUCCESS_SCORE
 UNTYPED = "untyped"
 
 FAILED_ERROR = "failed_error"
+ENV_START_ERROR = "env_start_error"
+ENV_ERROR = "env_error"
 SCORE_ERROR = "score_error"
 SLOT_FAILED = "slot_failed"
 MISSING = "missing"
@@ -52,13 +57,20 @@ class Sample:
     error: str | None = None
     outcome: str | None = None
     num_turns: int = 0
+    success: bool | None = None
+    """An environment episode's own verdict (reward reached the environment's success reward); overrides the
+    score threshold."""
+    env_reward: float | None = None
+    """An environment episode's reward on the environment's own scale (SciWorld: 0-100)."""
 
     @property
     def valid(self) -> bool:
         return self.error is None and self.score is not None
 
     def correct(self, threshold: float = CORRECT_THRESHOLD) -> bool:
-        return self.valid and self.score >= threshold
+        if not self.valid:
+            return False
+        return self.success if self.success is not None else self.score >= threshold
 
 
 @dataclass
@@ -131,6 +143,7 @@ def summarize(tasks: Iterable[TaskSamples], k: int, repeats: int = 1, *, thresho
         "correct": correct,
         "accuracy": correct / len(valid) if valid else None,
         "mean_reward": _mean([float(s.score) for s in valid]),
+        "mean_env_reward": _mean([s.env_reward for s in valid if s.env_reward is not None]),
         f"avg@{k}": _mean([c / n for n, c in scored]),
     }
     for j in pass_ks(k):

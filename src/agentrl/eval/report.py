@@ -25,6 +25,11 @@ def write_json(path: str | Path, data: dict[str, Any]) -> None:
     path.write_text(json.dumps(data, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
+ERROR_LABELS = {"failed_error": "generation (failed_error)", "env_start_error": "environment start (env_start_error)",
+                "env_error": "environment step (env_error)", "score_error": "scorer (score_error)",
+                "slot_failed": "slot given up (slot_failed)", "missing": "missing"}
+
+
 def _rate(value: Any) -> str:
     return "-" if value is None else f"{value:.3f}"
 
@@ -72,8 +77,12 @@ def render(job: Eval, *, reused: bool, database: str, file=None) -> None:
     row("all", metrics, style="bold")
     console.print(table)
     if metrics.get("errors"):
-        kinds = ", ".join(f"{kind} {n}" for kind, n in metrics["errors_by_kind"].items())
+        kinds = ", ".join(f"{ERROR_LABELS.get(kind, kind)} {n}" for kind, n in metrics["errors_by_kind"].items())
         console.print(f"errors (excluded from the rates): {kinds}")
+    if metrics.get("mean_env_reward") is not None:
+        console.print(f"environment episodes: accuracy is the success rate (the environment's own success: reward "
+                      f"1, or 100 for SciWorld); mean environment reward {metrics['mean_env_reward']:.3f} (its own "
+                      "scale; the reward column is the score, reward × the environment's reward_scale)")
     if metrics.get("outcomes"):
         console.print("outcomes: " + ", ".join(f"{name} {n}" for name, n in metrics["outcomes"].items()))
     if metrics.get("by_repeat"):

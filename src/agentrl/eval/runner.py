@@ -39,6 +39,8 @@ from pydantic import BaseModel, ConfigDict, Field
 from pymongo.errors import BulkWriteError
 
 from agentrl.eval.metrics import (
+    ENV_ERROR,
+    ENV_START_ERROR,
     FAILED_ERROR,
     MISSING,
     SCORE_ERROR,
@@ -114,6 +116,7 @@ class EvalConfig(BaseModel):
     mcp_auth_token: str | None = None
     agent_config_path: str | None = None
     scorer_module: list[str] = Field(default_factory=list)
+    env_server: list[str] = Field(default_factory=list, description="NAME=URL of AgentGym environment servers")
     max_concurrent_samples_per_process: int = Field(16, ge=1)
     target_concurrency: int = Field(32, ge=1)
     request_timeout: float = 600.0
@@ -250,9 +253,13 @@ def classify(record: dict[str, Any] | None, slot: int) -> Sample:
     if record.get("score_error"):
         return Sample(slot, error=SCORE_ERROR, outcome=outcome, num_turns=turns)
     if record.get("status") in _SCORED and record.get("score") is not None:
-        if outcome == FAILED_ERROR:  # the inference service failed: no verdict on the model
-            return Sample(slot, error=FAILED_ERROR, outcome=outcome, num_turns=turns)
-        return Sample(slot, score=float(record["score"]), outcome=outcome, num_turns=turns)
+        if outcome in (FAILED_ERROR, ENV_START_ERROR, ENV_ERROR):  # inference or environment failed: no verdict
+            return Sample(slot, error=outcome, outcome=outcome, num_turns=turns)
+        details = record.get("score_details") or {}
+        episode = "success" in details and "data_idx" in details  # an environment episode (rollout.episode)
+        return Sample(slot, score=float(record["score"]), outcome=outcome, num_turns=turns,
+                      success=bool(details["success"]) if episode else None,
+                      env_reward=float(details["reward"]) if episode else None)
     return Sample(slot, error=SLOT_FAILED, outcome=outcome, num_turns=turns)
 
 
@@ -262,7 +269,7 @@ async def collect_samples(store: Store, split: str) -> list[TaskSamples]:
              store.db[Task.collection].find({"split": split}, sort=[("order", 1), ("_id", 1)])]
     latest: dict[tuple[str, int], dict[str, Any]] = {}
     fields = {"task_id": 1, "slot": 1, "attempt": 1, "status": 1, "score": 1, "score_error": 1, "outcome": 1,
-              "num_turns": 1}
+              "num_turns": 1, "score_details": 1}
     async for record in store.db[Record.collection].find({"split": split}, fields):
         key = (record["task_id"], record["slot"])
         if key not in latest or record["attempt"] > latest[key]["attempt"]:
@@ -309,7 +316,7 @@ def _sampler_config(cfg: EvalConfig, uri: str, split: str, tokenizer: str | None
         repetition_early_stop_times=cfg.repetition_early_stop_times, tool_call_parser=cfg.tool_call_parser,
         tool_timeout=cfg.tool_timeout, mcp_config=cfg.mcp_config, mcp_manager_url=cfg.mcp_manager_url,
         mcp_server_name=cfg.mcp_server_name, mcp_auth_token=cfg.mcp_auth_token,
-        agent_config_path=cfg.agent_config_path, scorer_module=cfg.scorer_module,
+        agent_config_path=cfg.agent_config_path, scorer_module=cfg.scorer_module, env_server=cfg.env_server,
         max_concurrent_samples_per_process=cfg.max_concurrent_samples_per_process,
         target_concurrency=cfg.target_concurrency, request_timeout=cfg.request_timeout, lease_s=cfg.lease_s,
         exit_when_done=True)

@@ -22,13 +22,15 @@ from typing import Any
 from pymongo.errors import PyMongoError
 from transformers import PreTrainedTokenizerBase
 
+from agentrl.envs.pool import EnvPool
 from agentrl.inference.protocol import policy_version
 from agentrl.rollout.config import SamplerConfig
 from agentrl.rollout.context import reset_context
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.inference_pool import InferencePool, NoInferenceService
+from agentrl.rollout.mcp_state import McpState, McpStateError
 from agentrl.rollout.prompting import initial_messages
-from agentrl.rollout.tool_parsers import ToolParser, TrajectoryOutcome
+from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, ToolParser, TrajectoryOutcome
 from agentrl.scoring import AgentConfig, extract_answer
 from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store
 from agentrl.tools import ToolManager
@@ -53,6 +55,8 @@ class AgentResources:
     config: SamplerConfig
     tools: ToolManager | None = None
     agent_config: AgentConfig = field(default_factory=AgentConfig)
+    envs: EnvPool | None = None
+    """Environment servers, for Tasks that are environment episodes (``agentrl.rollout.episode``)."""
 
     @property
     def tool_specs(self) -> list[dict[str, Any]]:
@@ -67,6 +71,11 @@ class TrajectoryResult:
     num_branches: int
     policy_version: int | None
     error: str | None = None
+    env: dict[str, Any] | None = None
+    """An environment episode's result: ``{name, data_idx, reward, score, success, steps}`` (the score is the
+    reward times the environment's ``reward_scale``)."""
+    final_state: Any = None
+    """A stateful MCP episode's final state (its ``final`` tool's result), for the scorer."""
 
 
 def call_seed(seed: int, call_id: str) -> int:
@@ -76,91 +85,154 @@ def call_seed(seed: int, call_id: str) -> int:
     return int.from_bytes(digest, "big") & 0x7FFFFFFF
 
 
-async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
-    """Roll out the trajectory of ``lease``'s slot, storing every call; returns how it ended."""
-    cfg, task = res.config, lease.task
-    messages, template_tools = initial_messages(
-        query=task.query, answer_schema=task.answer_schema, system_prompt=task.system_prompt,
-        tools=res.tool_specs, tokenizer=res.tokenizer, query_prompt=cfg.query_prompt)
-    conversation = TokenConversation(res.tokenizer, messages, template_tools)
-    sampling = cfg.sampling_params()
+@dataclass
+class Generated:
+    """One completed LLM call."""
+
+    call_id: str
+    text: str
+    output_ids: list[int]
+    version: int | None
+
+
+class GenerationFailed(Exception):
+    """The service rejected the request or aborted the generation: the trajectory ends as ``failed_error``."""
+
+
+@dataclass
+class TurnState:
+    """Where a trajectory stands between LLM calls: what the next call's prompt extends."""
+
     previous_call: str | None = None
     pending_delta: tuple[list[int], str] | None = None
-    outputs_seen: list[str] = []
     first_version: int | None = None
-    branches = 1
-    for turn in range(cfg.max_turns):
-        call = DispatchedSamplingTask(
-            id=f"{lease.record_id}#{turn}", record_id=lease.record_id, task_id=task.id, turn=turn,
-            branch=conversation.branch,
-            input_ids=None if pending_delta else list(conversation.prompt_ids),
-            previous_call_id=previous_call if pending_delta else None,
-            prompt_delta_ids=pending_delta[0] if pending_delta else [],
-            prompt_delta_text=pending_delta[1] if pending_delta else res.tokenizer.decode(conversation.prompt_ids),
-            sampling_params=sampling)
-        await res.store.slots.heartbeat(lease)  # the fence: a retired attempt makes no LLM call (LeaseLost)
-        await res.store.calls.start(call)
-        started = time.monotonic()
-        params = dict(sampling)
-        if cfg.seed is not None:
-            params["sampling_seed"] = call_seed(cfg.seed, call.id)
-        try:
-            result, service_id = await res.inference.generate(conversation.prompt_ids, params)
-        except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
-            with contextlib.suppress(PyMongoError):
-                await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
-                                             latency_s=time.monotonic() - started)
-            raise
-        except Exception as error:  # noqa: BLE001 - any other generation failure ends the trajectory as failed_error
+    branches: int = 1
+
+    def appended(self, delta: Any) -> None:
+        """Note the token delta appended after the last call (a new branch starts its prompt afresh)."""
+        if delta.new_branch:
+            self.branches += 1
+            self.pending_delta = None
+        else:
+            self.pending_delta = (delta.delta_ids, delta.delta_text)
+
+    def new_branch(self) -> None:
+        self.branches += 1
+        self.pending_delta = None
+
+
+async def generate_turn(res: AgentResources, lease: SlotLease, conversation: TokenConversation, turn: int,
+                        state: TurnState) -> Generated:
+    """Store, send and finish turn ``turn``'s LLM call on ``conversation``'s prompt; ``GenerationFailed`` if the
+    service rejects or aborts it; ``NoInferenceService`` / ``PyMongoError`` (infrastructure) propagate."""
+    pending, sampling = state.pending_delta, res.config.sampling_params()
+    call = DispatchedSamplingTask(
+        id=f"{lease.record_id}#{turn}", record_id=lease.record_id, task_id=lease.task.id, turn=turn,
+        branch=conversation.branch,
+        input_ids=None if pending else list(conversation.prompt_ids),
+        previous_call_id=state.previous_call if pending else None,
+        prompt_delta_ids=pending[0] if pending else [],
+        prompt_delta_text=pending[1] if pending else res.tokenizer.decode(conversation.prompt_ids),
+        sampling_params=sampling)
+    await res.store.slots.heartbeat(lease)  # the fence: a retired attempt makes no LLM call (LeaseLost)
+    await res.store.calls.start(call)
+    started = time.monotonic()
+    params = dict(sampling)
+    if res.config.seed is not None:
+        params["sampling_seed"] = call_seed(res.config.seed, call.id)
+    try:
+        result, service_id = await res.inference.generate(conversation.prompt_ids, params)
+    except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
+        with contextlib.suppress(PyMongoError):
             await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
                                          latency_s=time.monotonic() - started)
-            return TrajectoryResult(FAILED, None, turn, branches, first_version, error=str(error))
-        if result.finish_reason == "abort":  # the service stopped the generation (shutdown, /abort_request)
-            error = f"the inference service aborted the generation: {result.meta_info.get('finish_reason')}"
-            await res.store.calls.finish(call.id, CallStatus.FAILED, output_ids=result.output_ids,
-                                         output_logprobs=result.output_token_logprobs, error=error,
-                                         latency_s=time.monotonic() - started)
-            return TrajectoryResult(FAILED, None, turn, branches, first_version, error=error)
-        version = policy_version(result.weight_version)
-        first_version = version if first_version is None else first_version
-        text = result.text
-        await res.store.calls.finish(
-            call.id, CallStatus.COMPLETED, output_ids=result.output_ids, output_logprobs=result.output_token_logprobs,
-            output_text=text, weight_version=version, finish_reason=result.finish_reason, service_id=service_id,
-            latency_s=time.monotonic() - started)
-        previous_call = call.id
+        raise
+    except Exception as error:  # noqa: BLE001 - any other generation failure ends the trajectory as failed_error
+        await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
+                                     latency_s=time.monotonic() - started)
+        raise GenerationFailed(str(error)) from error
+    if result.finish_reason == "abort":  # the service stopped the generation (shutdown, /abort_request)
+        error = f"the inference service aborted the generation: {result.meta_info.get('finish_reason')}"
+        await res.store.calls.finish(call.id, CallStatus.FAILED, output_ids=result.output_ids,
+                                     output_logprobs=result.output_token_logprobs, error=error,
+                                     latency_s=time.monotonic() - started)
+        raise GenerationFailed(error)
+    version = policy_version(result.weight_version)
+    state.first_version = version if state.first_version is None else state.first_version
+    await res.store.calls.finish(
+        call.id, CallStatus.COMPLETED, output_ids=result.output_ids, output_logprobs=result.output_token_logprobs,
+        output_text=result.text, weight_version=version, finish_reason=result.finish_reason, service_id=service_id,
+        latency_s=time.monotonic() - started)
+    state.previous_call = call.id
+    return Generated(call.id, result.text, list(result.output_ids), version)
+
+
+async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
+    """Roll out the trajectory of ``lease``'s slot, storing every call; returns how it ended. A Task with
+    ``metadata.mcp_state`` gets its own state on a stateful MCP server (:mod:`agentrl.rollout.mcp_state`)."""
+    task = lease.task
+    mcp_state = McpState.of(task.metadata, lease.record_id)
+    if mcp_state is None:
+        return await _roll_out(res, lease, None)
+    if res.tools is None:
+        raise McpStateError("the Task keeps its state on an MCP server (metadata.mcp_state) but the sampler has no "
+                            "tools: give --mcp_config")
+    try:
+        await mcp_state.call(res.tools, "reset", res.config.tool_timeout)
+    except McpStateError as error:
+        return TrajectoryResult(TrajectoryOutcome.ENV_START_ERROR, None, 0, 1, None, error=str(error))
+    result = await _roll_out(res, lease, mcp_state)
+    if result.outcome not in NO_VERDICT_OUTCOMES:
+        try:
+            result.final_state = await mcp_state.call(res.tools, "final", res.config.tool_timeout)
+        except McpStateError as error:
+            result.outcome, result.error = TrajectoryOutcome.ENV_ERROR, str(error)
+    return result
+
+
+async def _roll_out(res: AgentResources, lease: SlotLease, mcp_state: McpState | None) -> TrajectoryResult:
+    cfg, task = res.config, lease.task
+    tools = mcp_state.visible_tools(res.tool_specs) if mcp_state is not None else res.tool_specs
+    messages, template_tools = initial_messages(
+        query=task.query, answer_schema=task.answer_schema, system_prompt=task.system_prompt,
+        tools=tools, tokenizer=res.tokenizer, query_prompt=cfg.query_prompt)
+    conversation = TokenConversation(res.tokenizer, messages, template_tools)
+    state = TurnState()
+    outputs_seen: list[str] = []
+    for turn in range(cfg.max_turns):
+        try:
+            generated = await generate_turn(res, lease, conversation, turn, state)
+        except GenerationFailed as error:
+            return TrajectoryResult(FAILED, None, turn, state.branches, state.first_version, error=str(error))
+        text = generated.text
 
         answer = extract_answer(text, task.answer_schema)
         if answer:
-            return TrajectoryResult(ANSWER, answer, turn + 1, branches, first_version)
+            return TrajectoryResult(ANSWER, answer, turn + 1, state.branches, state.first_version)
 
         repeats = outputs_seen.count(text.strip())
         outputs_seen.append(text.strip())
         if repeats >= 1:
-            await res.store.calls.relabel(call.id, CallStatus.REPEATERROR, error=f"output repeated {repeats} time(s)")
+            await res.store.calls.relabel(generated.call_id, CallStatus.REPEATERROR,
+                                          error=f"output repeated {repeats} time(s)")
             if cfg.repetition_early_stop_times > 0 and repeats + 1 >= cfg.repetition_early_stop_times:
-                return TrajectoryResult(REPETITION, None, turn + 1, branches, first_version)
+                return TrajectoryResult(REPETITION, None, turn + 1, state.branches, state.first_version)
 
-        new_messages = await _tool_stage(res, lease, call.id, text, repeated=repeats >= 1)
-        delta = conversation.append(result.output_ids, text, new_messages)
-        if delta.new_branch:
-            branches += 1
-            pending_delta = None
-        else:
-            pending_delta = (delta.delta_ids, delta.delta_text)
+        new_messages = await _tool_stage(res, lease, generated.call_id, text, repeated=repeats >= 1,
+                                         mcp_state=mcp_state)
+        state.appended(conversation.append(generated.output_ids, text, new_messages))
         if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
             if cfg.new_context == "disabled":
-                return TrajectoryResult(LENGTH_LIMIT, None, turn + 1, branches, first_version)
+                return TrajectoryResult(LENGTH_LIMIT, None, turn + 1, state.branches, state.first_version)
             await reset_context(conversation, cfg.new_context, task.query, res.agent_config)
-            branches += 1
-            pending_delta = None
+            state.new_branch()
             if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
-                return TrajectoryResult(LENGTH_LIMIT, None, turn + 1, branches, first_version)
-    return TrajectoryResult(TURNS_LIMIT, None, cfg.max_turns, branches, first_version)
+                return TrajectoryResult(LENGTH_LIMIT, None, turn + 1, state.branches, state.first_version)
+    return TrajectoryResult(TURNS_LIMIT, None, cfg.max_turns, state.branches, state.first_version)
 
 
-async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text: str, *, repeated: bool
-                      ) -> list[dict[str, Any]]:
+async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text: str, *, repeated: bool,
+                      mcp_state: McpState | None = None) -> list[dict[str, Any]]:
     """Parse and run the tool calls of ``text``; returns the messages to append (one per call: its result or why
     it could not run). The call is labelled with the worst status of its tool calls (``formaterror`` first).
     Each tool call is fenced by a heartbeat: a retired attempt runs no (possibly non-idempotent) tool call."""
@@ -178,9 +250,13 @@ async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text:
         elif res.tools is None:
             error = "no tools are available in this environment; answer directly"
             status, content, elapsed = CallStatus.FORMATERROR, error, 0.0
+        elif mcp_state is not None and tool_call.name in mcp_state.hidden:
+            error = f"Unknown tool {tool_call.name!r}."
+            status, content, elapsed = CallStatus.FORMATERROR, error, 0.0
         else:
             await res.store.slots.heartbeat(lease)
-            result = await res.tools.call_tool(tool_call.name, tool_call.arguments, timeout=res.config.tool_timeout)
+            arguments = mcp_state.arguments(tool_call.arguments) if mcp_state is not None else tool_call.arguments
+            result = await res.tools.call_tool(tool_call.name, arguments, timeout=res.config.tool_timeout)
             status = CallStatus.COMPLETED if result.ok else CallStatus(str(result.status))
             content, error, elapsed = result.text, result.error, result.elapsed_s
         if status != CallStatus.COMPLETED:

@@ -97,6 +97,8 @@ class SamplerConfig(BaseModel):
     mcp_auth_token: str | None = None
     agent_config_path: str | None = None
     scorer_module: list[str] = Field(default_factory=list)
+    env_server: list[str] = Field(default_factory=list, description="NAME=URL of AgentGym environment servers; "
+                                  "built-in environments without one get a local server")
     # concurrency, leases, admission control
     max_concurrent_samples_per_process: int = 8
     target_concurrency: int = 32

@@ -3,7 +3,7 @@
 Run by exactly one sampler per Task (the store's group-stage lease). For the ``train`` split, in order:
 
 1. zero-variance drop: a group whose rewards span less than ``zero_variance_threshold`` teaches nothing;
-2. ``failed_error`` samples are dropped; with ``balance_sample`` at most ``min(#wrong, #right) + 1`` wrong and
+2. samples without a verdict on the policy (``failed_error``, ``env_start_error``, ``env_error``) are dropped; with ``balance_sample`` at most ``min(#wrong, #right) + 1`` wrong and
    ``+ 2`` right samples are kept (shortest first); else right samples with at most ``min_turns`` turns are dropped
    (anti-shortcut) and at most ``reserve_context_error_count`` length/turns-limit samples are kept;
 3. ``efficient_rewarding`` shifts rewards by turn-count rank (shorter right and longer wrong samples gain, ±0.1);
@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
+from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES
 from agentrl.store import DBRecordData, GroupLease, InvalidTransition, Record, RecordStatus, Store
 from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
@@ -85,8 +86,8 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
     candidates = []
     for record in records:
-        if record.outcome == "failed_error":
-            dropped[record.id] = "failed_error"
+        if record.outcome in NO_VERDICT_OUTCOMES:
+            dropped[record.id] = str(record.outcome)
         else:
             candidates.append(record)
     right = [r for r in candidates if r.score >= SUCCESS_SCORE]

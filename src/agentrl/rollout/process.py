@@ -1,4 +1,5 @@
-"""Assemble a sampler process from its configuration: store, tokenizer, tools, scorers, inference pool.
+"""Assemble a sampler process from its configuration: store, tokenizer, tools, environments, scorers, inference
+pool.
 
 The sampler and its inference pool share one owner id (``--sampler_id`` or ``host:pid:random``): slot leases and
 in-flight request counts of a process are its; the owner TTL of its request counts is ``--lease_s``.
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator
 import httpx
 from pymongo.errors import PyMongoError
 
+from agentrl.envs.pool import EnvPool, parse_env_servers
 from agentrl.inference.embedded_model import policy_tokenizer
 from agentrl.log import redact
 from agentrl.rollout.agent import AgentResources
@@ -75,9 +77,11 @@ async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResourc
         if config.inference_urls:
             watcher = asyncio.create_task(_watch_static_services(store, pool, config.inference_urls))
             stack.callback(watcher.cancel)
+        envs = EnvPool(parse_env_servers(config.env_server), timeout=config.request_timeout)
+        stack.push_async_callback(envs.aclose)
         yield AgentResources(store=store, tokenizer=tokenizer, inference=pool,
                              parser=get_parser(config.tool_call_parser), config=config, tools=tools,
-                             agent_config=agent_config)
+                             agent_config=agent_config, envs=envs)
 
 
 async def run_sampler(config: SamplerConfig) -> SamplerStats:

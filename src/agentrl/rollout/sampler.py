@@ -6,7 +6,7 @@ slot with its score; the sampler that settles a Task's last slot runs that Task'
 it stops claiming, cancels its trajectories and releases their leases, so nothing is left ``running``.
 
 Failures of the infrastructure are not the policy's: a trajectory cut off by no live inference service, an
-unreachable judge or a database error gives its slot back unscored (``release``: not a failed attempt) to be
+unreachable judge or environment server, or a database error gives its slot back unscored (``release``: not a failed attempt) to be
 retried. A database outage stalls the process instead of ending it (``agentrl.store.outage``): lease and
 group-stage heartbeats keep trying through errors, and the claim loop retries connection errors with backoff.
 
@@ -32,10 +32,13 @@ from dataclasses import dataclass, field
 
 from pymongo.errors import PyMongoError
 
+from agentrl.envs.client import EnvUnavailable
 from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import ANSWER, AgentResources, TrajectoryResult, run_trajectory
+from agentrl.rollout.episode import episode_of, run_episode
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import NoInferenceService
+from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES
 from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
 from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
 from agentrl.store.outage import is_transient
@@ -44,6 +47,9 @@ logger = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 10.0
 SHUTDOWN_GRACE_S = 15.0
+ENV_RETRY_PAUSE_S = 5.0
+"""How long a trajectory slot waits after its environment server could not be reached (so a sampler whose
+environment server is down does not spin claiming and giving back)."""
 
 
 @dataclass
@@ -219,9 +225,10 @@ class Sampler:
         store = self.res.store
         worker = asyncio.current_task()
         beat = asyncio.create_task(self._heartbeat(lease, worker))
-        pause = False
+        pause = env_down = False
         try:
-            result = await run_trajectory(self.res, lease)
+            episode = episode_of(lease.task.metadata) is not None
+            result = await (run_episode if episode else run_trajectory)(self.res, lease)
             await store.records.transition(
                 lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id, num_turns=result.num_turns,
                 outcome=result.outcome, final_answer=result.final_answer, policy_version=result.policy_version,
@@ -244,26 +251,23 @@ class Sampler:
         except LeaseLost as error:
             self.stats.lost_leases += 1
             logger.warning("%s", error)
-        except (NoInferenceService, ScorerUnavailable) as error:
-            # Infrastructure, not the policy: no score; the attempt is given back without counting as failed.
+        except (NoInferenceService, ScorerUnavailable, EnvUnavailable, PyMongoError) as error:
+            # Infrastructure (no inference service, the judge, an environment server, the database), not the policy:
+            # no score; the attempt is given back without counting as failed. If the database stays unreachable,
+            # the lease expires and the slot is taken over just the same.
             beat.cancel()
             await asyncio.wait([beat])  # no heartbeat may extend the lease after it is given back
             pause = isinstance(error, NoInferenceService)
+            env_down = isinstance(error, EnvUnavailable)
             logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
-                           "; pausing until an inference service is live" if pause else "")
+                           "; pausing until an inference service is live" if pause else
+                           f"; pausing {ENV_RETRY_PAUSE_S:.0f} s" if env_down else "")
             with contextlib.suppress(Exception):
                 await store.slots.release(lease, f"{type(error).__name__}: {error}")
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(store.slots.release(lease))
             raise
-        except PyMongoError as error:
-            # The database, not the trajectory: give the slot back unscored (not a failed attempt); if the database
-            # stays unreachable the lease expires and the slot is taken over just the same.
-            logger.warning("database error during %s (%s); giving it back unscored, to be retried",
-                           lease.record_id, error)
-            with contextlib.suppress(Exception):
-                await store.slots.release(lease, f"{type(error).__name__}: {error}")
         except Exception as error:  # noqa: BLE001 - one broken trajectory must not stop the sampler
             logger.exception("trajectory %s failed", lease.record_id)
             with contextlib.suppress(Exception):
@@ -272,6 +276,8 @@ class Sampler:
             beat.cancel()
         if pause:  # this task stays active meanwhile, so a sampler whose tasks all wait claims nothing
             await self.res.inference.wait_until_live()
+        elif env_down:
+            await asyncio.sleep(ENV_RETRY_PAUSE_S)
 
     async def _score(self, lease: SlotLease, result: TrajectoryResult) -> tuple[float, str | None, dict]:
         """``(score, error, details)``; no answer scores 0 without asking the scorer.
@@ -280,14 +286,24 @@ class Sampler:
         heartbeated; ``ScorerUnavailable`` when it stays down past its bound (the slot is then given back).
         """
         task = lease.task
-        if result.outcome != ANSWER or result.final_answer is None:
+        if result.env is not None:  # an environment episode: its reward is the verdict, however it ended
+            if result.outcome in NO_VERDICT_OUTCOMES:
+                return 0.0, None, {**result.env, "reason": f"no verdict ({result.outcome})"}
+            answer, extra = result.final_answer or "", {"env_reward": result.env["score"]}
+        elif result.outcome != ANSWER or result.final_answer is None:
             return 0.0, None, {"reason": f"no answer ({result.outcome})"}
-        config = {**self.res.agent_config.model_dump(exclude_none=True), "query": task.query, **task.metadata}
+        else:
+            answer, extra = result.final_answer, {}
+        if result.final_state is not None:
+            extra["mcp_final_state"] = result.final_state
+        config = {**self.res.agent_config.model_dump(exclude_none=True), "query": task.query, **task.metadata,
+                  **extra}
         scored = await MCPScorerFactory.score(
-            task.scorer, result.final_answer, {"query": task.query, "answer": task.answer, **task.metadata}, config,
+            task.scorer, answer, {"query": task.query, "answer": task.answer, **task.metadata}, config,
             retry_unavailable=True)
         if scored.unavailable:
             raise ScorerUnavailable(scored.error or f"scorer {task.scorer!r} unavailable")
+        details = {**(result.env or {}), **scored.details}
         if scored.error is not None:
-            return 0.0, scored.error, scored.details
-        return float(scored.score), None, scored.details
+            return 0.0, scored.error, details
+        return float(scored.score), None, details

@@ -59,6 +59,17 @@ class TrajectoryOutcome(StrEnum):
     """The model repeated itself ``--repetition_early_stop_times`` times."""
     FAILED_ERROR = "failed_error"
     """Inference failed (after retries) or another error ended the trajectory."""
+    DONE = "done"
+    """An environment episode ended: the environment reported ``done`` (its reward is the score)."""
+    ENV_START_ERROR = "env_start_error"
+    """The environment instance could not be created or reset (no verdict on the policy)."""
+    ENV_ERROR = "env_error"
+    """The environment failed during the episode (no verdict on the policy)."""
+
+
+NO_VERDICT_OUTCOMES: frozenset[str] = frozenset({TrajectoryOutcome.FAILED_ERROR, TrajectoryOutcome.ENV_START_ERROR,
+                                                 TrajectoryOutcome.ENV_ERROR})
+"""Outcomes that say nothing about the policy (infrastructure failed): never trained, errors in evaluations."""
 
 
 # ------------------------------------------------------------------------------------------------ parse results

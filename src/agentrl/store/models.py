@@ -166,6 +166,10 @@ class Record(Document):
     group_decision: str | None = Field(None, description="why the group stage kept or dropped this sample")
     policy_version: int | None = Field(None, description="policy version at the first LLM call")
     error: str | None = None
+    env_instance: dict[str, Any] | None = Field(
+        None, description="an environment episode's instance {name, url, id}: recorded before the first step, so "
+                          "an attempt that dies is closed by the next attempt of its slot")
+    env_open: bool | None = Field(None, description="present while env_instance is not known to be closed")
     meta: dict[str, Any] = Field(default_factory=dict)
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)

@@ -7,7 +7,7 @@ from typing import Any
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import DuplicateKeyError
 
-from agentrl.store.errors import InvalidTransition
+from agentrl.store.errors import InvalidTransition, LeaseLost
 from agentrl.store.models import (
     CALL_TRANSITIONS,
     RECORD_TRANSITIONS,
@@ -46,6 +46,25 @@ class Records:
             if doc is None:
                 raise
         return Record.from_mongo(doc)
+
+    @retry_on_reconnect
+    async def set_env_instance(self, record_id: str, lease_id: str, instance: dict[str, Any]) -> None:
+        """Record the environment instance an attempt works on (while its lease holds: ``LeaseLost`` otherwise, and
+        the caller closes the instance itself)."""
+        result = await self.collection.update_one({"_id": record_id, "lease_id": lease_id, "leased": True},
+                                                  {"$set": {"env_instance": instance, "env_open": True}})
+        if result.matched_count != 1:
+            raise LeaseLost(f"{record_id}: lease {lease_id} no longer holds; not recording its environment instance")
+
+    @retry_on_reconnect
+    async def mark_env_closed(self, record_id: str) -> None:
+        await self.collection.update_one({"_id": record_id}, {"$unset": {"env_open": ""}})
+
+    async def open_env_instances(self, task_id: str, slot: int, before_attempt: int) -> list[Record]:
+        """Earlier attempts of a slot whose environment instance was never closed (their sampler died)."""
+        cursor = self.collection.find({"task_id": task_id, "slot": slot, "attempt": {"$lt": before_attempt},
+                                       "env_open": {"$exists": True}})
+        return [Record.from_mongo(doc) async for doc in cursor]
 
     async def for_task(self, task_id: str) -> list[Record]:
         """All attempts of all slots of a Task, by slot then attempt."""

@@ -5,7 +5,8 @@ Field aliases follow the original's dataset loader: the question may be called `
 ``messages`` / ``raw.messages``); the answer ``a``, ``Final answer``, ``Final Answer``, ``Final sample answer``,
 ``answer`` or ``expected_answer`` (or ``raw.expected_answer`` / ``raw.answer``). Per-task fields ``id``
 (or ``task_id``), ``scorer``, ``answer_schema``, ``system_prompt``, ``num_generations`` and ``task_type``
-override the upload's defaults; any other field is kept in ``metadata``.
+override the upload's defaults; any other field is kept in ``metadata``. ``env: {"name", "data_idx"}`` makes the Task an
+environment episode (``agentrl.rollout.episode``; ``agentrl envs tasks`` writes such rows).
 """
 
 from __future__ import annotations
@@ -170,6 +171,12 @@ def parse_entry(obj: Any, defaults: UploadDefaults, order: int) -> Task:
     if task_type is not None and not isinstance(task_type, str):
         raise ValueError(f"field 'task_type': expected a string, got {type(task_type).__name__}")
 
+    env = obj.get("env")
+    if env is not None and not (isinstance(env, dict) and isinstance(env.get("name"), str) and env["name"]
+                                and isinstance(env.get("data_idx"), int) and not isinstance(env["data_idx"], bool)
+                                and env["data_idx"] >= 0):
+        raise ValueError(f"field 'env': expected {{\"name\": ENVIRONMENT, \"data_idx\": TASK INDEX >= 0}}, "
+                         f"got {env!r}")
     digest = content_hash(query, answer, system_prompt)
     data_id = _pick(obj, ID_KEYS)
     if data_id is not None and not isinstance(data_id, (str, int)):

@@ -1,0 +1,264 @@
+"""ScienceWorld (AgentGym's SciWorld): elementary science tasks in a text world, on the PyPI ``scienceworld`` package.
+
+Tasks are AgentGym's: every (task, variation) pair of ScienceWorld's tasks in the package's order, variations in
+order, except tasks 5-1, 5-2 (growing plants), 9-1..9-3 (inclined planes) and 10-1, 10-2 (Mendelian genetics):
+4,639 tasks with scienceworld 1.2.3. ``data_idx`` is the position in that list, so it names the same task as in
+AgentGym. Building the list asks a JVM for each task's number of variations; it is done once per process, on the
+first :func:`spec` call (a JVM started and stopped, about a second).
+
+``reset(data_idx)`` loads the task, takes the action ``look around`` and returns the task description, a newline
+and what that look shows — exactly what AgentGym's client builds from its server's separate fields, so an episode
+reads the same over HTTP (ours or AgentGym's) and in process.
+``step`` returns the simulator's observation, the change of the score this step and ScienceWorld's ``done`` (task
+completed or failed, or more than 100 moves), with the cumulative score (0..100) as ``info["score"]``; an episode
+whose rewards sum to 100 is a success, and the Record's score is that sum / 100. Some tasks give points for where
+the agent starts (the score after the reset's ``look around`` is above 0); the first step's reward includes them,
+so an episode's rewards always sum to its final score.
+
+The score: ScienceWorld sets it to -100 when the agent fails the task irrecoverably (for instance focusing on the
+wrong object), and ends the episode. AgentGym passes that through; here the score is clamped at 0 (the failing
+step's reward takes back what was earned), so an episode's total reward is its final score in [0, 100] and the
+Record's score is in [0, 1]. The simulator's own score is ``info["raw_score"]``.
+
+Every instance runs its own JVM (started by the factory, about a second); ``close()`` stops it and waits for the
+java process to exit. A step takes about 70 ms, most of it the package listing every valid action after each step.
+
+Splits: ScienceWorld's own train/dev/test split (by variation within each task: the first half train, the next
+quarter dev, the last quarter test) interleaves in AgentGym's order, so the splits here are by task instead:
+``test`` is the contiguous tail from task 6-1 (tasks 6-1..8-2: chemistry mixing, lifespans, life stages; 503
+tasks, ``range(4136, 4639)``) and ``train`` the rest (tasks 1-1..4-4; ``range(0, 4136)``). The test split thus
+holds task types never trained on.
+
+The oracle (:class:`GoldPaths`) is ScienceWorld's gold action sequence of the task, cut where it completes the
+task. It raises ``EnvError`` for the few tasks whose gold sequence does not complete them: those that need more
+than ScienceWorld's 100 moves (some state-of-matter tasks, whose ``wait`` actions take 10 moves each) and a few
+whose generated sequence fails (it varies from one generation to the next, e.g. test-conductivity variation 616).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from py4j.protocol import Py4JError
+from scienceworld import ScienceWorldEnv
+
+from agentrl.envs.base import Environment, EnvError, EnvSpec, StepResult
+
+NAME = "sciworld"
+EXCLUDED_TASKS = frozenset({"5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2"})
+"""Task ids AgentGym leaves out."""
+FIRST_TEST_TASK = "6-1"
+"""The test split: this task and every task after it."""
+SUCCESS_SCORE = 100
+MAX_TURNS = 50
+"""Gold sequences, cut at completion, take 1 to 93 actions (median 21, 90% at most 42, 95% at most 50, in a
+sample of 150 tasks); AgentGym evaluates SciWorld with 30 rounds."""
+JVM_EXIT_TIMEOUT_S = 10.0
+
+INSTRUCTION = (
+    "You are an agent in a text-based science world: rooms, objects, substances, devices, plants and animals. "
+    "A task is given first; carry it out by acting in the world. Each message you receive is what you observe.\n"
+    "Actions (OBJ is an object or place as the observations name it):\n"
+    "- look around; look at OBJ; look in OBJ; inventory; task (repeat the task)\n"
+    "- go to OBJ (a room you can reach through an open door); open OBJ; close OBJ\n"
+    "- pick up OBJ; put down OBJ; move OBJ to OBJ; pour OBJ in OBJ; dunk OBJ in OBJ; mix OBJ\n"
+    "- activate OBJ; deactivate OBJ; use OBJ on OBJ; connect OBJ to OBJ; disconnect OBJ\n"
+    "- eat OBJ; flush OBJ; read OBJ\n"
+    "- focus on OBJ: mark the object the task is about (focusing on the wrong object fails the task)\n"
+    "- wait (ten steps of time) or wait1 (one step)\n"
+    "When an action is ambiguous you are shown numbered choices; answer with the number.\n"
+    "Take one action per turn. Reply in this format:\n"
+    "Thought: <your reasoning>\n"
+    "Action: <one action>"
+)
+
+
+@dataclass(frozen=True)
+class SciWorldTask:
+    """One task: a ScienceWorld task and one of its variations."""
+
+    task_id: str
+    """ScienceWorld's id, e.g. ``1-1``"""
+    task_name: str
+    """the simulator's name, e.g. ``boil``"""
+    variation: int
+
+
+def _start() -> ScienceWorldEnv:
+    """A new simulator in its own JVM."""
+    try:
+        return ScienceWorldEnv()
+    except (OSError, Py4JError) as error:
+        raise EnvError(f"sciworld: cannot start ScienceWorld's JVM (it needs a Java runtime on PATH): {error}") \
+            from error
+
+
+def _list_tasks() -> tuple[SciWorldTask, ...]:
+    simulator = _start()
+    try:
+        return tuple(SciWorldTask(task_id, name, variation)
+                     for task_id, name in simulator.tasks.items() if task_id not in EXCLUDED_TASKS
+                     for variation in range(simulator.get_max_variations(name)))
+    finally:
+        _stop(simulator)
+
+
+_tasks: tuple[SciWorldTask, ...] | None = None
+_tasks_lock = threading.Lock()
+
+
+def sciworld_tasks() -> tuple[SciWorldTask, ...]:
+    """The task list (see the module docstring), built on first use and kept for the process."""
+    global _tasks
+    with _tasks_lock:
+        if _tasks is None:
+            _tasks = _list_tasks()
+        return _tasks
+
+
+def _stop(simulator: ScienceWorldEnv) -> None:
+    """Shut the simulator's JVM down and wait for the java process to exit (killed if it has not within
+    ``JVM_EXIT_TIMEOUT_S``). The package's ``close`` only asks it to exit."""
+    process: subprocess.Popen[bytes] = simulator._gateway.java_process
+    simulator.close()
+    try:
+        process.wait(timeout=JVM_EXIT_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+
+
+def _task(tasks: tuple[SciWorldTask, ...], data_idx: int) -> SciWorldTask:
+    if isinstance(data_idx, bool) or not isinstance(data_idx, int) or not 0 <= data_idx < len(tasks):
+        raise EnvError(f"sciworld task index {data_idx!r} is out of range: expected an integer in [0, {len(tasks)})")
+    return tasks[data_idx]
+
+
+class SciWorldEnv(Environment):
+    """One ScienceWorld simulator (its own JVM), one episode at a time (see the module docstring)."""
+
+    def __init__(self, tasks: tuple[SciWorldTask, ...]) -> None:
+        self.tasks = tasks
+        self._simulator: ScienceWorldEnv | None = _start()
+        self.task: SciWorldTask | None = None
+        self.data_idx: int | None = None
+        self.task_description = ""
+        self.first_look = ""
+        self.score = 0
+        """the current score, clamped at 0"""
+        self._credited = 0
+        """the rewards returned so far this episode, summed"""
+        self.done = False
+        self._observation = ""
+
+    def _running(self) -> ScienceWorldEnv:
+        if self._simulator is None:
+            raise EnvError("sciworld instance is closed")
+        return self._simulator
+
+    def reset(self, data_idx: int) -> str:
+        simulator = self._running()
+        task = _task(self.tasks, data_idx)
+        simulator.load(task.task_name, task.variation)
+        self.task, self.data_idx = task, data_idx
+        self.task_description = simulator.get_task_description()
+        self.first_look, _, _, info = simulator.step("look around")
+        self.score, self._credited = max(info["score"], 0), 0
+        self.done = False
+        self._observation = f"{self.task_description}\n{self.first_look}"
+        return self._observation
+
+    def step(self, action: str) -> StepResult:
+        simulator = self._running()
+        if self.task is None:
+            raise EnvError("sciworld: step before reset: reset a task first")
+        if self.done:
+            raise EnvError(f"sciworld task {self.data_idx} has finished: reset it to play again")
+        observation, _, done, info = simulator.step(action)
+        raw_score = info["score"]
+        self.score = max(raw_score, 0)
+        reward, self._credited = self.score - self._credited, self.score
+        self.done, self._observation = bool(done), observation
+        return StepResult(observation=observation, reward=float(reward), done=self.done,
+                          info={"score": self.score, "raw_score": raw_score, "moves": info["moves"]})
+
+    def observation(self) -> str:
+        return self._observation
+
+    def close(self) -> None:
+        if self._simulator is not None:
+            simulator, self._simulator = self._simulator, None
+            _stop(simulator)
+
+    def detail(self) -> dict[str, Any]:
+        if self.task is None:
+            return {}
+        return {
+            "data_idx": self.data_idx,
+            "task_id": self.task.task_id,
+            "task_name": self.task.task_name,
+            "var_num": self.task.variation,
+            "task_description": self.task_description,
+            "observation": self.first_look,
+            "score": self.score,
+            "done": self.done,
+        }
+
+
+class GoldPaths:
+    """The oracle: ScienceWorld's gold action sequence of a task, cut where it completes the task.
+
+    The simulator writes the gold sequence when it loads a task; it often goes on after the task is complete, and
+    for a few tasks it does not complete it. So each call loads the task in this oracle's own JVM (started on
+    first use; calls are serialised; :meth:`close` stops it), plays the sequence after ``look around`` as an
+    episode would, and returns the actions up to the one that completes the task; ``EnvError`` when none does."""
+
+    def __init__(self, tasks: tuple[SciWorldTask, ...]) -> None:
+        self.tasks = tasks
+        self._simulator: ScienceWorldEnv | None = None
+        self._lock = threading.Lock()
+
+    def __call__(self, data_idx: int) -> list[str]:
+        task = _task(self.tasks, data_idx)
+        with self._lock:
+            if self._simulator is None:
+                self._simulator = _start()
+            simulator = self._simulator
+            simulator.load(task.task_name, task.variation, "", generateGoldPath=True)
+            gold = simulator.get_gold_action_sequence()
+            simulator.step("look around")
+            score, moves = 0, 0
+            for taken, action in enumerate(gold, start=1):
+                _, _, done, info = simulator.step(action)
+                score, moves = info["score"], info["moves"]
+                if done and score == SUCCESS_SCORE:
+                    return gold[:taken]
+                if done:
+                    break
+        raise EnvError(f"sciworld task {data_idx} ({task.task_id} {task.task_name}, variation {task.variation}): "
+                       f"its gold action sequence does not complete it (score {score} after {moves} moves)")
+
+    def close(self) -> None:
+        with self._lock:
+            if self._simulator is not None:
+                simulator, self._simulator = self._simulator, None
+                _stop(simulator)
+
+
+def spec() -> EnvSpec:
+    tasks = sciworld_tasks()
+    first_test = next(i for i, task in enumerate(tasks) if task.task_id == FIRST_TEST_TASK)
+    return EnvSpec(
+        name=NAME,
+        factory=lambda: SciWorldEnv(tasks),
+        splits={"train": range(0, first_test), "test": range(first_test, len(tasks))},
+        instruction=INSTRUCTION,
+        action_format="react",
+        success_reward=SUCCESS_SCORE,
+        reward_scale=1 / SUCCESS_SCORE,
+        max_turns=MAX_TURNS,
+        oracle=GoldPaths(tasks),
+    )

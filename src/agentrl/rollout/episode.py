@@ -1,0 +1,153 @@
+"""One environment episode as a trajectory: observation in, action out, token-exact, one instance per trajectory.
+
+A Task whose metadata has ``env: {name, data_idx}`` is an episode of a stateful environment reached over the
+AgentGym HTTP protocol (:mod:`agentrl.envs.client`). The episode:
+
+1. closes the instances of earlier attempts of the same slot that were never closed (their sampler died), then
+   creates an instance, records it on the Record (fenced by the lease), and resets it to task ``data_idx``;
+2. renders the environment's instruction (system) and first observation (user) with the chat template; each turn
+   the model generates, its action is parsed (:func:`agentrl.envs.actions.parse_action`) and stepped, and the
+   observation is appended as the next user turn — the token delta, exactly as tool results are, so every call's
+   prompt extends the previous prompt + output. A turn without an action is told so and stepped no further (the
+   call is labelled ``formaterror``). Each call stores its step: ``env_step: {action, observation, reward, done}``;
+3. ends on ``done`` (outcome ``done``), the turn limit (the Task's ``env.max_turns`` capped by ``--max_turns``) or
+   the context limit; the score is the episode's reward
+   (the latest cumulative ``score`` where the server reports one, else the sum of step rewards) times the
+   environment's ``reward_scale``;
+4. closes the instance — also when cancelled (sampler shutdown) — and marks it closed on the Record.
+
+Invariants: an instance is used by one attempt only; every instance recorded on a Record is closed by its attempt,
+or by a later attempt of the slot once the lease of the dead one expired (or by the server's idle sweep). Crash
+windows: (a) between ``create`` and recording the id (one round trip) nothing in the database knows the instance:
+our server's idle sweep (``agentrl envs serve --instance_ttl_s``) closes it; (b) between closing and marking it
+closed, a later attempt closes it again (closing an unknown id is harmless).
+
+Failures that say nothing about the policy are outcomes without a verdict (never trained; errors in evaluations):
+``env_start_error`` (the server refused create/reset) and ``env_error`` (it refused a step). A server that cannot
+be reached (:class:`~agentrl.envs.client.EnvUnavailable`) is infrastructure: the error propagates and the sampler
+gives the slot back unscored, to be retried once the server is back (nothing is lost to an outage).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from agentrl.envs.actions import NO_ACTION_HINT, episode_messages, observation_message, parse_action
+from agentrl.envs.base import EnvError
+from agentrl.envs.client import EnvServerError
+from agentrl.rollout.agent import AgentResources, GenerationFailed, TrajectoryResult, TurnState, generate_turn
+from agentrl.rollout.conversation import TokenConversation
+from agentrl.rollout.tool_parsers import TrajectoryOutcome
+from agentrl.store import CallStatus, SlotLease
+
+logger = logging.getLogger(__name__)
+
+
+def episode_of(task_metadata: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``env`` entry of a Task's metadata (``{name, data_idx}``), or ``None`` for other Tasks."""
+    env = task_metadata.get("env")
+    return env if isinstance(env, dict) else None
+
+
+async def run_episode(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
+    """Roll out ``lease``'s Task as an environment episode (see the module docstring)."""
+    if res.envs is None:
+        raise EnvError("this sampler has no environments; Task metadata names one")
+    env = episode_of(lease.task.metadata) or {}
+    name, data_idx = str(env.get("name")), int(env.get("data_idx", 0))
+    client = await res.envs.client(name)
+    await _close_dead_attempts(res, lease)
+    state = TurnState()
+    summary: dict[str, Any] = {"name": name, "data_idx": data_idx, "reward": 0.0, "score": 0.0, "success": False,
+                               "steps": 0}
+    try:
+        instance = await client.create()
+    except EnvServerError as error:
+        return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, summary, f"environment create failed: {error}")
+    try:
+        try:
+            await res.store.records.set_env_instance(lease.record_id, lease.lease_id,
+                                                     {"name": name, "url": client.base_url, "id": instance})
+            observation = await client.reset(instance, data_idx)
+        except EnvServerError as error:
+            return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, summary, f"environment reset failed: {error}")
+        return await _play(res, lease, client, instance, observation, state, summary)
+    finally:
+        await asyncio.shield(_close(res, lease.record_id, client, instance))
+
+
+async def _play(res: AgentResources, lease: SlotLease, client: Any, instance: int, observation: str,
+                state: TurnState, summary: dict[str, Any]) -> TrajectoryResult:
+    cfg, task = res.config, lease.task
+    spec = res.envs.spec(summary["name"])
+    action_format = (episode_of(task.metadata) or {}).get("action_format") or spec.action_format
+    instruction = task.system_prompt or spec.instruction
+    max_turns = min(int((episode_of(task.metadata) or {}).get("max_turns") or cfg.max_turns), cfg.max_turns)
+    conversation = TokenConversation(res.tokenizer, episode_messages(instruction, observation), None)
+    scores: list[float] = []
+    for turn in range(max_turns):
+        try:
+            generated = await generate_turn(res, lease, conversation, turn, state)
+        except GenerationFailed as error:
+            return _ended(TrajectoryOutcome.FAILED_ERROR, turn, state, summary, str(error))
+        action = parse_action(generated.text, action_format)
+        if action is None:
+            observation, done = NO_ACTION_HINT[action_format], False
+            await res.store.calls.relabel(generated.call_id, CallStatus.FORMATERROR, error="no action in the reply",
+                                          env_step={"action": None, "observation": observation, "reward": 0.0,
+                                                    "done": False})
+        else:
+            await res.store.slots.heartbeat(lease)  # the fence: a retired attempt steps no environment
+            try:
+                step = await client.step(instance, action)
+            except EnvServerError as error:
+                return _ended(TrajectoryOutcome.ENV_ERROR, turn + 1, state, summary,
+                              f"environment step failed: {error}")
+            observation, done = step.observation, step.done
+            summary["steps"] += 1
+            summary["reward"] += step.reward
+            if "score" in step.info:
+                scores.append(float(step.info["score"]))
+            await res.store.calls.annotate(generated.call_id, env_step={
+                "action": action, "observation": observation, "reward": step.reward, "done": done,
+                **({"score": step.info["score"]} if "score" in step.info else {})})
+        if scores:  # a server with a cumulative score: that is the episode's reward
+            summary["reward"] = scores[-1]
+        if done:
+            return _ended(TrajectoryOutcome.DONE, turn + 1, state, summary, None, spec=spec)
+        state.appended(conversation.append(generated.output_ids, generated.text, [observation_message(observation)]))
+        if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
+            return _ended(TrajectoryOutcome.LENGTH_LIMIT_ERROR, turn + 1, state, summary, None, spec=spec)
+    return _ended(TrajectoryOutcome.TURNS_LIMIT_ERROR, max_turns, state, summary, None, spec=spec)
+
+
+def _ended(outcome: TrajectoryOutcome, turns: int, state: TurnState, summary: dict[str, Any], error: str | None,
+           *, spec: Any = None) -> TrajectoryResult:
+    if spec is not None:
+        summary["score"] = summary["reward"] * spec.reward_scale
+        summary["success"] = summary["reward"] >= spec.success_reward
+    return TrajectoryResult(outcome, None, turns, state.branches, state.first_version, error=error, env=summary)
+
+
+async def _close(res: AgentResources, record_id: str, client: Any, instance: int) -> None:
+    """Close an instance and mark it closed; failures are logged (a later attempt or the idle sweep closes it)."""
+    try:
+        await client.close(instance)
+        await res.store.records.mark_env_closed(record_id)
+    except Exception as error:  # noqa: BLE001 - closing is best effort here; the Record says it is still open
+        logger.warning("could not close environment instance %s of %s: %s", instance, record_id, error)
+
+
+async def _close_dead_attempts(res: AgentResources, lease: SlotLease) -> None:
+    """Close the instances of this slot's earlier attempts that never closed theirs (their sampler died)."""
+    if lease.attempt == 0:
+        return
+    for record in await res.store.records.open_env_instances(lease.task.id, lease.slot, lease.attempt):
+        instance = record.env_instance or {}
+        try:
+            await res.envs.close_instance(str(instance["name"]), str(instance["url"]), int(instance["id"]))
+        except Exception as error:  # noqa: BLE001 - a server that is gone took its instances with it
+            logger.info("instance %s of dead attempt %s not closed (%s)", instance.get("id"), record.id, error)
+        await res.store.records.mark_env_closed(record.id)

@@ -1,0 +1,128 @@
+"""Environment episodes end to end: real ``agentrl sample`` processes, a real TextCraft server (``agentrl envs
+serve``), a real engine serving a tiny model, the embedded database. Token-exact turns with the observations as
+user turns, per-step rewards on the calls, environment rewards reaching the advantages, instances closed — also
+those of a SIGKILLed sampler."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import httpx
+
+from rollout_fixtures import agentrl_cmd, documents, run_env
+from test_rollout_sampler import full_prompts
+
+from env_fixtures import EPISODE_TASKS
+
+
+def write_env_tasks(path: Path, indices: tuple[int, ...], max_turns: int | None = None) -> Path:
+    rows = [{"id": f"textcraft-{i}", "query": f"textcraft task {i}", "scorer": "env_reward", "task_type": "textcraft",
+             "env": {"name": "textcraft", "data_idx": i, **({"max_turns": max_turns} if max_turns else {})}}
+            for i in indices]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def upload_env_tasks(db_uri: str, path: Path, generations: int) -> None:
+    done = subprocess.run(agentrl_cmd("tasks", "upload", str(path), "--db_connection_string", db_uri,
+                                      "--num_generations", str(generations)),
+                          capture_output=True, text=True, env=run_env(), timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
+def sample_cmd(db_uri: str, model_dir: Path, engine_url: str, server: str, *extra: str) -> list[str]:
+    return agentrl_cmd("sample", "--db_connection_string", db_uri, "--model_name_or_path", str(model_dir),
+                       "--inference_urls", engine_url, "--env_server", f"textcraft={server}",
+                       "--max_new_tokens", "24", "--max_concurrent_samples_per_process", "4", *extra)
+
+
+def live_instances(server: str) -> list[int]:
+    return httpx.get(f"{server}/instances", timeout=10).json()["ids"]
+
+
+def test_episodes_are_token_exact_and_their_rewards_reach_the_advantages(
+        db_uri: str, tmp_path: Path, textcraft_model_dir: Path, textcraft_engine_url: str,
+        textcraft_server: str) -> None:
+    upload_env_tasks(db_uri, write_env_tasks(tmp_path / "tasks.jsonl", EPISODE_TASKS), generations=6)
+    done = subprocess.run(sample_cmd(db_uri, textcraft_model_dir, textcraft_engine_url, textcraft_server,
+                                     "--max_turns", "2", "--temperature", "1", "--seed", "3",
+                                     "--zero_variance_threshold", "0", "--exit_when_done", "true"),
+                          capture_output=True, text=True, env=run_env(), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "12 trajectories, 12 scored" in done.stdout
+
+    records = documents(db_uri, "Record")
+    calls = documents(db_uri, "DispatchedSamplingTask")
+    samples = {s["record_id"]: s for s in documents(db_uri, "DBRecordData")}
+    assert len(records) == 12
+    rewards = defaultdict(list)
+    for record in records:
+        details = record["score_details"]
+        # An episode that crafted the goal ends `done` with reward 1; `inventory` instead runs into the turn limit.
+        assert (record["outcome"], record["score"], details["success"]) in {
+            ("done", 1.0, True), ("turns_limit_error", 0.0, False)}
+        assert details["name"] == "textcraft" and details["steps"] == 2 and record["num_turns"] == 2
+        assert "env_open" not in record and record["env_instance"]["name"] == "textcraft"
+        rewards[record["task_id"]].append(record["score"])
+
+        own = sorted((c for c in calls if c["record_id"] == record["_id"]), key=lambda c: c["turn"])
+        first, second = own
+        prompts = full_prompts(own)
+        # Turn 2's prompt is turn 1's prompt + the sampled action + the observation rendered as a user turn.
+        assert second["previous_call_id"] == first["_id"] and second["input_ids"] is None
+        assert prompts[second["_id"]] == prompts[first["_id"]] + first["output_ids"] + second["prompt_delta_ids"]
+        assert first["env_step"]["observation"] in second["prompt_delta_text"]
+        assert "<|im_start|>user" in second["prompt_delta_text"]
+        assert first["env_step"]["action"].startswith("get ") and first["env_step"]["reward"] == 0
+        assert second["env_step"]["reward"] == record["score"] and second["env_step"]["done"] is (
+            record["outcome"] == "done")
+        # The trainer's sample is exactly the engine's tokens, loss on the two actions only.
+        sample = samples[record["_id"]]
+        assert sample["input_ids"] == prompts[second["_id"]] + second["output_ids"]
+        assert [t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m] == (
+            first["output_ids"] + second["output_ids"])
+        assert sample["reward"] == record["score"]
+
+    # Environment rewards reach the advantages: in a group with both endings, success is pushed up, failure down.
+    mixed = [task for task, values in rewards.items() if 0.0 < sum(values) < len(values)]
+    assert mixed, f"no group had both endings: {dict(rewards)}"
+    for record in records:
+        if record["task_id"] in mixed:
+            advantage = max(samples[record["_id"]]["advantages"], key=abs)
+            assert (advantage > 0) == (record["score"] == 1.0) and advantage != 0
+    assert live_instances(textcraft_server) == []
+
+
+def test_a_sigkilled_samplers_instances_are_closed_by_the_attempt_that_takes_over(
+        db_uri: str, tmp_path: Path, tiny_model_dir: Path, engine_url: str, textcraft_server: str) -> None:
+    # The random tiny model never finishes a task: episodes run to the turn limit, so the sampler dies mid-episode.
+    upload_env_tasks(db_uri, write_env_tasks(tmp_path / "tasks.jsonl", (0, 3), max_turns=40), generations=1)
+    args = ("--max_turns", "40", "--temperature", "1", "--lease_s", "3")
+    victim = subprocess.Popen(sample_cmd(db_uri, tiny_model_dir, engine_url, textcraft_server, *args),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env())
+    try:
+        deadline = time.monotonic() + 120
+        while len(live_instances(textcraft_server)) < 2 or len(documents(db_uri, "Record", {
+                "env_open": {"$exists": True}})) < 2:
+            assert time.monotonic() < deadline, "the sampler never had two episodes running"
+            assert victim.poll() is None
+            time.sleep(0.2)
+    finally:
+        victim.send_signal(signal.SIGKILL)
+        victim.wait()
+    orphans = set(live_instances(textcraft_server))
+    assert len(orphans) == 2  # the dead sampler's instances outlive it on the shared server
+
+    done = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, textcraft_server, *args,
+                                     "--exit_when_done", "true"),
+                          capture_output=True, text=True, env=run_env(), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = documents(db_uri, "Record")
+    assert len({r["task_id"] for r in records if r["attempt"] >= 1}) == 2  # both slots were taken over
+    assert not any("env_open" in r for r in records)
+    assert live_instances(textcraft_server) == []
