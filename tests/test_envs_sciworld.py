@@ -16,7 +16,7 @@ from agentrl.envs.sciworld import EXCLUDED_TASKS, GoldPaths, SciWorldEnv, sciwor
 
 def java_children() -> set[int]:
     """The ids of this process's child processes that run java."""
-    children = set()
+    children: set[int] = set()
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             text = stat.read_text()
@@ -59,12 +59,14 @@ def test_task_list_is_agentgyms_without_the_excluded_tasks(sciworld: EnvSpec) ->
         assert task.variation == (previous.variation + 1 if task.task_id == previous.task_id else 0)
     assert sciworld.success_reward == 100 and sciworld.reward_scale == 0.01
     assert sciworld.action_format == "react"
+    assert sciworld.meta["task_type"](0) == "sciworld-boil" and sciworld.meta["task_type"](4638) == (
+        "sciworld-identify-life-stages-2")
 
 
 def test_reset_starts_with_the_task_then_looks_around(env: SciWorldEnv) -> None:
     first = env.reset(0)
     assert first.startswith("Your task is to boil water.")
-    assert "\n\nThis room is called the " in first
+    assert "\nThis room is called the " in first
     detail = env.detail()
     assert (detail["task_name"], detail["var_num"], detail["data_idx"]) == ("boil", 0, 0)
     assert first == f"{detail['task_description']}\n{detail['observation']}" == env.observation()
@@ -104,12 +106,15 @@ def test_oracle_completes_tasks(sciworld: EnvSpec, env: SciWorldEnv) -> None:
         for data_idx in (index_of("4-2", 150), index_of("7-1", 124)):
             plan = oracle(data_idx)
             env.reset(data_idx)
-            total = 0.0
-            for action in plan:
+            total, taken = 0.0, 0
+            for action in plan:  # until done: the gold sequence may go on after the task is complete
                 assert parse_action(format_action(action, "react", thought="go on"), "react") == action
                 result = env.step(action)
-                total += result.reward
+                total, taken = total + result.reward, taken + 1
+                if result.done:
+                    break
             assert result.done and result.info["score"] == 100 and total == sciworld.success_reward
+            assert taken <= sciworld.max_turns
     finally:
         oracle.close()
 

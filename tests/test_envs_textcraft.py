@@ -34,6 +34,8 @@ def test_spec_splits_cover_every_goal_with_a_contiguous_test_tail(textcraft: Env
     depths = [depth for _, depth in crafting_world().goals]
     assert depths == sorted(depths) and min(depths) == 1
     assert {depths[i] for i in textcraft.split("test")} == {3, 4}
+    assert textcraft.meta["task_type"](0) == "textcraft-depth1" and textcraft.meta["task_type"](543) == (
+        "textcraft-depth4")
 
 
 def test_reset_states_the_goal_and_lists_its_recipes(env: TextCraftEnv) -> None:

