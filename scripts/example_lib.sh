@@ -70,6 +70,17 @@ run_and_wait() {
   return "$status"
 }
 
+# wait_until_ready NAME PATTERN TIMEOUT_S: wait until the last process started (NAME, by start_background) prints
+# PATTERN in its log; exit with its last lines if it dies first or stays silent past TIMEOUT_S.
+wait_until_ready() {
+  local name=$1 pattern=$2 pid=${STARTED_PIDS[-1]} deadline=$((SECONDS + $3))
+  until grep -q "$pattern" "$RUN_DIR/logs/$name.log" 2>/dev/null; do
+    kill -0 "$pid" 2>/dev/null || { tail -n 30 "$RUN_DIR/logs/$name.log"; log "$name failed to start"; exit 1; }
+    ((SECONDS < deadline)) || { log "$name did not start within $3 s"; exit 1; }
+    sleep 0.5
+  done
+}
+
 # use_database: DB_URI from MONGO_URI (a server; the run name becomes the database) or the embedded server;
 # database_uri NAME gives the URI of another database on the same server.
 use_database() {
@@ -112,13 +123,8 @@ use_inference() {
   fi
   start_background engine "$AGENTRL" engine ${MODEL:+--model_name_or_path "$MODEL"} --port 0 \
     --db_connection_string "$DB_URI" --num_threads "${ENGINE_THREADS:-2}" --max_running_requests 64
-  local pid=${STARTED_PIDS[-1]} deadline=$((SECONDS + ${ENGINE_STARTUP_S:-600}))
   log "inference: starting agentrl engine on ${MODEL:-the embedded SmolLM2-135M-Instruct} (log $RUN_DIR/logs/engine.log)"
-  until grep -q "agentrl engine ready at" "$RUN_DIR/logs/engine.log" 2>/dev/null; do
-    kill -0 "$pid" 2>/dev/null || { tail -n 30 "$RUN_DIR/logs/engine.log"; log "the engine failed to start"; exit 1; }
-    ((SECONDS < deadline)) || { log "the engine did not start within ${ENGINE_STARTUP_S:-600} s"; exit 1; }
-    sleep 0.5
-  done
+  wait_until_ready engine "agentrl engine ready at" "${ENGINE_STARTUP_S:-600}"
   ENGINE_URL=$(sed -n 's/.*agentrl engine ready at \(http:[^ ]*\).*/\1/p' "$RUN_DIR/logs/engine.log" | head -n 1)
   SAMPLER_INFERENCE_FLAGS=(--inference_urls "$ENGINE_URL")
   log "inference: $(grep -o 'agentrl engine ready at .*' "$RUN_DIR/logs/engine.log" | head -n 1)"
@@ -144,12 +150,7 @@ use_env() {
   local url=${ENV_SERVER:-}
   if [ -z "$url" ]; then
     start_background env-server "$AGENTRL" envs serve "$ENV" --port 0
-    local pid=${STARTED_PIDS[-1]} deadline=$((SECONDS + 300))
-    until grep -q "agentrl envs: serving $ENV at http" "$RUN_DIR/logs/env-server.log" 2>/dev/null; do
-      kill -0 "$pid" 2>/dev/null || { tail -n 30 "$RUN_DIR/logs/env-server.log"; log "the $ENV server failed to start"; exit 1; }
-      ((SECONDS < deadline)) || { log "the $ENV server did not start within 300 s"; exit 1; }
-      sleep 0.5
-    done
+    wait_until_ready env-server "agentrl envs: serving $ENV at http" 300
     url=$(sed -n "s/.*agentrl envs: serving $ENV at \(http[^ ]*\).*/\1/p" "$RUN_DIR/logs/env-server.log" | head -n 1)
   fi
   log "environment: $ENV at $url (log $RUN_DIR/logs/env-server.log)"

@@ -11,9 +11,6 @@ Registered as a plugin by ``conftest.py``.
 
 from __future__ import annotations
 
-import hashlib
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,6 +22,7 @@ from agentrl.envs.textcraft import spec as textcraft_spec
 from agentrl.inference.tiny_model import build_tiny_model
 from agentrl.rollout.conversation import TokenConversation
 from inference_fixtures import start_engine
+from rollout_fixtures import cached_model_dir
 from scripted_model import train_on_sequences
 
 EPISODE_TASKS = (0, 3)
@@ -69,22 +67,9 @@ def build_textcraft_model(out_dir: Path, steps: int = ENV_MODEL_STEPS, seed: int
 
 @pytest.fixture(scope="session")
 def textcraft_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    import transformers
-
     source = (Path(__file__).read_bytes() + (Path(__file__).parent / "scripted_model.py").read_bytes()
               + Path(textcraft_spec.__code__.co_filename).read_bytes())
-    key = hashlib.sha256(source + f"{torch.__version__}/{transformers.__version__}".encode()).hexdigest()[:16]
-    cached = Path(request.config.cache.mkdir("textcraft-model")) / key
-    if (cached / "config.json").exists():
-        return cached
-    build = build_textcraft_model(tmp_path_factory.mktemp("textcraft-model"))
-    staging = cached.with_name(cached.name + f".{os.getpid()}.tmp")
-    shutil.copytree(build, staging)
-    try:
-        staging.rename(cached)
-    except OSError:  # another run got there first
-        shutil.rmtree(staging, ignore_errors=True)
-    return cached
+    return cached_model_dir(request, tmp_path_factory, "textcraft-model", source, build_textcraft_model)
 
 
 @pytest.fixture(scope="session")

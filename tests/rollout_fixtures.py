@@ -12,7 +12,7 @@ import os
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -25,27 +25,34 @@ from scripted_model import SCRIPTS, build_scripted_model, calculator_config
 SCRIPTED_STEPS = 150
 
 
-@pytest.fixture(scope="session")
-def scripted_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The tiny model trained on ``scripted_model.SCRIPTS`` (about a minute on one core), kept in pytest's cache
-    per version of ``scripted_model.py`` and of torch/transformers, so a second pytest run (the SecantusDB pass of
+def cached_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory, name: str,
+                     source: bytes, build: Callable[[Path], Path]) -> Path:
+    """A model built by ``build(scratch_dir)``, kept in pytest's cache under ``name`` per ``source`` (the code that
+    defines it) and the torch/transformers versions, so a second pytest run (the SecantusDB pass of
     ``scripts/test.sh``) reuses it. Tests never write into it."""
     import torch
     import transformers
 
-    source = (Path(__file__).parent / "scripted_model.py").read_bytes()
-    key = hashlib.sha256(source + f"{SCRIPTED_STEPS}/{torch.__version__}/{transformers.__version__}".encode())
-    cached = Path(request.config.cache.mkdir("scripted-model")) / key.hexdigest()[:16]
+    key = hashlib.sha256(source + f"{torch.__version__}/{transformers.__version__}".encode())
+    cached = Path(request.config.cache.mkdir(name)) / key.hexdigest()[:16]
     if (cached / "config.json").exists():
         return cached
-    build = build_scripted_model(tmp_path_factory.mktemp("scripted"), steps=SCRIPTED_STEPS)
+    built = build(tmp_path_factory.mktemp(name))
     staging = cached.with_name(cached.name + f".{os.getpid()}.tmp")
-    shutil.copytree(build, staging)
+    shutil.copytree(built, staging)
     try:
         staging.rename(cached)  # complete before anyone sees the name
     except OSError:  # another run got there first
         shutil.rmtree(staging, ignore_errors=True)
     return cached
+
+
+@pytest.fixture(scope="session")
+def scripted_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny model trained on ``scripted_model.SCRIPTS`` (about a minute on one core)."""
+    source = (Path(__file__).parent / "scripted_model.py").read_bytes() + f"{SCRIPTED_STEPS}".encode()
+    return cached_model_dir(request, tmp_path_factory, "scripted-model", source,
+                            lambda scratch: build_scripted_model(scratch, steps=SCRIPTED_STEPS))
 
 
 @pytest.fixture(scope="session")

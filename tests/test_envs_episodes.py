@@ -13,6 +13,9 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
+import pytest
+
+from agentrl.envs.local import start_local_server
 
 from rollout_fixtures import agentrl_cmd, documents, run_env
 from test_rollout_sampler import full_prompts
@@ -123,6 +126,35 @@ def test_a_sigkilled_samplers_instances_are_closed_by_the_attempt_that_takes_ove
                           capture_output=True, text=True, env=run_env(), timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     records = documents(db_uri, "Record")
-    assert len({r["task_id"] for r in records if r["attempt"] >= 1}) == 2  # both slots were taken over
+    assert len({r["task_id"] for r in records if r["attempt"] >= 2}) == 2  # both slots were taken over
     assert not any("env_open" in r for r in records)
     assert live_instances(textcraft_server) == []
+
+
+@pytest.mark.parametrize("point", ["episode.create.before_record", "episode.close.before_mark"])
+def test_a_sampler_killed_in_an_instance_window_leaves_nothing_open(
+        point: str, db_uri: str, tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
+    """Killed between creating an instance and recording it, the server's idle sweep closes it; killed between
+    closing it and marking it closed, the attempt that takes over marks it (closing it again is harmless)."""
+    url, stop = start_local_server("textcraft", instance_ttl_s=2)
+    try:
+        upload_env_tasks(db_uri, write_env_tasks(tmp_path / "tasks.jsonl", (0,), max_turns=2), generations=1)
+        args = ("--max_turns", "2", "--lease_s", "2", "--exit_when_done", "true")
+        victim = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args), capture_output=True,
+                                text=True, env={**run_env(), "AGENTRL_FAILPOINTS": f"{point}=exit"}, timeout=120)
+        assert victim.returncode == 86, victim.stdout + victim.stderr
+        if point == "episode.create.before_record":
+            assert len(live_instances(url)) == 1 and not documents(db_uri, "Record", {"env_open": {"$exists": True}})
+        else:
+            assert live_instances(url) == [] and len(documents(db_uri, "Record", {"env_open": {"$exists": True}})) == 1
+        done = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args), capture_output=True,
+                              text=True, env=run_env(), timeout=120)
+        assert done.returncode == 0, done.stdout + done.stderr
+        records = documents(db_uri, "Record")
+        assert [r["attempt"] for r in records] == [1, 2] and not any("env_open" in r for r in records)
+        deadline = time.monotonic() + 10
+        while live_instances(url):  # the orphan of the first window waits for the sweep (TTL 2 s)
+            assert time.monotonic() < deadline, "the idle sweep never closed the unrecorded instance"
+            time.sleep(0.2)
+    finally:
+        stop()

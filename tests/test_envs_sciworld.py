@@ -11,7 +11,7 @@ import pytest
 
 from agentrl.envs.actions import format_action, parse_action
 from agentrl.envs.base import EnvError, EnvSpec
-from agentrl.envs.sciworld import EXCLUDED_TASKS, GoldPaths, SciWorldEnv, sciworld_tasks, spec
+from agentrl.envs.sciworld import EXCLUDED_TASKS, GoldPaths, SciWorldEnv, _list_tasks, sciworld_tasks, spec
 
 
 def java_children() -> set[int]:
@@ -55,6 +55,7 @@ def test_task_list_is_agentgyms_without_the_excluded_tasks(sciworld: EnvSpec) ->
     assert (tasks[0].task_id, tasks[0].task_name, tasks[0].variation) == ("1-1", "boil", 0)
     assert (tasks[-1].task_id, tasks[-1].variation) == ("8-2", 9)
     assert tasks[4136].task_id == "6-1" and tasks[4135].task_id == "4-4"
+    assert _list_tasks(ask_the_jvm=True) == tasks  # the pinned variation counts are what the JVM says
     for previous, task in zip(tasks, tasks[1:]):  # each task's variations in order, from 0
         assert task.variation == (previous.variation + 1 if task.task_id == previous.task_id else 0)
     assert sciworld.success_reward == 100 and sciworld.reward_scale == 0.01

@@ -17,7 +17,6 @@ from agentrl.envs.tau2_airline import (
     SCORER_NAME,
     main,
     mcp_server_config,
-    register,
     task_row,
     task_rows,
     tau2_airline_score,
@@ -148,8 +147,7 @@ async def test_a_task_that_must_be_refused_scores_one_only_without_writes(airlin
     assert tau2_airline_score("Cancelled.", {}, scoring_config(metadata, final)) == 0.0
 
 
-async def test_the_scorer_registers_in_the_factory(solved_14: tuple[dict[str, Any], dict[str, Any]]) -> None:
-    register()
+async def test_the_scorer_is_a_builtin_of_the_factory(solved_14: tuple[dict[str, Any], dict[str, Any]]) -> None:
     metadata, final = solved_14
     result = await MCPScorerFactory.score(SCORER_NAME, ANSWER_14, metadata["tau2"], scoring_config(metadata, final))
     assert (result.error, result.score) == (None, 1.0)

@@ -68,21 +68,23 @@ async def test_admin_endpoints_contract(engine_url: str) -> None:
 
 async def test_concurrent_requests_are_batched(engine_url: str) -> None:
     params = {"max_new_tokens": 48, "ignore_eos": True}
+    prompts = [[*PROMPT, i + 10] for i in range(16)]
     async with SGLangClient(engine_url) as client:
         await client.generate(PROMPT, {"max_new_tokens": 4})  # warm up
         started = time.perf_counter()
-        single = await client.generate(PROMPT, params)
-        single_s = time.perf_counter() - started
+        for i, prompt in enumerate(prompts):
+            await client.generate(prompt, {**params, "sampling_seed": i})
+        sequential_s = time.perf_counter() - started
         started = time.perf_counter()
         results = await asyncio.gather(*[
-            client.generate([*PROMPT, i + 10], {**params, "sampling_seed": i}) for i in range(16)])
+            client.generate(prompt, {**params, "sampling_seed": i}) for i, prompt in enumerate(prompts)])
         concurrent_s = time.perf_counter() - started
-    assert single.completion_tokens == 48
     assert all(r.completion_tokens == 48 and len(r.output_token_logprobs) == 48 for r in results)
     assert len({tuple(r.output_ids) for r in results}) == 16
-    # Sequential service would take ~16x one request; batched decoding takes far less.
-    print(f"one request {single_s:.3f}s, 16 concurrent {concurrent_s:.3f}s")
-    assert concurrent_s < 0.5 * 16 * single_s, (concurrent_s, single_s)
+    # Served one after the other, the 16 concurrent requests would take as long as the same 16 in sequence (measured
+    # just before, so machine load affects both); decoded in one batch they take far less (about half on 2 cores).
+    print(f"16 in sequence {sequential_s:.3f}s, 16 concurrent {concurrent_s:.3f}s")
+    assert concurrent_s < 0.8 * sequential_s, (concurrent_s, sequential_s)
 
 
 async def test_seed_makes_a_request_reproducible(engine_url: str) -> None:

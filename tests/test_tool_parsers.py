@@ -9,6 +9,7 @@ import pytest
 
 from agentrl.rollout.tool_parsers import (
     CALL_ERROR_STATUSES,
+    NO_VERDICT_OUTCOMES,
     PARSERS,
     ParseResult,
     TrajectoryOutcome,
@@ -180,7 +181,9 @@ def test_registry() -> None:
 def test_error_taxonomy_values() -> None:
     assert [str(s) for s in CALL_ERROR_STATUSES] == ["formaterror", "toolfailed", "repeaterror"]
     assert [o.value for o in TrajectoryOutcome] == [
-        "answer", "turns_limit_error", "length_limit_error", "repetition_error", "failed_error"]
+        "answer", "turns_limit_error", "length_limit_error", "repetition_error", "failed_error", "done",
+        "env_start_error", "env_error"]
+    assert NO_VERDICT_OUTCOMES == {"failed_error", "env_start_error", "env_error"}
 
 
 def test_load_json_object_rejects_non_objects() -> None:

@@ -18,6 +18,8 @@ Points in the code:
   the Record is scored or failed, the slot is not yet settled on its Task), ``slots.finish.after_settle`` (settled,
   the lease not dropped, the group stage not claimed);
 - ``sampler.sample.before_finish`` (a trajectory's Record ``completed``, not yet scored and settled);
+- ``episode.create.before_record`` (an environment instance created, its id not recorded on the Record),
+  ``episode.close.before_mark`` (the instance closed, the Record still says it is open);
 - ``group_stage.after_enqueue`` (a kept trajectory's samples queued, its Record not ``ready``),
   ``group_stage.before_complete`` (every Record moved on, the Task not closed);
 - ``samples.claim.after_one`` (a trainer rank claimed one more sample of its step);

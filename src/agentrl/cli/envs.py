@@ -28,22 +28,24 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "tasks", help="write a task file (JSONL) for `agentrl tasks upload`",
         description="One row per task: query 'NAME task K', scorer env_reward, metadata env {name, data_idx}. "
                     "Upload with `agentrl tasks upload FILE --split SPLIT`.")
-    tasks.add_argument("name", metavar="NAME")
-    tasks.add_argument("--split", default="train", help="the environment's split (default: train)")
+    _add_selection(tasks)
     tasks.add_argument("--num", type=int, default=None, help="number of tasks (default: the whole split)")
-    tasks.add_argument("--seed", type=int, default=0, help="seed of the shuffle that picks them (default: 0)")
-    tasks.add_argument("--output", default=None, help="file to write (default: stdout)")
     tasks.set_defaults(func=run_tasks)
 
     demos = actions.add_parser(
         "demos", help="write oracle demonstrations (JSONL) for `agentrl sft upload`",
         description="Successful episodes of the environment's oracle, as OpenAI messages conversations.")
-    demos.add_argument("name", metavar="NAME")
+    _add_selection(demos)
     demos.add_argument("--num", type=int, required=True, help="number of demonstrations")
-    demos.add_argument("--seed", type=int, default=0, help="seed of the shuffle that picks the tasks (default: 0)")
-    demos.add_argument("--split", default="train", help="the environment's split (default: train)")
-    demos.add_argument("--output", default=None, help="file to write (default: stdout)")
     demos.set_defaults(func=run_demos)
+
+
+def _add_selection(parser: argparse.ArgumentParser) -> None:
+    """NAME and the flags that pick its tasks (``--split``, ``--seed``) and say where the JSONL goes."""
+    parser.add_argument("name", metavar="NAME")
+    parser.add_argument("--split", default="train", help="the environment's split (default: train)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the shuffle that picks the tasks (default: 0)")
+    parser.add_argument("--output", default=None, help="file to write (default: stdout)")
 
 
 def run_list(args: argparse.Namespace) -> int:

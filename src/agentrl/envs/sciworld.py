@@ -3,8 +3,9 @@
 Tasks are AgentGym's: every (task, variation) pair of ScienceWorld's tasks in the package's order, variations in
 order, except tasks 5-1, 5-2 (growing plants), 9-1..9-3 (inclined planes) and 10-1, 10-2 (Mendelian genetics):
 4,639 tasks with scienceworld 1.2.3. ``data_idx`` is the position in that list, so it names the same task as in
-AgentGym. Building the list asks a JVM for each task's number of variations; it is done once per process, on the
-first :func:`spec` call (a JVM started and stopped, about a second).
+AgentGym. The list comes from the package's ``tasks.json`` and, for scienceworld 1.2.3, a pinned table of each
+task's number of variations (:data:`VARIATIONS`), so building it starts no JVM; for another release a JVM is asked
+once per process, on the first :func:`spec` call (about a second).
 
 ``reset(data_idx)`` loads the task, takes the action ``look around`` and returns the task description, a newline
 and what that look shows — exactly what AgentGym's client builds from its server's separate fields, so an episode
@@ -40,6 +41,8 @@ replaying JVM. Played on a second instance, it completed 137 of 138 sampled task
 
 from __future__ import annotations
 
+import importlib.resources
+import json
 import subprocess
 import threading
 from dataclasses import dataclass
@@ -100,14 +103,32 @@ def _start() -> ScienceWorldEnv:
             from error
 
 
-def _list_tasks() -> tuple[SciWorldTask, ...]:
-    simulator = _start()
-    try:
-        return tuple(SciWorldTask(task_id, name, variation)
-                     for task_id, name in simulator.tasks.items() if task_id not in EXCLUDED_TASKS
-                     for variation in range(simulator.get_max_variations(name)))
-    finally:
-        _stop(simulator)
+VARIATIONS: dict[str, dict[str, int]] = {"1.2.3": {
+    "1-1": 30, "1-2": 30, "1-3": 30, "1-4": 30, "2-1": 540, "2-2": 436, "2-3": 300, "3-1": 20, "3-2": 20, "3-3": 900,
+    "3-4": 600, "4-1": 300, "4-2": 300, "4-3": 300, "4-4": 300, "6-1": 32, "6-2": 36, "6-3": 36, "7-1": 125,
+    "7-2": 125, "7-3": 125, "8-1": 14, "8-2": 10}}
+"""Variations per (not excluded) task of a scienceworld release, as its JVM reports them, so building the task list
+needs no JVM (a sampler whose SciWorld server runs elsewhere needs no Java); other releases are asked at run time.
+``tests/test_envs_sciworld.py`` checks the table against the JVM."""
+
+
+def _list_tasks(*, ask_the_jvm: bool = False) -> tuple[SciWorldTask, ...]:
+    from scienceworld.version import __version__
+
+    known = None if ask_the_jvm else VARIATIONS.get(__version__)
+    if known is None:
+        simulator = _start()
+        try:
+            counts = {task_id: simulator.get_max_variations(name) for task_id, name in simulator.tasks.items()}
+            names = dict(simulator.tasks)
+        finally:
+            _stop(simulator)
+    else:
+        listed = json.loads((importlib.resources.files("scienceworld") / "tasks.json").read_text())
+        names = {task["task_id"]: task["task_name"] for task in listed}
+        counts = known
+    return tuple(SciWorldTask(task_id, name, variation) for task_id, name in names.items()
+                 if task_id not in EXCLUDED_TASKS for variation in range(counts[task_id]))
 
 
 _tasks: tuple[SciWorldTask, ...] | None = None

@@ -24,7 +24,6 @@ import asyncio
 import logging
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -48,6 +47,7 @@ from agentrl.envs.protocol import (
     wire_first_observation,
     wire_format,
 )
+from agentrl.listen import listening_socket
 
 logger = logging.getLogger(__name__)
 
@@ -356,18 +356,11 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 8000, *,
     except (EnvError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    # IPPROTO_TCP explicitly: asyncio sets TCP_NODELAY on accepted connections only for sockets that say TCP, and
-    # without it every response waits ~40 ms for a delayed ACK (Nagle's algorithm)
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = listening_socket(host, port)
     except OSError as error:
-        sock.close()
         print(f"error: cannot listen on {host}:{port}: {error}", file=sys.stderr)
         return 1
-    sock.listen(2048)
     bound = sock.getsockname()[1]
     url = f"http://[{host}]:{bound}" if ":" in host else f"http://{host}:{bound}"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5,

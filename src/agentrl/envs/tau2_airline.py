@@ -272,15 +272,6 @@ def tau2_airline_score(model_answer: str, ground_truth: Any, config: Mapping[str
     return tau2_airline_verdict(model_answer, config).score
 
 
-def register() -> None:
-    """Register the ``tau2_airline`` scorer in this process."""
-    # imported here: agentrl.scoring.builtin may import this module, so importing the factory at the top would
-    # be circular
-    from agentrl.scoring.factory import MCPScorerFactory
-
-    MCPScorerFactory.register_scorer(SCORER_NAME, tau2_airline_score)
-
-
 # --------------------------------------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:

@@ -40,6 +40,7 @@ from agentrl.inference.protocol import (
     UpdateWeightsFromDiskRequest,
 )
 from agentrl.inference.registration import ServiceRegistration, check_database
+from agentrl.listen import listening_socket
 from agentrl.log import redact
 
 logger = logging.getLogger(__name__)
@@ -187,16 +188,11 @@ class EngineServer(uvicorn.Server):
 def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; print ``agentrl engine ready at URL`` once listening."""
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # transformers' per-start chatter
-    family = socket.AF_INET6 if ":" in server_config.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((server_config.host, server_config.port))
+        sock = listening_socket(server_config.host, server_config.port)  # connections queue from now on
     except OSError as error:
-        sock.close()
         print(f"error: cannot listen on {server_config.host}:{server_config.port}: {error}", file=sys.stderr)
         return 1
-    sock.listen(2048)  # connections queue from now on, until uvicorn accepts them
     port = sock.getsockname()[1]
     url = server_config.advertise_url or advertised_url(server_config.host, port)
     if server_config.db_connection_string:

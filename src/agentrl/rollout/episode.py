@@ -18,9 +18,10 @@ AgentGym HTTP protocol (:mod:`agentrl.envs.client`). The episode:
 
 Invariants: an instance is used by one attempt only; every instance recorded on a Record is closed by its attempt,
 or by a later attempt of the slot once the lease of the dead one expired (or by the server's idle sweep). Crash
-windows: (a) between ``create`` and recording the id (one round trip) nothing in the database knows the instance:
-our server's idle sweep (``agentrl envs serve --instance_ttl_s``) closes it; (b) between closing and marking it
-closed, a later attempt closes it again (closing an unknown id is harmless).
+windows (failpoints): (a) ``episode.create.before_record`` — between ``create`` and recording the id nothing in
+the database knows the instance: our server's idle sweep (``agentrl envs serve --instance_ttl_s``) closes it;
+(b) ``episode.close.before_mark`` — between closing and marking it closed, a later attempt closes it again
+(closing an id that is not open answers false, harmlessly).
 
 Failures that say nothing about the policy are outcomes without a verdict (never trained; errors in evaluations):
 ``env_start_error`` (the server refused create/reset) and ``env_error`` (it refused a step). A server that cannot
@@ -32,11 +33,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.actions import NO_ACTION_HINT, episode_messages, observation_message, parse_action
-from agentrl.envs.base import EnvError
+from agentrl.envs.base import EnvError, EnvSpec, StepResult
 from agentrl.envs.client import EnvServerError
+from agentrl.envs.protocol import episode_reward
+from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import AgentResources, GenerationFailed, TrajectoryResult, TurnState, generate_turn
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.tool_parsers import TrajectoryOutcome
@@ -51,47 +55,61 @@ def episode_of(task_metadata: dict[str, Any]) -> dict[str, Any] | None:
     return env if isinstance(env, dict) else None
 
 
+@dataclass
+class Episode:
+    """An episode's environment, task and the steps taken so far; its summary is derived from the steps."""
+
+    spec: EnvSpec
+    data_idx: int
+    steps: list[StepResult] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        """``{name, data_idx, reward, score, success, steps}`` for the Record's ``score_details``."""
+        reward = episode_reward(self.steps)
+        return {"name": self.spec.name, "data_idx": self.data_idx, "reward": reward,
+                "score": reward * self.spec.reward_scale, "success": reward >= self.spec.success_reward,
+                "steps": len(self.steps)}
+
+
 async def run_episode(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
     """Roll out ``lease``'s Task as an environment episode (see the module docstring)."""
     if res.envs is None:
         raise EnvError("this sampler has no environments; Task metadata names one")
     env = episode_of(lease.task.metadata) or {}
-    name, data_idx = str(env.get("name")), int(env.get("data_idx", 0))
+    name = str(env.get("name"))
+    episode, state = Episode(res.envs.spec(name), int(env.get("data_idx", 0))), TurnState()
     client = await res.envs.client(name)
     await _close_dead_attempts(res, lease)
-    state = TurnState()
-    summary: dict[str, Any] = {"name": name, "data_idx": data_idx, "reward": 0.0, "score": 0.0, "success": False,
-                               "steps": 0}
     try:
         instance = await client.create()
     except EnvServerError as error:
-        return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, summary, f"environment create failed: {error}")
+        return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, episode, f"environment create failed: {error}")
     try:
+        failpoint("episode.create.before_record")
         try:
             await res.store.records.set_env_instance(lease.record_id, lease.lease_id,
                                                      {"name": name, "url": client.base_url, "id": instance})
-            observation = await client.reset(instance, data_idx)
+            observation = await client.reset(instance, episode.data_idx)
         except EnvServerError as error:
-            return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, summary, f"environment reset failed: {error}")
-        return await _play(res, lease, client, instance, observation, state, summary)
+            return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, episode, f"environment reset failed: {error}")
+        return await _play(res, lease, client, instance, observation, state, episode)
     finally:
         await asyncio.shield(_close(res, lease.record_id, client, instance))
 
 
 async def _play(res: AgentResources, lease: SlotLease, client: Any, instance: int, observation: str,
-                state: TurnState, summary: dict[str, Any]) -> TrajectoryResult:
-    cfg, task = res.config, lease.task
-    spec = res.envs.spec(summary["name"])
-    action_format = (episode_of(task.metadata) or {}).get("action_format") or spec.action_format
-    instruction = task.system_prompt or spec.instruction
-    max_turns = min(int((episode_of(task.metadata) or {}).get("max_turns") or cfg.max_turns), cfg.max_turns)
-    conversation = TokenConversation(res.tokenizer, episode_messages(instruction, observation), None)
-    scores: list[float] = []
+                state: TurnState, episode: Episode) -> TrajectoryResult:
+    cfg, task, spec = res.config, lease.task, episode.spec
+    env = episode_of(task.metadata) or {}
+    action_format = env.get("action_format") or spec.action_format
+    max_turns = min(int(env.get("max_turns") or cfg.max_turns), cfg.max_turns)
+    conversation = TokenConversation(
+        res.tokenizer, episode_messages(task.system_prompt or spec.instruction, observation), None)
     for turn in range(max_turns):
         try:
             generated = await generate_turn(res, lease, conversation, turn, state)
         except GenerationFailed as error:
-            return _ended(TrajectoryOutcome.FAILED_ERROR, turn, state, summary, str(error))
+            return _ended(TrajectoryOutcome.FAILED_ERROR, turn, state, episode, str(error))
         action = parse_action(generated.text, action_format)
         if action is None:
             observation, done = NO_ACTION_HINT[action_format], False
@@ -103,38 +121,32 @@ async def _play(res: AgentResources, lease: SlotLease, client: Any, instance: in
             try:
                 step = await client.step(instance, action)
             except EnvServerError as error:
-                return _ended(TrajectoryOutcome.ENV_ERROR, turn + 1, state, summary,
+                return _ended(TrajectoryOutcome.ENV_ERROR, turn + 1, state, episode,
                               f"environment step failed: {error}")
+            episode.steps.append(step)
             observation, done = step.observation, step.done
-            summary["steps"] += 1
-            summary["reward"] += step.reward
-            if "score" in step.info:
-                scores.append(float(step.info["score"]))
             await res.store.calls.annotate(generated.call_id, env_step={
                 "action": action, "observation": observation, "reward": step.reward, "done": done,
                 **({"score": step.info["score"]} if "score" in step.info else {})})
-        if scores:  # a server with a cumulative score: that is the episode's reward
-            summary["reward"] = scores[-1]
         if done:
-            return _ended(TrajectoryOutcome.DONE, turn + 1, state, summary, None, spec=spec)
+            return _ended(TrajectoryOutcome.DONE, turn + 1, state, episode, None)
         state.appended(conversation.append(generated.output_ids, generated.text, [observation_message(observation)]))
         if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
-            return _ended(TrajectoryOutcome.LENGTH_LIMIT_ERROR, turn + 1, state, summary, None, spec=spec)
-    return _ended(TrajectoryOutcome.TURNS_LIMIT_ERROR, max_turns, state, summary, None, spec=spec)
+            return _ended(TrajectoryOutcome.LENGTH_LIMIT_ERROR, turn + 1, state, episode, None)
+    return _ended(TrajectoryOutcome.TURNS_LIMIT_ERROR, max_turns, state, episode, None)
 
 
-def _ended(outcome: TrajectoryOutcome, turns: int, state: TurnState, summary: dict[str, Any], error: str | None,
-           *, spec: Any = None) -> TrajectoryResult:
-    if spec is not None:
-        summary["score"] = summary["reward"] * spec.reward_scale
-        summary["success"] = summary["reward"] >= spec.success_reward
-    return TrajectoryResult(outcome, None, turns, state.branches, state.first_version, error=error, env=summary)
+def _ended(outcome: TrajectoryOutcome, turns: int, state: TurnState, episode: Episode,
+           error: str | None) -> TrajectoryResult:
+    return TrajectoryResult(outcome, None, turns, state.branches, state.first_version, error=error,
+                            env=episode.summary())
 
 
 async def _close(res: AgentResources, record_id: str, client: Any, instance: int) -> None:
     """Close an instance and mark it closed; failures are logged (a later attempt or the idle sweep closes it)."""
     try:
         await client.close(instance)
+        failpoint("episode.close.before_mark")
         await res.store.records.mark_env_closed(record_id)
     except Exception as error:  # noqa: BLE001 - closing is best effort here; the Record says it is still open
         logger.warning("could not close environment instance %s of %s: %s", instance, record_id, error)
@@ -142,7 +154,7 @@ async def _close(res: AgentResources, record_id: str, client: Any, instance: int
 
 async def _close_dead_attempts(res: AgentResources, lease: SlotLease) -> None:
     """Close the instances of this slot's earlier attempts that never closed theirs (their sampler died)."""
-    if lease.attempt == 0:
+    if lease.attempt == 1:  # attempts count from 1: the first has no predecessor
         return
     for record in await res.store.records.open_env_instances(lease.task.id, lease.slot, lease.attempt):
         instance = record.env_instance or {}

@@ -3,9 +3,10 @@
 Run by exactly one sampler per Task (the store's group-stage lease). For the ``train`` split, in order:
 
 1. zero-variance drop: a group whose rewards span less than ``zero_variance_threshold`` teaches nothing;
-2. samples without a verdict on the policy (``failed_error``, ``env_start_error``, ``env_error``) are dropped; with ``balance_sample`` at most ``min(#wrong, #right) + 1`` wrong and
-   ``+ 2`` right samples are kept (shortest first); else right samples with at most ``min_turns`` turns are dropped
-   (anti-shortcut) and at most ``reserve_context_error_count`` length/turns-limit samples are kept;
+2. samples without a verdict on the policy (``failed_error``, ``env_start_error``, ``env_error``) are dropped;
+   with ``balance_sample`` at most ``min(#wrong, #right) + 1`` wrong and ``+ 2`` right samples are kept (shortest
+   first); else right samples with at most ``min_turns`` turns are dropped (anti-shortcut) and at most
+   ``reserve_context_error_count`` length/turns-limit samples are kept;
 3. ``efficient_rewarding`` shifts rewards by turn-count rank (shorter right and longer wrong samples gain, ±0.1);
 4. advantages are computed over the kept samples from the (shifted) rewards, so every decision above reaches
    the advantages the trainer uses (in the original they did not);

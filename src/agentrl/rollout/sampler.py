@@ -6,9 +6,10 @@ slot with its score; the sampler that settles a Task's last slot runs that Task'
 it stops claiming, cancels its trajectories and releases their leases, so nothing is left ``running``.
 
 Failures of the infrastructure are not the policy's: a trajectory cut off by no live inference service, an
-unreachable judge or environment server, or a database error gives its slot back unscored (``release``: not a failed attempt) to be
-retried. A database outage stalls the process instead of ending it (``agentrl.store.outage``): lease and
-group-stage heartbeats keep trying through errors, and the claim loop retries connection errors with backoff.
+unreachable judge or environment server, or a database error gives its slot back unscored (``release``: not a
+failed attempt) to be retried. A database outage stalls the process instead of ending it
+(``agentrl.store.outage``): lease and group-stage heartbeats keep trying through errors, and the claim loop retries
+connection errors with backoff.
 
 Admission control (train split): a new group (Task) is started only while every slot of the groups being
 sampled plus the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started
@@ -225,7 +226,7 @@ class Sampler:
         store = self.res.store
         worker = asyncio.current_task()
         beat = asyncio.create_task(self._heartbeat(lease, worker))
-        pause = env_down = False
+        given_back: Exception | None = None  # an infrastructure failure, which may call for a pause
         try:
             episode = episode_of(lease.task.metadata) is not None
             result = await (run_episode if episode else run_trajectory)(self.res, lease)
@@ -257,11 +258,10 @@ class Sampler:
             # the lease expires and the slot is taken over just the same.
             beat.cancel()
             await asyncio.wait([beat])  # no heartbeat may extend the lease after it is given back
-            pause = isinstance(error, NoInferenceService)
-            env_down = isinstance(error, EnvUnavailable)
+            given_back = error
             logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
-                           "; pausing until an inference service is live" if pause else
-                           f"; pausing {ENV_RETRY_PAUSE_S:.0f} s" if env_down else "")
+                           "; pausing until an inference service is live" if isinstance(error, NoInferenceService)
+                           else f"; pausing {ENV_RETRY_PAUSE_S:.0f} s" if isinstance(error, EnvUnavailable) else "")
             with contextlib.suppress(Exception):
                 await store.slots.release(lease, f"{type(error).__name__}: {error}")
         except asyncio.CancelledError:
@@ -274,9 +274,10 @@ class Sampler:
                 await store.slots.abandon(lease, f"{type(error).__name__}: {error}")
         finally:
             beat.cancel()
-        if pause:  # this task stays active meanwhile, so a sampler whose tasks all wait claims nothing
+        # this task stays active while it pauses, so a sampler whose tasks all wait claims nothing
+        if isinstance(given_back, NoInferenceService):
             await self.res.inference.wait_until_live()
-        elif env_down:
+        elif isinstance(given_back, EnvUnavailable):
             await asyncio.sleep(ENV_RETRY_PAUSE_S)
 
     async def _score(self, lease: SlotLease, result: TrajectoryResult) -> tuple[float, str | None, dict]:

