@@ -11,6 +11,9 @@
 #   MONGO_URI          MongoDB server (default: embedded); the run name becomes the database name
 #   SGLANG_URLS        comma-separated live SGLang / agentrl engine servers serving MODEL (default: an engine here)
 #   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio)
+#   ENV                textcraft|babyai|sciworld: evaluate on LIMIT tasks of that environment's test split (drawn
+#                      with seed 0) through an `agentrl envs serve ENV` started here (ENV_SERVER: an AgentGym
+#                      server URL instead); MAX_TURNS then defaults to 12
 #   AGENT_CONFIG       agent config YAML with the LLM judge, for tasks scored by `agentcpm`
 #   TASKS              task file, JSON or JSONL (default: assets/tasks/arith_tools.jsonl); LIMIT: first N (8; 0: all)
 #   SCORER, ANSWER_SCHEMA  for tasks that name none (math, boxed)
@@ -24,14 +27,22 @@ source "$(dirname "$0")/scripts/example_lib.sh"
 
 setup "${1:-eval-$(date +%Y%m%d-%H%M%S)}"
 use_database
-use_tools
+if [ -n "${ENV:-}" ]; then
+  NUM_EVAL_TASKS=${LIMIT:-8}
+  [ "$NUM_EVAL_TASKS" = "0" ] && NUM_EVAL_TASKS=$("$AGENTRL" envs tasks "$ENV" --split test | wc -l)
+  use_env
+  TASKS=$EVAL_TASKS
+  MAX_TURNS=${MAX_TURNS:-12}
+else
+  use_tools
+fi
 use_inference
 eval_flags=()
 [ "${FORCE:-0}" = "1" ] && eval_flags+=(--force)
 [ -n "${AGENT_CONFIG:-}" ] && eval_flags+=(--agent_config_path "$AGENT_CONFIG")
 [ "${LIMIT:-8}" != "0" ] && eval_flags+=(--limit "${LIMIT:-8}")
 run_and_wait eval "$AGENTRL" eval --db_connection_string "$DB_URI" ${MODEL:+--model_name_or_path "$MODEL"} \
-  "${SAMPLER_INFERENCE_FLAGS[@]}" --mcp_config "$MCP_CONFIG" \
+  "${SAMPLER_INFERENCE_FLAGS[@]}" "${TOOL_FLAGS[@]}" \
   --tasks "${TASKS:-$ROOT/assets/tasks/arith_tools.jsonl}" \
   --scorer "${SCORER:-math}" --answer_schema "${ANSWER_SCHEMA:-boxed}" \
   --num_samples_per_task "${K:-2}" --repeats "${REPEATS:-1}" --temperature "${TEMPERATURE:-0.7}" \

@@ -75,7 +75,7 @@ class EnvSpec:
     """What the agent is told before the first observation: the rules, the action syntax, the answer format."""
     action_format: ActionFormat = "react"
     success_reward: float = 1.0
-    """An episode whose total reward reaches this is a success (AgentGym: 1, or 100 for SciWorld)."""
+    """An episode whose total reward reaches this is a success (AgentGym: 1, or 100 for SciWorld; BabyAI: 0.5)."""
     reward_scale: float = 1.0
     """The Record's score is the episode's total reward times this (SciWorld: 0.01, so scores are in [0, 1])."""
     max_turns: int = 30

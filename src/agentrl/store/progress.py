@@ -76,7 +76,7 @@ class Progress:
         if 2 * self.zero_variance_solved > dropped:
             return head + ("Most of them were always solved: use harder tasks, more samples per task "
                            "(NUM_GENERATIONS) or a higher TEMPERATURE.")
-        return head + ("Most of them were never solved: give the model a warm start (WARMUP=32 in the example scripts, or `agentrl "
+        return head + ("Most of them were never solved: give the model a warm start (WARMUP=N in the example scripts, or `agentrl "
                        "sft demos` + `agentrl sft upload`), use easier tasks or a shaped scorer "
                        "(SCORER=math_format), more samples per task (NUM_GENERATIONS) or a higher TEMPERATURE.")
 
