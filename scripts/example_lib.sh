@@ -130,9 +130,14 @@ use_inference() {
   log "inference: $(grep -o 'agentrl engine ready at .*' "$RUN_DIR/logs/engine.log" | head -n 1)"
 }
 
-# use_tools: MCP_CONFIG, or the built-in calculator (started over stdio by each sampler); TOOL_FLAGS holds the
-# matching sampler/eval flags.
+# use_tools: MCP_CONFIG, or the built-in calculator (started over stdio by each sampler), or no tools
+# (MCP_CONFIG=none); TOOL_FLAGS holds the matching sampler/eval flags (with QUERY_PROMPT's --query_prompt).
 use_tools() {
+  if [ "${MCP_CONFIG:-}" = none ]; then
+    log "tools: none"
+    TOOL_FLAGS=()
+    return
+  fi
   if [ -z "${MCP_CONFIG:-}" ]; then
     MCP_CONFIG="$RUN_DIR/mcp.json"
     cat >"$MCP_CONFIG" <<EOF
@@ -141,6 +146,12 @@ EOF
   fi
   log "tools: MCP servers of $MCP_CONFIG"
   TOOL_FLAGS=(--mcp_config "$MCP_CONFIG")
+}
+
+# prompt_flags: --query_prompt QUERY_PROMPT for samplers, evaluations and demonstrations, when it is set.
+prompt_flags() {
+  PROMPT_FLAGS=()
+  if [ -n "${QUERY_PROMPT:-}" ]; then PROMPT_FLAGS=(--query_prompt "$QUERY_PROMPT"); fi
 }
 
 # use_env: for ENV=textcraft|babyai|sciworld, one `agentrl envs serve ENV` shared by every sampler and evaluation
@@ -191,7 +202,7 @@ start_samplers() {
   local i
   for ((i = 0; i < count; i++)); do
     start_background "sampler-$i" "$AGENTRL" sample --db_connection_string "$DB_URI" \
-      ${MODEL:+--model_name_or_path "$MODEL"} "${TOOL_FLAGS[@]}" "${SAMPLER_INFERENCE_FLAGS[@]}" "$@"
+      ${MODEL:+--model_name_or_path "$MODEL"} "${TOOL_FLAGS[@]}" "${PROMPT_FLAGS[@]}" "${SAMPLER_INFERENCE_FLAGS[@]}" "$@"
   done
   log "samplers: $count process(es) (logs $RUN_DIR/logs/sampler-*.log)"
 }
@@ -232,7 +243,7 @@ held_out_eval() {
   local out="$RUN_DIR/eval-$label.json" started=$SECONDS
   log "held-out evaluation ($label): ${NUM_EVAL_TASKS} tasks of $(basename "$EVAL_TASKS"), greedy (log $RUN_DIR/logs/eval-$label.log)"
   "$AGENTRL" eval --tasks "$EVAL_TASKS" --limit "$NUM_EVAL_TASKS" --name "$RUN_NAME $label" \
-    --db_connection_string "$DB_URI" "${TOOL_FLAGS[@]}" --answer_schema boxed \
+    --db_connection_string "$DB_URI" "${TOOL_FLAGS[@]}" "${PROMPT_FLAGS[@]}" --answer_schema boxed \
     --max_turns "$MAX_TURNS" --max_new_tokens "$MAX_NEW_TOKENS" --temperature 0 --seed 0 --force \
     --engine_args "--num_threads ${ENGINE_THREADS:-2}" --output "$out" "$@" >"$RUN_DIR/logs/eval-$label.log" 2>&1 ||
     { tail -n 20 "$RUN_DIR/logs/eval-$label.log"; log "the held-out evaluation ($label) failed"; exit 1; }
@@ -264,7 +275,7 @@ warm_up() {
       "$AGENTRL" envs demos "$ENV" --num "$WARMUP" --split train --seed 1 --output "$dir/demos.jsonl"
     else
       "$AGENTRL" sft demos "$WARMUP_TASKS" --limit "$WARMUP" --answer_schema boxed --tools "" \
-        --mcp_config "$MCP_CONFIG" --out "$dir/demos.jsonl"
+        "${TOOL_FLAGS[@]}" "${PROMPT_FLAGS[@]}" --out "$dir/demos.jsonl"
     fi &&
     "$AGENTRL" sft upload "$dir/demos.jsonl" --db_connection_string "$warm_db" ${base:+--model_name_or_path "$base"} &&
     "$PYTHON" -m agentrl.train --db_connection_string "$warm_db" ${base:+--model_name_or_path "$base"} \
@@ -325,6 +336,7 @@ rl_example() {
   EVAL_RESULTS=()
 
   use_database
+  prompt_flags
   if [ -n "${ENV:-}" ]; then
     use_env
     upload_tasks "$TASKS" train "${NUM_GENERATIONS:-4}"

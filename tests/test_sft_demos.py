@@ -135,3 +135,27 @@ def test_tasks_that_cannot_be_demonstrated_are_reported_and_nothing_is_written(t
     assert third.returncode == 2
     assert f"{tasks}:2: the tool call calculate" in third.stderr and "failed" in third.stderr
     assert not out.exists()
+
+
+def test_worked_solutions_are_demonstrated_without_tools(tmp_path: Path) -> None:
+    """A GSM8K row (answer = reasoning ending '#### N', gsm8k schema) is demonstrated by its own solution with the
+    rollout's prompt; no tool server is started, and the upload reads it token for token."""
+    solution = "Ann has 3 + 4 = 7 apples.\n#### 7"
+    tasks = tmp_path / "gsm.jsonl"
+    tasks.write_text(json.dumps({"id": "g1", "question": "Ann has 3 apples and gets 4. How many?",
+                                 "answer": solution, "answer_schema": "gsm8k"}) + "\n"
+                     + json.dumps({"id": "g2", "question": "Say hi.", "answer": "hi",
+                                   "demo_response": "Hi! <answer>hi</answer>"}) + "\n")
+    out = tmp_path / "demos.jsonl"
+    done = demos_cli(str(tasks), "--out", str(out), "--tools", "", "--query_prompt", "Question: {query}")
+    assert done.returncode == 0, done.stderr
+    first, second = [json.loads(line) for line in out.read_text().splitlines()]
+    assert first["tools"] == [] and [m["role"] for m in first["messages"]] == ["system", "user", "assistant"]
+    assert first["messages"][1]["content"] == "Question: Ann has 3 apples and gets 4. How many?"
+    assert first["messages"][2]["content"] == solution and "####" in first["messages"][0]["content"]
+    assert second["messages"][2]["content"] == "Hi! <answer>hi</answer>"
+    # A task that needs calls still needs tool servers.
+    calc = tmp_path / "calc.jsonl"
+    calc.write_text(json.dumps({"id": "c", "question": "2 + 2?", "answer": "4", "expression": "2 + 2"}) + "\n")
+    refused = demos_cli(str(calc), "--out", str(tmp_path / "x.jsonl"), "--tools", "")
+    assert refused.returncode == 2 and "no tool servers" in refused.stderr

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from agentrl.scoring.answers import ANSWER_SCHEMAS
+
 QUIT = frozenset({"quit", "exit", "/quit", "/exit", ":q"})
 
 
@@ -36,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--system_prompt", default=None,
                    help="system prompt (default: the rollouts' default, which asks for --answer_schema answers); "
                         "tool instructions are appended when the chat template ignores tools")
-    g.add_argument("--answer_schema", choices=("boxed", "answer", "none"), default="boxed",
+    g.add_argument("--answer_schema", choices=(*ANSWER_SCHEMAS, "none"), default="boxed",
                    help="how the default system prompt asks for final answers (default: boxed)")
     g.add_argument("--request_timeout", type=float, default=600.0, help="seconds per model call")
     t = p.add_argument_group("tools")

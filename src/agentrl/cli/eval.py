@@ -6,6 +6,7 @@ import argparse
 
 from agentrl.cli.options import add_db_option
 from agentrl.cli.sample import add_sampling_flags
+from agentrl.scoring.answers import ANSWER_SCHEMAS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--split", default=None, help="evaluate the Tasks already stored under this split")
     src.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N tasks")
     src.add_argument("--scorer", default="agentcpm", help="scorer of tasks that name none (default: agentcpm)")
-    src.add_argument("--answer_schema", choices=("answer", "boxed"), default="answer",
+    src.add_argument("--answer_schema", choices=ANSWER_SCHEMAS, default="answer",
                      help="answer marker of tasks that name none (default: answer)")
     m = p.add_argument_group("model")
     m.add_argument("--model_name_or_path", default=None,

@@ -29,6 +29,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "agentrl.cli.sft",
     "agentrl.cli.chat",
     "agentrl.cli.envs",
+    "agentrl.cli.bench",
 )
 
 

@@ -8,6 +8,7 @@ import argparse
 import sys
 
 from agentrl.cli.options import add_db_option
+from agentrl.scoring.answers import ANSWER_SCHEMAS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,11 +44,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                     "result, then the task's answer in its answer schema. The output is SFT data in the OpenAI "
                     "'messages' form; `agentrl sft upload` renders it token for token as a rollout. Every task is "
                     "checked first: if any cannot be demonstrated, each is reported as FILE:LINE and nothing is "
-                    "written.")
+                    "written. A task with a worked solution ('demo_response', or a GSM8K answer ending '#### N' "
+                    "under the gsm8k answer schema) is demonstrated by that solution, without tools.")
     demos.add_argument("tasks", help="task file, JSON or JSONL (as for `agentrl tasks upload`)")
     demos.add_argument("--out", required=True, help="where to write the demonstrations (JSONL)")
     demos.add_argument("--limit", type=int, default=None, metavar="N", help="only the first N tasks")
-    demos.add_argument("--answer_schema", choices=("answer", "boxed"), default="answer",
+    demos.add_argument("--answer_schema", choices=ANSWER_SCHEMAS, default="answer",
                        help="answer marker of tasks that name none (default: answer)")
     demos.add_argument("--query_prompt", default="{query}", help="user prompt template with {query}, as for "
                                                                  "`agentrl sample` (default: {query})")
@@ -135,6 +137,7 @@ def _report_invalid(problems: list[str], what: str = "line") -> int:
 
 def run_demos(args: argparse.Namespace) -> int:
     import asyncio
+    import contextlib
     import json
     from pathlib import Path
 
@@ -156,9 +159,10 @@ def run_demos(args: argparse.Namespace) -> int:
         return _report_invalid(parsed.problems, what="task")
     entries = parsed.tasks[: args.limit] if args.limit else parsed.tasks
     problems = []
+    needs_tools = False
     for line, task in entries:  # everything that can be checked without the tools, before any is started
         try:
-            check(task)
+            needs_tools = bool(check(task)) or needs_tools
         except DemonstrationError as error:
             problems.append(f"{args.tasks}:{line}: {error}")
     if problems:
@@ -171,13 +175,14 @@ def run_demos(args: argparse.Namespace) -> int:
     except ToolConfigError as error:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    if not servers:
+    if needs_tools and not servers:
         print("error: no tool servers: give --tools or --mcp_config", file=sys.stderr)
         return 2
 
     async def build() -> tuple[list[dict], list[str]]:
         demos, failures = [], []
-        async with ToolManager(MCPConfig(servers=servers)) as tools:
+        manager = ToolManager(MCPConfig(servers=servers)) if servers else contextlib.nullcontext()
+        async with manager as tools:
             for line, task in entries:
                 try:
                     demos.append(await demonstrate(task, tools, query_prompt=args.query_prompt))

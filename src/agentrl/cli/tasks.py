@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from agentrl.cli.options import add_db_option
+from agentrl.scoring.answers import ANSWER_SCHEMAS
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="samples per task, the GRPO group size (default: 8 for train, 1 for other splits)")
     upload.add_argument("--scorer", default="agentcpm",
                         help="scorer for tasks that do not name one (default: agentcpm, the LLM judge)")
-    upload.add_argument("--answer_schema", choices=("answer", "boxed"), default="answer",
+    upload.add_argument("--answer_schema", choices=ANSWER_SCHEMAS, default="answer",
                         help="how the final answer is marked for tasks that do not say (default: answer)")
     upload.add_argument("--max_attempts", type=int, default=3,
                         help="attempts per sample slot before it is given up (default: 3)")

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pymongo.errors import BulkWriteError
 
 from agentrl.eval.metrics import (
@@ -53,6 +53,7 @@ from agentrl.eval.metrics import (
     summarize_by_type,
 )
 from agentrl.log import redact
+from agentrl.scoring.answers import ANSWER_SCHEMAS
 from agentrl.store import Record, RecordStatus, Store, Task, TaskStatus, resolve_connection_string
 from agentrl.store.evals import Eval, EvalStatus
 from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file
@@ -108,7 +109,7 @@ class EvalConfig(BaseModel):
     tool_call_parser: str = "qwen"
     tool_timeout: float = 60.0
     scorer: str = "agentcpm"
-    answer_schema: Literal["answer", "boxed"] = "answer"
+    answer_schema: str = Field("answer", description=f"one of {', '.join(ANSWER_SCHEMAS)}")
     max_attempts: int = Field(3, ge=1)
     mcp_config: str | None = None
     mcp_manager_url: str | None = None
@@ -123,6 +124,13 @@ class EvalConfig(BaseModel):
     lease_s: float = 60.0
     engine_startup_timeout_s: float = 600.0
     force: bool = False
+
+    @field_validator("answer_schema")
+    @classmethod
+    def _known_answer_schema(cls, schema: str) -> str:
+        if schema not in ANSWER_SCHEMAS:
+            raise ValueError(f"expected one of {', '.join(ANSWER_SCHEMAS)}, got {schema!r}")
+        return schema
 
 
 @dataclass

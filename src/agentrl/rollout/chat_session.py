@@ -56,7 +56,7 @@ class ChatSettings:
     max_turns: int = 8
     system_prompt: str | None = None
     answer_schema: str = "boxed"
-    """How the default system prompt asks for final answers (``boxed``, ``answer``, or ``none``)."""
+    """How the default system prompt asks for final answers (an answer schema, or ``none``)."""
     tool_timeout: float = 60.0
 
     def sampling_params(self, call: int) -> dict[str, Any]:

@@ -10,7 +10,9 @@ holds the prompt without the tool instructions; ``tools`` carries the specs, and
 instructions exactly as the agent loop does).
 
 Which calls a Task demonstrates: its ``demo_calls`` metadata (a list of ``{"name", "arguments"}``), or, for
-calculator tasks such as the built-in set, ``calculate`` with its ``expression``.
+calculator tasks such as the built-in set, ``calculate`` with its ``expression``. A Task with a **worked solution**
+needs no tools: its ``demo_response`` metadata, or, under the ``gsm8k`` answer schema, its GSM8K answer (the
+reasoning ending ``#### N``), is the one assistant turn.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from agentrl.rollout.prompting import system_prompt_for
 from agentrl.store.models import Task
 from agentrl.tools import ToolManager
 
-ANSWER_TEMPLATES = {"boxed": "The answer is \\boxed{{{answer}}}.", "answer": "The answer is <answer>{answer}</answer>."}
+ANSWER_TEMPLATES = {
+    "boxed": "The answer is \\boxed{{{answer}}}.",
+    "answer": "The answer is <answer>{answer}</answer>.",
+    "gsm8k": "#### {answer}",
+    "code": "```python\n{answer}\n```",
+}
 
 
 class DemonstrationError(ValueError):
@@ -44,23 +51,39 @@ def demo_calls(task: Task) -> list[dict[str, Any]]:
     return [{"name": c["name"], "arguments": c.get("arguments", {})} for c in calls]
 
 
+def worked_solution(task: Task) -> str | None:
+    """The task's worked solution, which is demonstrated as it is: ``demo_response``, else a GSM8K answer."""
+    response = task.metadata.get("demo_response")
+    if isinstance(response, str) and response.strip():
+        return response
+    if task.answer_schema == "gsm8k" and task.answer and "####" in task.answer:
+        return task.answer
+    return None
+
+
 def check(task: Task) -> list[dict[str, Any]]:
-    """What can be checked without the tools: ``task``'s calls (``DemonstrationError`` if it cannot be shown)."""
+    """What can be checked without the tools: ``task``'s calls, none for a worked solution (``DemonstrationError``
+    if it cannot be shown)."""
     if task.answer is None or task.answer == "":
         raise DemonstrationError("the task has no answer to demonstrate")
     if task.answer_schema not in ANSWER_TEMPLATES:
         raise DemonstrationError(f"answer schema {task.answer_schema!r} has no demonstration form "
                                  f"(known: {', '.join(ANSWER_TEMPLATES)})")
+    if worked_solution(task) is not None and "demo_calls" not in task.metadata:
+        return []
     return demo_calls(task)
 
 
-async def demonstrate(task: Task, tools: ToolManager, *, query_prompt: str = "{query}") -> dict[str, Any]:
-    """The demonstration of ``task`` in the SFT ``messages`` form (see the module docstring)."""
+async def demonstrate(task: Task, tools: ToolManager | None, *, query_prompt: str = "{query}") -> dict[str, Any]:
+    """The demonstration of ``task`` in the SFT ``messages`` form (see the module docstring); ``tools`` may be
+    None for tasks that need no calls."""
     calls = check(task)
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt_for(task.system_prompt, task.answer_schema)},
         {"role": "user", "content": query_prompt.format(query=task.query)},
     ]
+    if calls and tools is None:
+        raise DemonstrationError("the task's calls need tool servers: give --tools or --mcp_config")
     for call in calls:
         result = await tools.call_tool(call["name"], call["arguments"])
         if not result.ok:
@@ -68,6 +91,9 @@ async def demonstrate(task: Task, tools: ToolManager, *, query_prompt: str = "{q
                                      f"{result.error}")
         messages.append({"role": "assistant", "content": "", "tool_calls": [call]})
         messages.append({"role": "tool", "name": call["name"], "content": result.text})
-    messages.append({"role": "assistant", "content": ANSWER_TEMPLATES[task.answer_schema].format(answer=task.answer)})
+    solution = worked_solution(task) if not calls else None
+    final = solution or ANSWER_TEMPLATES[task.answer_schema].format(answer=task.answer)
+    messages.append({"role": "assistant", "content": final})
     source = task.id.split(":", 1)[-1]  # without the split prefix
-    return {"id": f"demo:{source}", "task_id": source, "tools": tools.openai_tools(), "messages": messages}
+    return {"id": f"demo:{source}", "task_id": source, "tools": tools.openai_tools() if tools else [],
+            "messages": messages}

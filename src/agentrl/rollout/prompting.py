@@ -13,6 +13,8 @@ DEFAULT_QUERY_PROMPT = "{query}"
 ANSWER_FORMATS = {
     "boxed": "When you know the final answer, write it as \\boxed{answer}.",
     "answer": "When you know the final answer, write it between <answer> and </answer>.",
+    "gsm8k": "When you know the final answer, write it as a number on the last line after ####, e.g. #### 42.",
+    "code": "Answer with the complete function, imports included, in one ```python code block.",
 }
 
 

@@ -2,6 +2,10 @@
 
 - ``boxed``: the content of the last ``\\boxed{...}`` (or, if there is none, the last ``\\fbox{...}``), nested
   braces included (``\\boxed{\\frac{1}{2}}`` → ``\\frac{1}{2}``);
+- ``gsm8k``: the number after the last ``####``, else the last number (GSM8K, AutoRL-Bench), without commas or a
+  ``$`` (``$1,000.`` → ``1000``); negative and decimal numbers included;
+- ``code``: the content of the last fenced code block (```` ```python ```` or a bare fence), else the whole text if
+  it looks like code (has ``def `` or ``return``); indentation is kept, so a function body stays one;
 - ``answer``: the text between the last ``<answer>`` and ``</answer>``; any other schema name ``X`` uses the
   tags ``<X>...</X>`` the same way.
 
@@ -12,10 +16,14 @@ while thinking does not count.
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
-ANSWER_SCHEMAS: tuple[str, ...] = ("answer", "boxed")
+ANSWER_SCHEMAS: tuple[str, ...] = ("answer", "boxed", "gsm8k", "code")
 
 _BARE_BOXED = re.compile(r"\\boxed\s+([^\s$]+)")
+_NUMBER = re.compile(r"(?:(?<![\w)])-)?\$?\d(?:[\d,]*\d)?(?:\.\d+)?")  # a minus after a word or ")" subtracts
+_FENCED_BLOCK = re.compile(r"```[^\n`]*\n(.*?)```", re.DOTALL)
+_LEADING_BLANK_LINES = re.compile(r"\A(?:[ \t]*\n)+")
 
 
 def _visible(text: str) -> str:
@@ -65,10 +73,30 @@ def extract_hashes(text: str) -> str | None:
     return text[position + 4 :].strip().splitlines()[0].strip() if text[position + 4 :].strip() else None
 
 
+def extract_gsm8k_number(text: str) -> str | None:
+    """The number after the last ``####``, else the last number, without commas or ``$``; ``None`` if none."""
+    marker, tail = text.rpartition("####")[1:]
+    after_marker = _NUMBER.search(tail) if marker else None
+    numbers = [after_marker.group()] if after_marker else _NUMBER.findall(text)
+    return numbers[-1].replace(",", "").replace("$", "") if numbers else None
+
+
+def extract_code(text: str) -> str | None:
+    """The last fenced code block's content, else ``text`` if it has ``def `` or ``return``; ``None`` otherwise."""
+    blocks = _FENCED_BLOCK.findall(text)
+    code = blocks[-1] if blocks else text if "def " in text or "return" in text else ""
+    return _LEADING_BLANK_LINES.sub("", code).rstrip() or None
+
+
+_EXTRACTORS: dict[str, Callable[[str], str | None]] = {
+    "boxed": extract_boxed, "gsm8k": extract_gsm8k_number, "code": extract_code}
+
+
 def extract_answer(text: str, schema: str = "answer") -> str:
     """The final answer in ``text`` under ``schema`` (``""`` when there is none)."""
     visible = _visible(text)
-    found = extract_boxed(visible) if schema == "boxed" else extract_tagged(visible, schema)
+    extractor = _EXTRACTORS.get(schema)
+    found = extractor(visible) if extractor else extract_tagged(visible, schema)
     return found or ""
 
 

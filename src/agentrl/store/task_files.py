@@ -22,13 +22,13 @@ from typing import Any
 
 from pymongo.database import Database
 
+from agentrl.scoring.answers import ANSWER_SCHEMAS
 from agentrl.store.models import Task
 
 QUERY_KEYS = ("q", "Question", "question", "query", "content", "instruction", "traj_question")
 ANSWER_KEYS = ("a", "Final answer", "Final Answer", "Final sample answer", "answer", "expected_answer")
 ID_KEYS = ("id", "task_id")
-ANSWER_SCHEMAS = ("answer", "boxed")
-SCORERS_WITHOUT_ANSWER = ("env_reward",)
+SCORERS_WITHOUT_ANSWER = ("env_reward", "humaneval")
 _KNOWN = set(QUERY_KEYS) | set(ANSWER_KEYS) | set(ID_KEYS) | {
     "messages", "raw", "scorer", "answer_schema", "system_prompt", "num_generations", "task_type", "split"}
 _SCORER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")

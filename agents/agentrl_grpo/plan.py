@@ -1,0 +1,60 @@
+"""Print the training recipe for this run as shell assignments (read by start.sh with eval).
+
+Everything the recipe needs comes from the workspace: ``scenario.json`` (the evaluation protocol: prompt, answer
+schema, turns, new tokens, tools or environment), the training data, and the time left (``GET /time``). The
+trainer gets the time that remains after the warm-up's estimate and a margin for saving and the last submission.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import urllib.request
+from pathlib import Path
+
+WARMUP_ESTIMATE_S = {"gsm8k": 420, "arith": 240, "textcraft": 600}
+MARGIN_S = 150
+
+
+def main() -> None:
+    workspace = Path(os.environ["WORKSPACE"])
+    scenario = json.loads((workspace / "scenario.json").read_text())
+    protocol = scenario["evaluation"]
+    with urllib.request.urlopen(os.environ["GRADING_SERVER_URL"] + "/time", timeout=30) as reply:
+        remaining = json.load(reply).get("remaining") or 3600.0
+    task = scenario["id"]
+    env = protocol.get("env")
+    settings = {
+        "RUN_DIR": str(workspace / "code" / "run"),
+        "MODEL": os.environ["MODEL_PATH"],
+        "MAX_TURNS": protocol["max_turns"],
+        "MAX_NEW_TOKENS": protocol["max_new_tokens"],
+        "NUM_EVAL_TASKS": 0,  # the grading server evaluates; no held-out evaluation of our own
+        "TRAIN_STEPS": os.environ.get("AGENT_TRAIN_STEPS", "400"),
+        "SAVE_STEPS": 8,
+        "TEMPERATURE": 1.0,
+    }
+    if env:
+        settings.update(ENV=env, MAX_TURNS=protocol["max_turns"])
+    else:
+        train = str(Path(os.environ["DATA_PATH"]) / "train.jsonl")
+        with open(train, encoding="utf-8") as handle:
+            rows = sum(1 for line in handle if line.strip())
+        settings.update(TASKS=train, NUM_TASKS=rows, WARMUP_TASKS=train, QUERY_PROMPT=protocol["query_prompt"],
+                        SCORER="math_format" if protocol["scorer"] == "math" else "",
+                        MCP_CONFIG="" if protocol.get("tools") == ["calculator"] else "none")
+        if protocol.get("tools") not in ([], ["calculator"]):
+            raise SystemExit(f"agentrl_grpo: tools {protocol['tools']} are not supported by this agent")
+        warmup = {"gsm8k": (64, 2, "2e-4"), "arith": (32, 1, "1e-4")}.get(task, (32, 1, "1e-4"))
+        settings.update(WARMUP=warmup[0], WARMUP_EPOCHS=warmup[1], WARMUP_LEARNING_RATE=warmup[2])
+    train_s = int(remaining - WARMUP_ESTIMATE_S.get(task, 300) - MARGIN_S)
+    if train_s < 60:
+        raise SystemExit(f"agentrl_grpo: only {remaining:.0f} s left: not enough to warm up and train")
+    settings["TRAIN_TIME_S"] = train_s
+    for key, value in settings.items():
+        print(f"export {key}={shlex.quote(str(value))}")
+
+
+if __name__ == "__main__":
+    main()

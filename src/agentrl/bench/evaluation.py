@@ -1,0 +1,181 @@
+"""Grading a model on a scenario's held-out tasks: one ``agentrl eval`` run per evaluation, one at a time.
+
+Each evaluation is an ``agentrl eval`` child process (greedy, one sample per task, the scenario's protocol) on the
+scenario's test file, so it uses the same rollout, tools, scorers and environment code as training and scales the
+same way: an ``agentrl engine`` started on the model (``engine_args``, e.g. ``--device cuda``), or live SGLang /
+engine services (``inference_urls``) that are first told to load the model (``update_weights_from_disk``).
+Evaluations are **serialised** (a FIFO lock): two never share a device. Result files and logs go to
+``state_dir``, which must lie outside any agent's workspace (they name the test file). ``agentrl eval`` stores every result in the
+run database keyed by model identity (path, weight files' sizes and mtimes), tasks and settings, so evaluating an
+unchanged model again reuses the stored result (``reused``) instead of recomputing it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel
+
+from agentrl.bench.scenarios import Scenario
+from agentrl.log import redact
+
+logger = logging.getLogger(__name__)
+
+MODEL_MARKERS = ("config.json", "pytorch_model.bin", "model.safetensors", "adapter_config.json")
+"""A directory holding any of these is a model (AutoRL-Bench's ``/validate`` rule)."""
+
+
+class EvaluationResult(BaseModel):
+    """What one evaluation produced: the score in percent, or the error that prevented it."""
+
+    score: float | None = None
+    metrics: dict[str, Any] = {}
+    error: str | None = None
+    reused: bool = False
+    elapsed_seconds: float = 0.0
+
+
+def model_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be evaluated as a model (``None`` when it can)."""
+    if not path.is_dir():
+        return f"{path} is not a directory"
+    files = sorted(p.name for p in path.iterdir())
+    if not any(marker in files for marker in MODEL_MARKERS):
+        return f"{path} holds none of {', '.join(MODEL_MARKERS)}"
+    if "adapter_config.json" in files and "config.json" not in files:
+        return (f"{path} is a LoRA adapter without its base weights: merge it first "
+                "(peft's merge_and_unload(), then save_pretrained) and submit the merged model")
+    return None
+
+
+def model_digest(path: Path) -> str:
+    """A digest of the model's identity: its path and the size and mtime of each file (as ``agentrl eval``)."""
+    rows = sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in path.iterdir() if p.is_file())
+    return hashlib.sha256(json.dumps([str(path.resolve()), rows]).encode()).hexdigest()[:16]
+
+
+class Evaluator:
+    """Runs ``agentrl eval`` for (scenario, model) pairs, one at a time; logs under ``state_dir/logs``."""
+
+    def __init__(self, *, db_connection_string: str, state_dir: Path, eval_limit: int | None = None,
+                 engine_args: str = "", inference_urls: list[str] | None = None,
+                 env_servers: list[str] | None = None, concurrency: int = 16):
+        self.db = db_connection_string
+        self.state_dir = state_dir
+        self.eval_limit = eval_limit
+        self.engine_args = engine_args
+        self.inference_urls = inference_urls or []
+        self.env_servers = env_servers or []
+        self.concurrency = concurrency
+        self._lock = asyncio.Lock()
+        self._count = 0
+        (state_dir / "logs").mkdir(parents=True, exist_ok=True)
+
+    @property
+    def busy(self) -> bool:
+        return self._lock.locked()
+
+    def _mcp_config(self, tools: list[str]) -> Path:
+        path = self.state_dir / f"mcp-{'-'.join(tools)}.json"
+        servers = [{"name": tool, "command": sys.executable, "args": ["-m", "agentrl.cli.main", "tools", "serve", tool]}
+                   for tool in tools]
+        path.write_text(json.dumps({"servers": servers}, indent=2) + "\n")
+        return path
+
+    def command(self, scenario: Scenario, model: Path, label: str, output: Path) -> list[str]:
+        """The ``agentrl eval`` command line of one evaluation."""
+        protocol = scenario.eval
+        command = [sys.executable, "-m", "agentrl.cli.main", "eval", "--tasks", scenario.test_data_path,
+                   "--db_connection_string", self.db, "--model_name_or_path", str(model),
+                   "--scorer", protocol.scorer, "--answer_schema", protocol.answer_schema,
+                   "--query_prompt", protocol.query_prompt, "--max_turns", str(protocol.max_turns),
+                   "--max_new_tokens", str(protocol.max_new_tokens),
+                   "--max_prompt_tokens", str(protocol.max_prompt_tokens), "--temperature", "0", "--seed", "0",
+                   "--max_concurrent_samples_per_process", str(self.concurrency),
+                   "--name", f"{scenario.id} {label}", "--output", str(output), "--json"]
+        if self.eval_limit:
+            command += ["--limit", str(self.eval_limit)]
+        if self.inference_urls:
+            command += ["--inference_urls", ",".join(self.inference_urls)]
+        elif self.engine_args:
+            command += ["--engine_args", self.engine_args]
+        if protocol.mcp_config:
+            command += ["--mcp_config", protocol.mcp_config]
+        elif protocol.tools:
+            command += ["--mcp_config", str(self._mcp_config(protocol.tools))]
+        for entry in self.env_servers:
+            command += ["--env_server", entry]
+        return command
+
+    async def evaluate(self, scenario: Scenario, model_path: str | Path, label: str,
+                       on_start: Callable[[], None] | None = None) -> EvaluationResult:
+        """Grade ``model_path`` on ``scenario`` once earlier evaluations are done (``on_start`` is called then);
+        never raises for a model or evaluation failure: the result carries the error."""
+        model = Path(model_path).resolve()
+        async with self._lock:
+            if on_start is not None:
+                on_start()
+            started = time.monotonic()
+            result = await self._run(scenario, model, label)
+            result.elapsed_seconds = round(time.monotonic() - started, 2)
+            return result
+
+    async def _run(self, scenario: Scenario, model: Path, label: str) -> EvaluationResult:
+        problem = model_problem(model)
+        if problem:
+            return EvaluationResult(error=problem)
+        self._count += 1
+        stem = f"eval-{time.strftime('%Y%m%dT%H%M%S')}-{self._count}"
+        output, log_path = self.state_dir / f"{stem}.json", self.state_dir / "logs" / f"{stem}.log"
+        if self.inference_urls:
+            error = await self._load_into_services(model)
+            if error:
+                return EvaluationResult(error=error)
+        with open(log_path, "wb") as log:
+            process = await asyncio.create_subprocess_exec(
+                *self.command(scenario, model, label, output), stdout=log, stderr=asyncio.subprocess.STDOUT,
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+            try:
+                code = await process.wait()
+            except asyncio.CancelledError:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(process.pid, signal.SIGTERM)
+                raise
+        if code != 0 or not output.is_file():
+            tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
+            return EvaluationResult(error=redact(f"agentrl eval exited with status {code} (log {log_path}): "
+                                                 + " | ".join(tail)))
+        data = json.loads(output.read_text())
+        metrics = data.get("metrics", {})
+        accuracy = metrics.get("accuracy")
+        details = {"accuracy": accuracy, "correct": metrics.get("correct"),
+                   "total": metrics.get("valid_samples"), "errors": metrics.get("errors"),
+                   "num_tasks": metrics.get("tasks"), "mean_reward": metrics.get("mean_reward"),
+                   "eval_key": data.get("key"), "database": data.get("database")}
+        logger.info("%s on %s: accuracy %s (result %s, log %s)", model, scenario.id, accuracy, output, log_path)
+        if accuracy is None:
+            return EvaluationResult(metrics=details, reused=bool(data.get("reused")),
+                                    error="no sample of the evaluation had a verdict (every one failed); see the log")
+        return EvaluationResult(score=round(100.0 * accuracy, 2), metrics=details, reused=bool(data.get("reused")))
+
+    async def _load_into_services(self, model: Path) -> str | None:
+        from agentrl.inference.client import SGLangClient
+
+        try:
+            for url in self.inference_urls:
+                async with SGLangClient(url) as client:
+                    await client.update_weights_from_disk(str(model), weight_version=f"bench-{model_digest(model)}")
+        except Exception as error:  # noqa: BLE001 - any refusal is the evaluation's error
+            return f"the inference services could not load {model}: {error}"
+        return None

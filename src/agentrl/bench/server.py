@@ -1,0 +1,360 @@
+"""``agentrl bench serve``: AutoRL-Bench's scenario API (seed 000) and grading API (seed 001) on one server.
+
+Scenario API: ``GET /``, ``GET /scenarios``, ``GET /scenarios/{id}`` (404 naming the available ids),
+``POST /evaluate {scenario_id, model_path}`` → ``{score, baseline, improvement, improvement_pct, details}`` (404 for an
+unknown scenario or a missing model, 500 when the evaluation fails), ``POST /interact`` (interactive scenarios).
+Errors are FastAPI's ``{"detail": ...}``, as seed 000's server.
+
+Grading API (with ``--task``; errors are ``{"error": ...}`` as seed 001's server): ``GET /health``, ``POST /validate``,
+``POST /submit {model_path?, async?}`` (blocking by default; ``"async": true`` returns ``{job_id}`` at once, then
+``GET /jobs/{id}``), ``GET /best`` (404 before any submission), ``GET /history``, ``POST /set_baseline {score}``
+(400 without a score), ``GET /time``. Every call is appended to ``interactions.jsonl`` (``{timestamp, endpoint,
+method, request, response, status, elapsed_seconds}``) in the workspace.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.bench.evaluation import Evaluator
+from agentrl.bench.grading import GradingRequestError, GradingRun, now_iso
+from agentrl.bench.interact import InteractError, InteractSessions
+from agentrl.bench.scenarios import Scenario, ScenarioError, ScenarioSet, bench_home
+
+logger = logging.getLogger(__name__)
+VERSION = "0.1.0"
+
+
+class BenchServerConfig(BaseModel):
+    """Everything ``agentrl bench serve`` takes."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    task: str | None = Field(None, description="scenario of the grading API (seed 001's --task)")
+    workspace: str | None = Field(None, description="the run's workspace (default: workspace/TASK)")
+    output_dir: str | None = Field(None, description="default model path of /submit (default: WORKSPACE/output)")
+    host: str = "127.0.0.1"
+    port: int = 5000
+    eval_limit: int | None = Field(None, ge=1, description="evaluate on the first N test tasks only")
+    db_connection_string: str | None = None
+    engine_args: str = ""
+    inference_urls: list[str] = Field(default_factory=list)
+    env_server: list[str] = Field(default_factory=list)
+    scenario: list[str] = Field(default_factory=list, description="scenario YAML files")
+    state_dir: str | None = Field(None, description="evaluation results and logs, outside the workspace (default: the bench cache's evals/TASK)")
+
+
+class EvaluateRequest(BaseModel):
+    scenario_id: str
+    model_path: str
+
+
+class InteractRequest(BaseModel):
+    scenario_id: str | None = None
+    session_id: str | None = None
+    action: str | None = None
+    data_idx: int | None = None
+
+
+def available_gpus() -> list[str]:
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return [g.strip() for g in visible.split(",") if g.strip()] if visible else []
+
+
+def _error(status: int, message: str, **extra: Any) -> JSONResponse:
+    return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+class BenchService:
+    """The server's state: scenarios, the evaluator, the grading run (with ``--task``), interactive sessions."""
+
+    def __init__(self, config: BenchServerConfig, db_uri: str):
+        self.config = config
+        self.scenarios = ScenarioSet(config.scenario)
+        self.grading: GradingRun | None = None
+        workspace = Path(config.workspace or Path("workspace") / (config.task or "scenarios")).resolve()
+        self.log_path = workspace / "interactions.jsonl"
+        state_dir = Path(config.state_dir) if config.state_dir else bench_home() / "evals" / (config.task or "all")
+        self.evaluator = Evaluator(db_connection_string=db_uri, state_dir=state_dir, eval_limit=config.eval_limit,
+                                   engine_args=config.engine_args, inference_urls=config.inference_urls,
+                                   env_servers=config.env_server)
+        if config.task:
+            scenario = self.scenarios.get(config.task)
+            self.grading = GradingRun(scenario, workspace, self.evaluator,
+                                      Path(config.output_dir) if config.output_dir else None)
+        workspace.mkdir(parents=True, exist_ok=True)
+        self.sessions: dict[str, InteractSessions] = {}
+        self.baselines: dict[str, float] = {}
+        self._baseline_locks: dict[str, asyncio.Lock] = {}
+
+    def log_call(self, entry: dict[str, Any]) -> None:
+        with open(self.log_path, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(entry, ensure_ascii=False, default=str) + "\n")
+
+    async def scenario_baseline(self, scenario: Scenario) -> float | None:
+        """The scenario's fixed baseline, else its base model's score (evaluated once, then reused)."""
+        if scenario.baseline_score is not None:
+            return scenario.baseline_score
+        if self.grading is not None and self.grading.scenario.id == scenario.id and self.grading.baseline() is not None:
+            return self.grading.baseline()
+        lock = self._baseline_locks.setdefault(scenario.id, asyncio.Lock())
+        async with lock:
+            if scenario.id not in self.baselines:
+                result = await self.evaluator.evaluate(scenario, scenario.base_model(), "baseline")
+                if result.score is None:
+                    raise RuntimeError(f"the baseline evaluation of {scenario.id} failed: {result.error}")
+                self.baselines[scenario.id] = result.score
+        return self.baselines[scenario.id]
+
+    def interact_sessions(self, scenario: Scenario) -> InteractSessions:
+        if scenario.eval.env is None:
+            raise InteractError(f"scenario {scenario.id!r} is {scenario.type}: it has no environment to interact with")
+        if scenario.id not in self.sessions:
+            self.sessions[scenario.id] = InteractSessions(scenario.eval.env)
+        return self.sessions[scenario.id]
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    raw = await request.body()
+    if not raw.strip():
+        return {}
+    try:
+        body = json.loads(raw)
+    except json.JSONDecodeError as error:
+        raise GradingRequestError(f"the request body is not JSON: {error}") from None
+    if not isinstance(body, dict):
+        raise GradingRequestError("the request body must be a JSON object")
+    return body
+
+
+def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
+    service = BenchService(config, db_uri)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):  # noqa: ANN202 - FastAPI's signature
+        yield
+        # Stop what is still running: queued and running evaluations (their agentrl eval process groups are
+        # killed; the stored partial job resumes if the same evaluation is asked for again), environment sessions.
+        if service.grading is not None:
+            for job in service.grading.jobs.values():
+                if job.task is not None and not job.task.done():
+                    job.task.cancel()
+        for sessions in service.sessions.values():
+            sessions.close_all()
+
+    app = FastAPI(title="AutoRL-Bench (AgentRL)", version=VERSION, lifespan=lifespan)
+    app.state.service = service
+
+    @app.middleware("http")
+    async def record_interaction(request: Request, call_next):  # noqa: ANN001, ANN202 - FastAPI's signature
+        started = time.perf_counter()
+        body = await request.body()
+        response = await call_next(request)
+        chunks = [chunk async for chunk in response.body_iterator]
+        content = b"".join(chunks)
+        try:
+            request_data: Any = json.loads(body) if body.strip() else dict(request.query_params)
+        except json.JSONDecodeError:
+            request_data = body.decode("utf-8", "replace")
+        try:
+            response_data: Any = json.loads(content) if content else None
+        except json.JSONDecodeError:
+            response_data = content.decode("utf-8", "replace")
+        service.log_call({"timestamp": now_iso(), "endpoint": request.url.path, "method": request.method,
+                          "request": request_data, "response": response_data, "status": response.status_code,
+                          "elapsed_seconds": round(time.perf_counter() - started, 4)})
+        return Response(content=content, status_code=response.status_code, headers=dict(response.headers),
+                        media_type=response.media_type)
+
+    def grading_or_404() -> GradingRun | JSONResponse:
+        if service.grading is None:
+            return _error(404, "this server grades no task: start it with `agentrl bench serve --task TASK`")
+        return service.grading
+
+    # ------------------------------------------------------------------------------------------ scenario API
+
+    @app.get("/")
+    async def root() -> dict[str, Any]:
+        return {"name": "AutoRL-Bench", "implementation": "AgentRL", "version": VERSION,
+                "endpoints": sorted({route.path for route in app.routes if hasattr(route, "methods")}),
+                "scenarios": service.scenarios.ids(), "task": config.task}
+
+    @app.get("/scenarios")
+    async def scenarios() -> dict[str, Any]:
+        rows = []
+        for scenario_id in service.scenarios.ids():
+            rows.append(await asyncio.to_thread(service.scenarios.get, scenario_id))
+        return {"scenarios": [s.summary() for s in rows]}
+
+    @app.get("/scenarios/{scenario_id}")
+    async def scenario_detail(scenario_id: str) -> Any:
+        try:
+            scenario = await asyncio.to_thread(service.scenarios.get, scenario_id)
+        except ScenarioError as error:
+            return JSONResponse({"detail": str(error), "available": service.scenarios.ids()}, status_code=404)
+        baseline = scenario.baseline_score
+        if baseline is None and service.grading is not None and service.grading.scenario.id == scenario.id:
+            baseline = service.grading.baseline()
+        return scenario.public_info(baseline if baseline is not None else service.baselines.get(scenario.id))
+
+    @app.post("/evaluate")
+    async def evaluate(body: EvaluateRequest) -> Any:
+        try:
+            scenario = await asyncio.to_thread(service.scenarios.get, body.scenario_id)
+        except ScenarioError as error:
+            return JSONResponse({"detail": str(error), "available": service.scenarios.ids()}, status_code=404)
+        if not Path(body.model_path).exists():
+            return JSONResponse({"detail": f"model not found: {body.model_path}"}, status_code=404)
+        try:
+            baseline = await service.scenario_baseline(scenario)
+        except RuntimeError as error:
+            return JSONResponse({"detail": str(error)}, status_code=500)
+        result = await service.evaluator.evaluate(scenario, body.model_path, "evaluate")
+        if result.score is None:
+            return JSONResponse({"detail": result.error}, status_code=500)
+        improvement = None if baseline is None else round(result.score - baseline, 4)
+        pct = None if not baseline or improvement is None else f"{100.0 * improvement / baseline:+.2f}%"
+        return {"score": result.score, "baseline": baseline, "improvement": improvement, "improvement_pct": pct,
+                "details": {**result.metrics, "reused": result.reused, "elapsed_seconds": result.elapsed_seconds}}
+
+    @app.post("/interact")
+    async def interact(body: InteractRequest) -> Any:
+        scenario_id = body.scenario_id or config.task
+        if scenario_id is None:
+            return JSONResponse({"detail": "'scenario_id' is required"}, status_code=400)
+        try:
+            scenario = await asyncio.to_thread(service.scenarios.get, scenario_id)
+            sessions = await asyncio.to_thread(service.interact_sessions, scenario)
+            return await sessions.interact(body.session_id, body.action, body.data_idx)
+        except ScenarioError as error:
+            return JSONResponse({"detail": str(error), "available": service.scenarios.ids()}, status_code=404)
+        except InteractError as error:
+            return JSONResponse({"detail": str(error)}, status_code=400)
+
+    # ------------------------------------------------------------------------------------------- grading API
+
+    @app.get("/health")
+    async def health() -> Any:
+        grading = service.grading
+        return {"status": "ok", "task": config.task, "workspace": str(grading.workspace) if grading else None,
+                "available_gpus": available_gpus(), "pending_evaluations": grading.pending() if grading else 0}
+
+    @app.post("/validate")
+    async def validate(request: Request) -> Any:
+        grading = grading_or_404()
+        if isinstance(grading, JSONResponse):
+            return grading
+        try:
+            body = await _json_body(request)
+            return grading.validate(body.get("model_path"))
+        except GradingRequestError as error:
+            return _error(400, str(error))
+
+    @app.post("/submit")
+    async def submit(request: Request) -> Any:
+        grading = grading_or_404()
+        if isinstance(grading, JSONResponse):
+            return grading
+        try:
+            body = await _json_body(request)
+            gpu = body.get("gpu")
+            if gpu is not None:
+                wanted = [str(g) for g in (gpu if isinstance(gpu, list) else str(gpu).split(","))]
+                if not set(wanted) <= set(available_gpus()):
+                    return _error(400, f"gpu {gpu!r} is not among the available GPUs",
+                                  available_gpus=available_gpus())
+            job = grading.enqueue(body.get("model_path"))
+        except GradingRequestError as error:
+            return _error(400, str(error))
+        if body.get("async"):
+            return JSONResponse(job.public(), status_code=202)
+        return await job.task
+
+    @app.get("/jobs/{job_id}")
+    async def job_status(job_id: str) -> Any:
+        grading = grading_or_404()
+        if isinstance(grading, JSONResponse):
+            return grading
+        job = grading.jobs.get(job_id)
+        return job.public() if job else _error(404, f"no job {job_id}")
+
+    @app.get("/best")
+    async def best() -> Any:
+        grading = grading_or_404()
+        if isinstance(grading, JSONResponse):
+            return grading
+        entry = grading.best()
+        if entry is None:
+            return _error(404, "No submissions")
+        return {"best": entry, "total_submissions": len(grading.history())}
+
+    @app.get("/history")
+    async def history() -> Any:
+        grading = grading_or_404()
+        return grading if isinstance(grading, JSONResponse) else grading.history()
+
+    @app.post("/set_baseline")
+    async def set_baseline(request: Request) -> Any:
+        grading = grading_or_404()
+        if isinstance(grading, JSONResponse):
+            return grading
+        try:
+            body = await _json_body(request)
+            return {"baseline_score": grading.set_baseline(body.get("score")), "status": "set"}
+        except GradingRequestError as error:
+            return _error(400, str(error))
+
+    @app.get("/time")
+    async def time_left() -> Any:
+        grading = grading_or_404()
+        return grading if isinstance(grading, JSONResponse) else grading.time_info()
+
+    return app
+
+
+READY_LINE = "agentrl bench: serving at {url}"
+
+
+def serve(config: BenchServerConfig) -> int:
+    """Serve until SIGINT/SIGTERM; prints :data:`READY_LINE` once listening. Returns the exit code."""
+    import signal
+    import sys
+
+    import uvicorn
+
+    from agentrl.listen import listening_socket
+    from agentrl.store import resolve_connection_string
+
+    try:
+        db_uri = resolve_connection_string(config.db_connection_string, database="autorl-bench")
+        app = create_app(config, db_uri)
+    except (ScenarioError, ValueError, OSError) as error:
+        print(f"agentrl bench serve: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        sock = listening_socket(config.host, config.port)
+    except OSError as error:
+        print(f"agentrl bench serve: error: cannot listen on {config.host}:{config.port}: {error}", file=sys.stderr)
+        return 1
+    bound = sock.getsockname()[1]
+    url = f"http://[{config.host}]:{bound}" if ":" in config.host else f"http://{config.host}:{bound}"
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
+    print(READY_LINE.format(url=url), flush=True)
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if server.started else 1

@@ -1,0 +1,120 @@
+"""`agentrl bench serve|run|list`: AutoRL-Bench's benchmark server and run orchestrator."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="AutoRL-Bench: scenarios, grading server, agent runs",
+                       description="AutoRL-Bench: an agent post-trains a scenario's base model on its training data "
+                                   "and submits models, which are graded on held-out data.")
+    bench = p.add_subparsers(dest="bench_command", metavar="SUBCOMMAND", required=True)
+
+    ls = bench.add_parser("list", help="the scenarios (built-ins and --scenario files)")
+    ls.add_argument("--scenario", action="append", default=[], metavar="FILE.yaml", help="a scenario file (repeatable)")
+    ls.set_defaults(func=list_scenarios)
+
+    s = bench.add_parser("serve", help="the scenario API (seed 000) and, with --task, the grading API (seed 001)",
+                         description="Serve AutoRL-Bench's scenario API (GET /, /scenarios, /scenarios/ID, POST "
+                                     "/evaluate, /interact) and, with --task, its grading API (GET /health, POST "
+                                     "/validate, /submit, GET /jobs/ID, /best, /history, POST /set_baseline, GET "
+                                     "/time). Evaluations run through `agentrl eval`, one at a time.")
+    s.add_argument("--task", default=None, help="scenario the grading API grades (e.g. gsm8k, arith, humaneval)")
+    s.add_argument("--workspace", default=None, help="the run's workspace (default: workspace/TASK)")
+    s.add_argument("--output_dir", default=None, help="default model path of /submit (default: WORKSPACE/output)")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=5000, help="0: any free port (printed)")
+    _add_eval_flags(s)
+    s.add_argument("--inference_urls", default=None,
+                   help="comma-separated SGLang / agentrl engine services to evaluate on (each submission is "
+                        "loaded into them with update_weights_from_disk); default: an engine per evaluation")
+    s.add_argument("--env_server", action="append", default=[], metavar="NAME=URL",
+                   help="AgentGym server of an environment (default: one started per evaluation)")
+    s.add_argument("--state_dir", default=None, help="evaluation results and logs (never inside a workspace)")
+    s.set_defaults(func=serve)
+
+    r = bench.add_parser("run", help="run an agent on a task under a time limit and collect its best model",
+                         description="Prepare an isolated workspace (training data only), start the grading "
+                                     "server, evaluate the baseline once, run agents/ID/start.sh under --timeout "
+                                     "(its whole process group is stopped at the end), then write "
+                                     "results/TIME_TASK_AGENT/result.json and link the best model.")
+    r.add_argument("--agent", "--agent_id", "--agent-id", "-a", dest="agent", required=True,
+                   help="agent directory name under --agents_dir (e.g. agentrl_grpo, template)")
+    r.add_argument("--task", "-t", required=True, help="scenario id")
+    r.add_argument("--base_model", "--base-model", "--model", "-m", dest="base_model", default=None,
+                   help="base model directory (default: the scenario's, else the embedded SmolLM2-135M-Instruct)")
+    r.add_argument("--timeout", type=float, default=3600.0, help="seconds the agent may run (default: 3600)")
+    r.add_argument("--port", type=int, default=5000, help="grading server port (default: 5000)")
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--workspace_root", default="workspace")
+    r.add_argument("--results_dir", default="results")
+    r.add_argument("--agents_dir", default=None, help="where agent directories are (default: ./agents, then "
+                                                      "the repository's agents/)")
+    _add_eval_flags(r)
+    r.set_defaults(func=run)
+
+
+def _add_eval_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--eval_limit", type=int, default=None, metavar="N",
+                   help="grade on the first N held-out tasks only (default: all)")
+    p.add_argument("--db_connection_string", default=None,
+                   help="MongoDB for the evaluations (default: $AGENTRL_DB or the embedded server; database "
+                        "autorl-bench)")
+    p.add_argument("--engine_args", default="", help="flags of the agentrl engine each evaluation starts, e.g. "
+                                                     "'--device cuda --dtype bfloat16'")
+    p.add_argument("--scenario", action="append", default=[], metavar="FILE.yaml",
+                   help="a scenario file of your own (repeatable)")
+
+
+def list_scenarios(args: argparse.Namespace) -> int:
+    from agentrl.bench.scenarios import ScenarioError, ScenarioSet, count_lines
+
+    try:
+        scenarios = ScenarioSet(args.scenario)
+        rows = [scenarios.get(i) for i in scenarios.ids()]
+    except ScenarioError as error:
+        print(f"agentrl bench list: error: {error}", file=sys.stderr)
+        return 2
+    print(f"{'id':<12} {'type':<12} {'metric':<13} {'train':>6} {'test':>5}  name")
+    for s in rows:
+        print(f"{s.id:<12} {s.type:<12} {s.metric:<13} {count_lines(s.train_data_path):>6} "
+              f"{count_lines(s.test_data_path):>5}  {s.name}")
+    return 0
+
+
+def serve(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from agentrl.bench.server import BenchServerConfig, serve as serve_bench
+
+    urls = [u.strip() for u in (args.inference_urls or "").split(",") if u.strip()]
+    try:
+        config = BenchServerConfig(
+            task=args.task, workspace=args.workspace, output_dir=args.output_dir, host=args.host, port=args.port,
+            eval_limit=args.eval_limit, db_connection_string=args.db_connection_string,
+            engine_args=args.engine_args, inference_urls=urls, env_server=args.env_server,
+            scenario=args.scenario, state_dir=args.state_dir)
+    except ValidationError as error:
+        print(f"agentrl bench serve: error: {error}", file=sys.stderr)
+        return 2
+    return serve_bench(config)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pydantic import ValidationError
+
+    from agentrl.bench.orchestrator import BenchRunError, RunOptions, run as run_bench
+    from agentrl.bench.scenarios import ScenarioError
+
+    try:
+        options = RunOptions(agent=args.agent, task=args.task, base_model=args.base_model, timeout=args.timeout,
+                             port=args.port, host=args.host, workspace_root=args.workspace_root,
+                             results_dir=args.results_dir, agents_dir=args.agents_dir, eval_limit=args.eval_limit,
+                             db_connection_string=args.db_connection_string, engine_args=args.engine_args,
+                             scenario=args.scenario)
+        return run_bench(options, say=lambda text: print(f"agentrl bench: {text}", flush=True))
+    except (ValidationError, BenchRunError, ScenarioError) as error:
+        print(f"agentrl bench run: error: {error}", file=sys.stderr)
+        return 2
