@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # AgentRL as an AutoRL-Bench agent (`agentrl bench run --agent agentrl_grpo --task TASK`): warm start + MINIRL
 # through this repository's minirl_example.sh, configured from the workspace by plan.py. A background loop
-# submits every model that appears (the warmed-up model, checkpoints, the final model) without waiting for its
-# evaluation; the last submission waits for its result.
+# submits the models that appear (the warmed-up model; the newest checkpoint whenever no evaluation is waiting)
+# without waiting for their results; the final model's submission waits for its result.
 set -euo pipefail
 AGENT_DIR=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$AGENT_DIR/../.." && pwd)
@@ -22,11 +22,20 @@ submit() {  # submit MODEL_DIR [async]: once per directory
   say "submit $dir: $(curl -s -X POST "$GRADING_SERVER_URL/submit" -H 'Content-Type: application/json' \
     -d "{\"model_path\": \"$dir\", \"async\": $mode}" | head -c 400)"
 }
-watch_models() {  # complete model directories appear by rename, so a config.json means a whole model
+pending() { curl -s "$GRADING_SERVER_URL/health" | "$ROOT/.venv/bin/python" -c \
+  'import json, sys; print(json.load(sys.stdin).get("pending_evaluations", 0))' 2>/dev/null || echo 1; }
+# Complete model directories appear by rename, so a config.json means a whole model. The warmed-up model is
+# submitted at once; a checkpoint only while no evaluation is waiting (the newest one then), so the queue never
+# grows longer than the training: on a CPU an evaluation takes longer than the steps between checkpoints.
+watch_models() {
   while sleep 15; do
-    for dir in "$RUN_DIR/warmup/final" "$OUTPUT_DIR"/checkpoint-*; do
-      [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] && submit "$dir"
+    local dir newest=""
+    dir="$RUN_DIR/warmup/final"
+    [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] && submit "$dir"
+    for dir in $(ls -d "$OUTPUT_DIR"/checkpoint-* 2>/dev/null | sort -V); do  # by step
+      [ -f "$dir/config.json" ] && [ -f "$dir/model.safetensors" ] && newest=$dir
     done
+    if [ -n "$newest" ] && [ "$(pending)" = 0 ]; then submit "$newest"; fi
   done
 }
 watch_models &

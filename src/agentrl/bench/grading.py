@@ -30,7 +30,12 @@ from agentrl.bench.scenarios import Scenario
 
 
 class GradingRequestError(ValueError):
-    """A request the grading API refuses with HTTP 400 (the message is the reply's ``error``)."""
+    """A request the grading API refuses (HTTP ``status``, 400 unless said; the message is the reply's ``error``,
+    ``extra`` more fields of the reply)."""
+
+    def __init__(self, message: str, status: int = 400, **extra: Any):
+        super().__init__(message)
+        self.status, self.extra = status, extra
 
 
 def now_iso() -> str:

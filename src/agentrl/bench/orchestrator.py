@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -211,9 +212,11 @@ class GradingServer:
 
 
 def run_agent_process(agent_dir: Path, config: AgentConfig, env: dict[str, str], cwd: Path, log_path: Path,
-                      timeout_s: float) -> tuple[int | None, str]:
+                      timeout_s: float, progress: Callable[[float], None] | None = None,
+                      progress_every_s: float = 60.0) -> tuple[int | None, str]:
     """Run the agent's start script under ``timeout_s``; returns ``(exit status or None, how it ended)``.
-    The whole process group is stopped on timeout, SIGINT or SIGTERM (SIGTERM, then SIGKILL)."""
+    The whole process group is stopped on timeout, SIGINT or SIGTERM (SIGTERM, then SIGKILL). ``progress(elapsed)``
+    is called every ``progress_every_s`` while the agent runs."""
     with open(log_path, "ab") as log:
         process = subprocess.Popen(["bash", str(agent_dir / config.start)], cwd=cwd, env=env, stdout=log,
                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
@@ -226,8 +229,12 @@ def run_agent_process(agent_dir: Path, config: AgentConfig, env: dict[str, str],
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        deadline = time.monotonic() + timeout_s
+        start = time.monotonic()
+        deadline, next_progress = start + timeout_s, start + progress_every_s
         while process.poll() is None:
+            if progress is not None and time.monotonic() >= next_progress:
+                next_progress += progress_every_s
+                progress(time.monotonic() - start)
             if stop.is_set() or time.monotonic() >= deadline:
                 if not stop.is_set():
                     reason[0] = f"timed out after {timeout_s:g} s"
@@ -255,6 +262,23 @@ def kill_group(process: subprocess.Popen) -> None:
     except ProcessLookupError:
         pass
     process.wait()
+
+
+def _minutes(seconds: float) -> str:
+    return f"{int(seconds // 60)}m{int(seconds % 60):02d}s"
+
+
+def _progress_line(url: str, elapsed: float, timeout: float, baseline: float) -> str:
+    """One status line while the agent runs: time, submissions, evaluations waiting, best score."""
+    try:
+        pending = _get(url + "/health", timeout=5).json().get("pending_evaluations", 0)
+        submissions = len(_get(url + "/history", timeout=5).json())
+        best = _get(url + "/best", timeout=5)
+    except httpx.HTTPError as error:
+        return f"agent running {_minutes(elapsed)} / {_minutes(timeout)} | grading server not answering: {error}"
+    best_text = f"best {best.json()['best']['score']:.2f}" if best.status_code == 200 else "no score yet"
+    return (f"agent running {_minutes(elapsed)} / {_minutes(timeout)} | {submissions} graded, {pending} "
+            f"being graded or queued | {best_text} (baseline {baseline:.2f})")
 
 
 def _get(url: str, timeout: float = 30.0) -> httpx.Response:
@@ -294,7 +318,8 @@ def run(options: RunOptions, say: Any = print) -> int:
         say(f"agent {options.agent}: running {agent.start} for at most {options.timeout:g} s "
             f"(log {workspace / 'agent.log'})")
         status, how = run_agent_process(agent_dir, agent, env, workspace / "code", workspace / "agent.log",
-                                        options.timeout)
+                                        options.timeout, progress=lambda elapsed: say(
+                                            _progress_line(server.url, elapsed, options.timeout, baseline)))
         say(f"agent {options.agent}: {how}, exit status {status}")
         meta = json.loads((workspace / "run_meta.json").read_text())
         meta["end_time"] = time.time()

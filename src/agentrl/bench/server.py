@@ -177,11 +177,6 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
         return Response(content=content, status_code=response.status_code, headers=dict(response.headers),
                         media_type=response.media_type)
 
-    def grading_or_404() -> GradingRun | JSONResponse:
-        if service.grading is None:
-            return _error(404, "this server grades no task: start it with `agentrl bench serve --task TASK`")
-        return service.grading
-
     # ------------------------------------------------------------------------------------------ scenario API
 
     @app.get("/")
@@ -250,75 +245,60 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
         return {"status": "ok", "task": config.task, "workspace": str(grading.workspace) if grading else None,
                 "available_gpus": available_gpus(), "pending_evaluations": grading.pending() if grading else 0}
 
+    @app.exception_handler(GradingRequestError)
+    async def refused(_: Request, error: GradingRequestError) -> JSONResponse:
+        return _error(error.status, str(error), **error.extra)
+
+    def grading() -> GradingRun:
+        if service.grading is None:
+            raise GradingRequestError("this server grades no task: start it with `agentrl bench serve --task TASK`",
+                                      status=404)
+        return service.grading
+
     @app.post("/validate")
     async def validate(request: Request) -> Any:
-        grading = grading_or_404()
-        if isinstance(grading, JSONResponse):
-            return grading
-        try:
-            body = await _json_body(request)
-            return grading.validate(body.get("model_path"))
-        except GradingRequestError as error:
-            return _error(400, str(error))
+        return grading().validate((await _json_body(request)).get("model_path"))
 
     @app.post("/submit")
     async def submit(request: Request) -> Any:
-        grading = grading_or_404()
-        if isinstance(grading, JSONResponse):
-            return grading
-        try:
-            body = await _json_body(request)
-            gpu = body.get("gpu")
-            if gpu is not None:
-                wanted = [str(g) for g in (gpu if isinstance(gpu, list) else str(gpu).split(","))]
-                if not set(wanted) <= set(available_gpus()):
-                    return _error(400, f"gpu {gpu!r} is not among the available GPUs",
-                                  available_gpus=available_gpus())
-            job = grading.enqueue(body.get("model_path"))
-        except GradingRequestError as error:
-            return _error(400, str(error))
+        run, body = grading(), await _json_body(request)
+        gpu = body.get("gpu")
+        if gpu is not None:
+            wanted = [str(g) for g in (gpu if isinstance(gpu, list) else str(gpu).split(","))]
+            if not set(wanted) <= set(available_gpus()):
+                raise GradingRequestError(f"gpu {gpu!r} is not among the available GPUs",
+                                          available_gpus=available_gpus())
+        job = run.enqueue(body.get("model_path"))
         if body.get("async"):
             return JSONResponse(job.public(), status_code=202)
         return await job.task
 
     @app.get("/jobs/{job_id}")
     async def job_status(job_id: str) -> Any:
-        grading = grading_or_404()
-        if isinstance(grading, JSONResponse):
-            return grading
-        job = grading.jobs.get(job_id)
-        return job.public() if job else _error(404, f"no job {job_id}")
+        job = grading().jobs.get(job_id)
+        if job is None:
+            raise GradingRequestError(f"no job {job_id}", status=404)
+        return job.public()
 
     @app.get("/best")
     async def best() -> Any:
-        grading = grading_or_404()
-        if isinstance(grading, JSONResponse):
-            return grading
-        entry = grading.best()
+        run = grading()
+        entry = run.best()
         if entry is None:
-            return _error(404, "No submissions")
-        return {"best": entry, "total_submissions": len(grading.history())}
+            raise GradingRequestError("No submissions", status=404)
+        return {"best": entry, "total_submissions": len(run.history())}
 
     @app.get("/history")
     async def history() -> Any:
-        grading = grading_or_404()
-        return grading if isinstance(grading, JSONResponse) else grading.history()
+        return grading().history()
 
     @app.post("/set_baseline")
     async def set_baseline(request: Request) -> Any:
-        grading = grading_or_404()
-        if isinstance(grading, JSONResponse):
-            return grading
-        try:
-            body = await _json_body(request)
-            return {"baseline_score": grading.set_baseline(body.get("score")), "status": "set"}
-        except GradingRequestError as error:
-            return _error(400, str(error))
+        return {"baseline_score": grading().set_baseline((await _json_body(request)).get("score")), "status": "set"}
 
     @app.get("/time")
     async def time_left() -> Any:
-        grading = grading_or_404()
-        return grading if isinstance(grading, JSONResponse) else grading.time_info()
+        return grading().time_info()
 
     return app
 
