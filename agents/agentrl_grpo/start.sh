@@ -2,7 +2,8 @@
 # AgentRL as an AutoRL-Bench agent (`agentrl bench run --agent agentrl_grpo --task TASK`): warm start + MINIRL
 # through this repository's minirl_example.sh, configured from the workspace by plan.py. A background loop
 # submits the models that appear (the warmed-up model; the newest checkpoint whenever no evaluation is waiting)
-# without waiting for their results; the final model's submission waits for its result.
+# without waiting for their results, and the final model last (`agentrl bench run` grades what is still queued
+# when the agent exits).
 set -euo pipefail
 AGENT_DIR=$(cd "$(dirname "$0")" && pwd)
 ROOT=$(cd "$AGENT_DIR/../.." && pwd)
@@ -15,12 +16,12 @@ say "task $TASK: warm-up ${WARMUP:-oracle} demonstrations, then MINIRL for up to
 
 submitted="$WORKSPACE/code/submitted.txt"
 touch "$submitted"
-submit() {  # submit MODEL_DIR [async]: once per directory
-  local dir=$1 mode=${2:-true}
+submit() {  # submit MODEL_DIR without waiting for its grade, once per directory
+  local dir=$1
   grep -qxF "$dir" "$submitted" && return 0
   echo "$dir" >>"$submitted"
   say "submit $dir: $(curl -s -X POST "$GRADING_SERVER_URL/submit" -H 'Content-Type: application/json' \
-    -d "{\"model_path\": \"$dir\", \"async\": $mode}" | head -c 400)"
+    -d "{\"model_path\": \"$dir\", \"async\": true}" | head -c 400)"
 }
 pending() { curl -s "$GRADING_SERVER_URL/health" | "$ROOT/.venv/bin/python" -c \
   'import json, sys; print(json.load(sys.stdin).get("pending_evaluations", 0))' 2>/dev/null || echo 1; }
@@ -46,7 +47,7 @@ status=0
 "$ROOT/minirl_example.sh" "bench-$TASK" || status=$?
 kill $watcher 2>/dev/null || true
 if [ -f "$OUTPUT_DIR/final/config.json" ]; then
-  submit "$OUTPUT_DIR/final" false
+  submit "$OUTPUT_DIR/final"  # graded after the run if the queue is long: the orchestrator waits for it
 fi
-say "best: $(curl -s "$GRADING_SERVER_URL/best" | head -c 400)"
+say "best so far: $(curl -s "$GRADING_SERVER_URL/best" | head -c 400)"
 exit $status

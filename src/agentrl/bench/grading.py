@@ -55,6 +55,11 @@ def read_json(path: Path, default: Any) -> Any:
         return default
 
 
+def best_entry(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The submission with the highest score (the earliest of equal ones); None without submissions."""
+    return max(entries, key=lambda e: (e.get("score") or 0.0, -e["submission_id"])) if entries else None
+
+
 @dataclass
 class Job:
     """One queued or finished submission (``/submit`` with ``"async": true`` returns its id)."""
@@ -104,8 +109,7 @@ class GradingRun:
         return float(score)
 
     def best(self) -> dict[str, Any] | None:
-        entries = self.history()
-        return max(entries, key=lambda e: (e.get("score") or 0.0, -e["submission_id"])) if entries else None
+        return best_entry(self.history())
 
     def time_info(self) -> dict[str, Any]:
         meta = read_json(self.meta_path, {"start_time": self.started, "timeout_s": None, "last_submit_time": None,

@@ -41,7 +41,7 @@ import httpx
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentrl.bench.grading import write_json_atomic
+from agentrl.bench.grading import best_entry, read_json, write_json_atomic
 from agentrl.bench.scenarios import Scenario, ScenarioSet
 from agentrl.bench.server import READY_LINE
 
@@ -200,6 +200,15 @@ class GradingServer:
             self.log.write(line)
             self.log.flush()
 
+    def pending(self) -> int | None:
+        """Submissions queued or being graded; None when the server is gone or does not answer."""
+        if self.process.poll() is not None:
+            return None
+        try:
+            return int(_get(self.url + "/health", timeout=10).json().get("pending_evaluations", 0))
+        except (httpx.HTTPError, ValueError):
+            return None
+
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)
@@ -324,14 +333,19 @@ def run(options: RunOptions, say: Any = print) -> int:
         meta = json.loads((workspace / "run_meta.json").read_text())
         meta["end_time"] = time.time()
         write_json_atomic(workspace / "run_meta.json", meta)
-        while (pending := _get(server.url + "/health").json().get("pending_evaluations", 0)) > 0:
-            say(f"waiting for {pending} queued evaluation(s) ...")
+        said = None
+        while pending := server.pending():
+            if pending != said:
+                say(f"grading the {pending} submission(s) still queued or running ...")
+                said = pending
             time.sleep(5)
-        best_response = _get(server.url + "/best")
-        best = best_response.json()["best"] if best_response.status_code == 200 else None
-        history = _get(server.url + "/history").json()
+        if pending is None:
+            say(f"the grading server stopped answering (log {workspace / 'grading_server.log'}): submissions "
+                "still queued were not graded")
     finally:
         server.stop()
+    history = read_json(workspace / "scores.json", [])  # the grading server's record, whatever became of it
+    best = best_entry(history)
     ended = time.time()
     success = status == 0
     result = {"success": success, "agent_id": options.agent, "task": scenario.id,
