@@ -268,7 +268,9 @@ warm_up() {
   if [ -n "${ENV:-}" ]; then
     log "warm-up: SFT on $WARMUP oracle demonstrations of $ENV train tasks (log $RUN_DIR/logs/warmup.log)"
   else
-    log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") (real calculator calls; log $RUN_DIR/logs/warmup.log)"
+    local made_with="real tool calls"
+    [ ${#TOOL_FLAGS[@]} -eq 0 ] && made_with="worked solutions"
+    log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") ($made_with; log $RUN_DIR/logs/warmup.log)"
   fi
   {
     if [ -n "${ENV:-}" ]; then
