@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import stat
 import subprocess
 import time
 from pathlib import Path
@@ -196,7 +197,8 @@ def test_run_with_the_template_agent(tmp_path: Path, db_uri: str, scripted_model
 
     workspace = Path(result["workspace"])
     assert sorted(p.name for p in (workspace / "data").iterdir()) == ["train.jsonl"]
-    assert not os.access(workspace / "data" / "train.jsonl", os.W_OK) or os.geteuid() == 0
+    assert stat.S_IMODE((workspace / "data" / "train.jsonl").stat().st_mode) == 0o444  # read-only copy
+    assert stat.S_IMODE((workspace / "data").stat().st_mode) == 0o555
     assert json.loads((workspace / "scenario.json").read_text())["test_data_path"] is None
     text = reachable_text(workspace)
     test_file = str(tmp_path / "scenario-data" / "test.jsonl")

@@ -82,10 +82,6 @@ class Evaluator:
         self._count = 0
         (state_dir / "logs").mkdir(parents=True, exist_ok=True)
 
-    @property
-    def busy(self) -> bool:
-        return self._lock.locked()
-
     def _mcp_config(self, tools: list[str]) -> Path:
         path = self.state_dir / f"mcp-{'-'.join(tools)}.json"
         servers = [{"name": tool, "command": sys.executable, "args": ["-m", "agentrl.cli.main", "tools", "serve", tool]}
