@@ -6,11 +6,9 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-import uuid
 from collections import Counter
 from pathlib import Path
 
-from conftest import with_database
 from trainer_fixtures import (
     enqueue,
     load_weights,
@@ -18,11 +16,11 @@ from trainer_fixtures import (
     max_weight_difference,
     run_trainer,
     start_trainer,
+    train_uninterrupted,
     trainer_args,
 )
 
 from agentrl.store import sync_client
-from agentrl.train import main
 
 
 STEPS, BATCH = 8, 4
@@ -86,15 +84,8 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
 
     # a run on the same data that was never interrupted ends with the same weights: no sample was lost or
     # trained twice, and optimizer, scheduler and data-stream state were restored exactly
-    reference_uri = with_database(mongo_server_uri, "t_" + uuid.uuid4().hex[:12])
-    asyncio.run(enqueue(reference_uri, samples))
     reference = tmp_path / "reference"
-    try:
-        assert main(trainer_args(reference_uri, tiny_model_dir, reference, *flags)) == 0
-    finally:
-        admin = sync_client(mongo_server_uri)
-        admin.drop_database(reference_uri.rsplit("/", 1)[1])
-        admin.close()
+    train_uninterrupted(mongo_server_uri, samples, tiny_model_dir, reference, *flags)
     difference = max_weight_difference(load_weights(out / "final"), load_weights(reference / "final"))
     assert difference < 1e-6, difference
 

@@ -187,6 +187,27 @@ def test_sigterm_while_waiting_stops_cleanly_with_a_checkpoint(db_uri: str, tiny
         client.close()
 
 
+def test_the_training_time_limit_also_ends_a_wait_for_samples(db_uri: str, tiny_model_dir: Path,
+                                                              tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Samplers slower than the time limit (half a batch in the queue, none coming): the trainer still finishes
+    at the limit, as at max_steps, and gives the step's claims back."""
+    asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, 1, group_size=2)))
+    out = tmp_path / "out"
+    started = time.monotonic()
+    with caplog.at_level("INFO", logger="agentrl"):
+        assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "10",
+                                 "--max_train_time_s", "2", "--save_steps", "0")) == 0
+    assert time.monotonic() - started < 60
+    assert "reached while waiting for the samples of step 1" in caplog.text
+    assert (out / "final" / "config.json").is_file()
+    client, db = _db(db_uri)
+    try:
+        assert {d["status"] for d in db.DBRecordData.find()} == {"queued"}
+        assert db.Run.find_one()["status"] == "finished"
+    finally:
+        client.close()
+
+
 def test_kl_to_the_reference_model_grows_from_zero(db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
     assert main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps", "2",

@@ -9,17 +9,19 @@ weights sees a logprob mismatch near 0 and importance ratios of 1.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import os
 import random
 import subprocess
 import sys
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from agentrl.store import DBRecordData, Store
+from agentrl.store import DBRecordData, Store, sync_client, with_database
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
 from agentrl.training.merge import CallTokens, merge_trajectory
 
@@ -120,6 +122,25 @@ def run_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), timeout_s:
         output, _ = process.communicate()
         raise AssertionError(f"the trainer did not finish in {timeout_s}s:\n{output}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, output, "")
+
+
+def train_uninterrupted(mongo_server_uri: str, samples: Sequence[DBRecordData], model_dir: Path, output_dir: Path,
+                        *flags: str, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess | None:
+    """A reference run: the trainer on ``samples`` in a database of its own (dropped afterwards), in this process,
+    or as ``launcher -m agentrl.train`` when a launcher is given (its completed process is returned)."""
+    from agentrl.train import main
+
+    uri = with_database(mongo_server_uri, "t_" + uuid.uuid4().hex[:12])
+    asyncio.run(enqueue(uri, samples))
+    try:
+        if launcher:
+            return run_trainer(trainer_args(uri, model_dir, output_dir, *flags), launcher=launcher)
+        assert main(trainer_args(uri, model_dir, output_dir, *flags)) == 0
+        return None
+    finally:
+        admin = sync_client(mongo_server_uri)
+        admin.drop_database(uri.rsplit("/", 1)[1])
+        admin.close()
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:

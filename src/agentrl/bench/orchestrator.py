@@ -26,6 +26,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -290,6 +291,51 @@ def _progress_line(url: str, elapsed: float, timeout: float, baseline: float) ->
             f"being graded or queued | {best_text} (baseline {baseline:.2f})")
 
 
+_TOTAL = re.compile(r"evaluation \w+: (\d+) tasks × (\d+) samples")
+_DONE = re.compile(r"sampler \S+: (\d+) trajectories \(([\d.]+)/s\)")
+
+
+def _evaluation_progress(log_dir: Path) -> str | None:
+    """``graded/total trajectories, rate, time left`` of the newest evaluation, read from the progress lines of its
+    ``agentrl eval`` log (None before it has any)."""
+    logs = sorted(log_dir.glob("*.log"), key=lambda path: path.stat().st_mtime) if log_dir.is_dir() else []
+    if not logs:
+        return None
+    text = logs[-1].read_text(encoding="utf-8", errors="replace")
+    total, done = _TOTAL.search(text), _DONE.findall(text)
+    if total is None or not done:
+        return None
+    count, rate = int(done[-1][0]), float(done[-1][1])
+    planned = int(total.group(1)) * int(total.group(2))
+    left = f", about {_minutes((planned - count) / rate)} left" if rate > 0 and count < planned else ""
+    return f"{count}/{planned} trajectories graded ({rate:.2f}/s{left})"
+
+
+def _while_reporting(call: Callable[[], Any], status: Callable[[], str | None], say: Any,
+                     every_s: float = 60.0) -> Any:
+    """``call()`` in a thread, saying ``status()`` every ``every_s`` seconds until it returns (or raises)."""
+    outcome: dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:  # noqa: BLE001 - re-raised in the caller's thread
+            outcome["error"] = error
+
+    worker = threading.Thread(target=target, daemon=True)
+    worker.start()
+    while True:
+        worker.join(every_s)
+        if not worker.is_alive():
+            break
+        line = status()
+        if line:
+            say(f"baseline: {line}")
+    if "error" in outcome:
+        raise outcome["error"]
+    return outcome["value"]
+
+
 def _get(url: str, timeout: float = 30.0) -> httpx.Response:
     return httpx.get(url, timeout=timeout)
 
@@ -310,8 +356,10 @@ def run(options: RunOptions, say: Any = print) -> int:
     say(f"grading server: {server.url} (log {workspace / 'grading_server.log'})")
     try:
         say(f"baseline: evaluating {scenario.base_model()} on {scenario.id} ...")
-        response = httpx.post(server.url + "/evaluate", json={"scenario_id": scenario.id,
-                                                               "model_path": scenario.base_model()}, timeout=None)
+        response = _while_reporting(
+            lambda: httpx.post(server.url + "/evaluate", json={"scenario_id": scenario.id,
+                                                               "model_path": scenario.base_model()}, timeout=None),
+            lambda: _evaluation_progress(result_dir / "evaluations" / "logs"), say)
         if response.status_code != 200:
             raise BenchRunError(f"the baseline evaluation failed: {response.text}")
         baseline = response.json()["score"]

@@ -3,7 +3,9 @@
 Layout of one checkpoint directory:
 
 * the model as a Hugging Face directory (``config.json``, ``model.safetensors``, tokenizer) in fp32, the master
-  weights themselves, loadable by transformers and SGLang;
+  weights themselves, loadable by transformers and SGLang; with LoRA (``--use_peft``) the adapter instead, as a
+  PEFT adapter directory (``adapter_config.json``, ``adapter_model.safetensors``, tokenizer): the base weights
+  never change, and a resume loads the base model and then this adapter;
 * ``optimizer/``: the AdamW state in ``torch.distributed.checkpoint`` format (sharded per rank; it reshards on
   load, so a resume may use another number of ranks);
 * ``scheduler.pt``, ``rng_state_<rank>.pt`` (torch CPU/CUDA and Python generators);
@@ -40,7 +42,8 @@ from torch import nn
 
 from agentrl.failpoints import failpoint
 from agentrl.training.parallel import ParallelState
-from agentrl.training.weights import discard_dir, export_pretrained, replace_dir
+from agentrl.training import lora
+from agentrl.training.weights import discard_dir, export_adapter, export_pretrained, replace_dir
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,10 @@ def save_checkpoint(output_dir: Path, model: nn.Module, optimizer: torch.optim.O
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     parallel.barrier()
-    export_pretrained(model, parallel, tmp / "model", dtype=torch.float32, tokenizer=tokenizer)
+    if lora.is_adapted(model):
+        export_adapter(model, parallel, tmp / "model", tokenizer=tokenizer)
+    else:
+        export_pretrained(model, parallel, tmp / "model", dtype=torch.float32, tokenizer=tokenizer)
     if not model_only:
         with _single_process_dcp(parallel):
             dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)},

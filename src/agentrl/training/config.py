@@ -90,6 +90,20 @@ class TrainConfig(BaseModel):
         True, description="several ranks: only rank 0 reads the weights into host memory, the others build the "
         "model on the meta device and receive their shards by broadcast (false: every rank reads them)")
 
+    # ------------------------------------------------------------------------------------------------ LoRA (TRL)
+    use_peft: bool = Field(False, description="train LoRA adapters (PEFT) instead of every weight; checkpoints hold "
+                           "the adapter, published and final weights are merged into full weights")
+    lora_r: int = Field(16, ge=1, description="LoRA rank")
+    lora_alpha: float = Field(32.0, gt=0.0, description="LoRA scaling numerator (the update is alpha / r · B A)")
+    lora_dropout: float = Field(0.05, ge=0.0, lt=1.0, description="dropout on the LoRA input")
+    lora_target_modules: list[str] | None = Field(
+        None, description="module names to adapt, or all-linear (every linear layer but the output head); "
+        "default: PEFT's choice for the architecture (q_proj v_proj for Llama)")
+    lora_modules_to_save: list[str] | None = Field(
+        None, description="modules trained in full alongside the adapters (e.g. a new classification head)")
+    load_in_4bit: bool = Field(False, description="QLoRA: the base model in 4-bit NF4 (bitsandbytes, CUDA, one "
+                               "process; needs --use_peft)")
+
     # ------------------------------------------------------------------------------------------------- batches
     train_batch_size: int | None = Field(
         None, ge=1, description="samples per optimiser step over all ranks (default: per_device_train_batch_size "
@@ -206,6 +220,11 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type} decays over --max_steps: set it")
         if self.warmup_ratio and self.max_steps <= 0:
             raise ValueError("--warmup_ratio is a fraction of --max_steps: set it (or use --warmup_steps)")
+        lora_flags = sorted(name for name in self.model_fields_set
+                            if name.startswith("lora_") or (name == "load_in_4bit" and self.load_in_4bit))
+        if lora_flags and not self.use_peft:
+            raise ValueError(f"LoRA flags without --use_peft: --{' --'.join(lora_flags)} (add --use_peft to train "
+                             "LoRA adapters)")
         if self.kl_coef == 0 and self.ref_model_name_or_path is not None:
             raise ValueError("--ref_model_name_or_path is only used with --kl_coef > 0")
         return self

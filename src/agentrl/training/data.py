@@ -37,6 +37,7 @@ class StepEnd(Enum):
 
     STOPPED = "stopped"  # a stop was requested (SIGTERM) while waiting; the step's claims went back to the queue
     EXHAUSTED = "exhausted"  # no queued sample is left on any rank, and (online) every Task of the split is done
+    DEADLINE = "deadline"  # the deadline passed while waiting; the step's claims went back to the queue
 
 
 @dataclass
@@ -96,8 +97,9 @@ class SampleStream:
         self.share = split_shares(batch_size, parallel.dp_size)[parallel.dp_rank]
         self._finished_logged = False
 
-    def next_step(self, step: int, current_version: int) -> StepData | StepEnd:
-        """This rank's samples for ``step``, waiting for the queue as needed; or why there are none."""
+    def next_step(self, step: int, current_version: int, deadline: float | None = None) -> StepData | StepEnd:
+        """This rank's samples for ``step``, waiting for the queue as needed until ``deadline`` (``time.monotonic``
+        on any rank); or why there are none."""
         started = time.monotonic()
         samples: list[DBRecordData] = []
         skipped = 0
@@ -113,12 +115,13 @@ class SampleStream:
                 if exhausted and not self.offline:  # online, the data is used up once sampling has finished
                     exhausted = self._sampling_finished()
             short = self.parallel.is_tp_leader and len(samples) < self.share  # peers get the leader's samples
-            short_open, any_short, stop, nonempty = self.parallel.all_reduce(
-                [float(short and not exhausted), float(short), float(self.stop.is_set()), float(bool(samples))],
-                op="max")
-            if stop:
+            late = short and deadline is not None and time.monotonic() >= deadline
+            short_open, any_short, stop, nonempty, any_late = self.parallel.all_reduce(
+                [float(short and not exhausted), float(short), float(self.stop.is_set()), float(bool(samples)),
+                 float(late)], op="max")
+            if stop or any_late:
                 self._give_back(step)
-                return StepEnd.STOPPED
+                return StepEnd.STOPPED if stop else StepEnd.DEADLINE
             if not any_short:
                 break
             if not short_open:  # every short rank found the queue empty for good: the data is used up

@@ -33,6 +33,7 @@ import torch
 from agentrl.failpoints import failpoint
 from agentrl.log import redact
 from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
+from agentrl.training import lora
 from agentrl.training.aio import LoopThread
 from agentrl.training.batching import MicroBatch, collate, pack_micro_batches
 from agentrl.training.checkpoint import (
@@ -77,7 +78,7 @@ class TrainerError(RuntimeError):
 
 
 SETUP_ERRORS: tuple[type[Exception], ...] = (TrainerError, ReportError, WeightsError, CheckpointError, ParallelError,
-                                             PublishError, LaunchConfigError)
+                                             PublishError, LaunchConfigError, lora.LoraError)
 """Errors whose message says everything (no traceback needed)."""
 
 
@@ -105,6 +106,8 @@ class Trainer:
         self.parallel = parallel = init_parallel(cfg.tp_size or 1, cfg.ddp_backend, cfg.ddp_timeout)
         if not parallel.is_main:
             logging.getLogger("agentrl").setLevel(logging.WARNING)
+        if cfg.load_in_4bit:
+            self._check_4bit()  # before the run's database is touched
         self.bf16 = cfg.bf16 if cfg.bf16 is not None else parallel.device.type == "cuda"
         if self.bf16 and parallel.device.type != "cuda":
             logger.warning("--bf16 true on %s: bf16 compute is emulated and slow there (meant for precision "
@@ -135,7 +138,12 @@ class Trainer:
         resume = parallel.broadcast_from_main(
             resolve_resume(cfg.resume_from_checkpoint, self.output_dir) if parallel.is_main else None)
         base_path = parallel.broadcast_from_main(self._base_model_path() if parallel.is_main else None)
-        self.model = self._build_model(resume or base_path)
+        self.lora = self._lora_config(resume, base_path)
+        self.model = self._build_model(base_path if self.lora is not None else resume or base_path, resume)
+        if self.lora is not None:
+            logger.info("LoRA r=%d alpha=%g on %s: %s", self.lora.r, self.lora.lora_alpha,
+                        " ".join(sorted(self.model.peft_config[lora.ADAPTER_NAME].target_modules)),
+                        lora.trainable_summary(self.model))
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
         self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.kl_coef > 0 else None
         self.optimizer = self._build_optimizer()
@@ -180,23 +188,74 @@ class Trainer:
 
         return str(default_model_path())
 
-    def _build_model(self, path: str | Path) -> torch.nn.Module:
+    def _lora_config(self, resume: Path | None, base_path: str):
+        """The LoRA settings of this run (None: full fine-tuning). A resume must use the checkpoint's own."""
+        cfg = self.cfg
+        adapter_checkpoint = resume is not None and lora.is_adapter_dir(resume)
+        if not cfg.use_peft:
+            if adapter_checkpoint:
+                raise TrainerError(f"{resume} holds a LoRA adapter: resume it with --use_peft (and its LoRA flags)")
+            return None
+        config = lora.lora_config(r=cfg.lora_r, alpha=cfg.lora_alpha, dropout=cfg.lora_dropout,
+                                  target_modules=cfg.lora_target_modules,
+                                  modules_to_save=cfg.lora_modules_to_save, base_model=base_path)
+        if resume is None:
+            return config
+        if not adapter_checkpoint:
+            raise TrainerError(f"{resume} holds a full model, not a LoRA adapter: resume it without --use_peft")
+        saved = lora.read_adapter_config(resume)
+        for name in ("r", "lora_alpha", "lora_dropout", "modules_to_save"):
+            if getattr(saved, name) != getattr(config, name):
+                raise TrainerError(f"{resume}: its adapter has {name} {getattr(saved, name)!r}, the flags ask for "
+                                   f"{getattr(config, name)!r}: resume with the checkpoint's LoRA settings")
+        return saved
+
+    def _check_4bit(self) -> None:
+        if self.parallel.device.type != "cuda":
+            raise TrainerError(f"--load_in_4bit needs a CUDA GPU (bitsandbytes 4-bit kernels); this trainer runs "
+                               f"on {self.parallel.device}: drop --load_in_4bit (LoRA alone works on any device)")
+        if self.parallel.distributed:
+            raise TrainerError("--load_in_4bit works in one process only (FSDP2 cannot shard bitsandbytes "
+                               "weights): launch a single process, or drop --load_in_4bit")
+        try:
+            import bitsandbytes  # noqa: F401
+        except ImportError as error:
+            raise TrainerError(f"--load_in_4bit needs bitsandbytes: pip install bitsandbytes ({error})") from None
+
+    def _build_model(self, path: str | Path, resume: Path | None) -> torch.nn.Module:
+        cfg = self.cfg
+
         def prepare(model: torch.nn.Module) -> None:
             model.config.use_cache = False
-            if self.cfg.gradient_checkpointing:
+            if cfg.gradient_checkpointing:
                 model.activation_checkpointing_enable()
 
-        return self._load(path, prepare)
+        transform = None
+        if self.lora is not None:
+            add_adapters = lora.adapter_transform(self.lora, resume)
+
+            def transform(model: torch.nn.Module, holds_weights: bool) -> torch.nn.Module:
+                if cfg.load_in_4bit:
+                    from peft import prepare_model_for_kbit_training
+
+                    model = prepare_model_for_kbit_training(model, cfg.gradient_checkpointing)
+                model = add_adapters(model, holds_weights)
+                if cfg.gradient_checkpointing:  # the frozen embeddings' output must carry gradients to the adapters
+                    model.enable_input_require_grads()
+                return model
+
+        return self._load(path, prepare, transform, load_in_4bit=cfg.load_in_4bit)
 
     def _build_ref_model(self, path: str | Path) -> torch.nn.Module:
         return self._load(path, lambda model: model.requires_grad_(False).eval())
 
-    def _load(self, path: str | Path, prepare) -> torch.nn.Module:
+    def _load(self, path: str | Path, prepare, transform=None, load_in_4bit: bool = False) -> torch.nn.Module:
         cfg = self.cfg
         return load_sharded(path, self.parallel, bf16=self.bf16, reshard_after_forward=cfg.reshard_after_forward,
                             rank0_loading=cfg.cpu_ram_efficient_loading,
                             attn_implementation=cfg.attention_implementation,
-                            trust_remote_code=cfg.trust_remote_code, prepare=prepare)
+                            trust_remote_code=cfg.trust_remote_code, prepare=prepare, transform=transform,
+                            load_in_4bit=load_in_4bit)
 
     def _build_optimizer(self) -> torch.optim.Optimizer:
         decay = [p for p in self.model.parameters() if p.requires_grad and p.ndim >= 2]
@@ -254,15 +313,20 @@ class Trainer:
         """Train steps until a stop condition; True when the run is complete (max_steps or data used up)."""
         cfg = self.cfg
         started = time.monotonic()
+        deadline = started + cfg.max_train_time_s if cfg.max_train_time_s else None
         while True:
             if 0 < cfg.max_steps <= self.state.step:
                 return True
-            if cfg.max_train_time_s and self.parallel.broadcast_from_main(
-                    time.monotonic() - started >= cfg.max_train_time_s if self.parallel.is_main else None):
+            if deadline is not None and self.parallel.broadcast_from_main(
+                    time.monotonic() >= deadline if self.parallel.is_main else None):
                 logger.info("training time limit of %.0f s reached after step %d", cfg.max_train_time_s,
                             self.state.step)
                 return True
-            got = self.stream.next_step(self.state.step + 1, self.version)
+            got = self.stream.next_step(self.state.step + 1, self.version, deadline)
+            if got is StepEnd.DEADLINE:
+                logger.info("training time limit of %.0f s reached while waiting for the samples of step %d: "
+                            "finishing after step %d", cfg.max_train_time_s, self.state.step + 1, self.state.step)
+                return True
             if got is StepEnd.STOPPED:
                 logger.info("stop requested: leaving after step %d", self.state.step)
                 return False

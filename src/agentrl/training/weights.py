@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from agentrl.failpoints import failpoint
+from agentrl.training import lora
 from agentrl.training.parallel import ParallelState, materialize_from_main, shard_model
 
 logger = logging.getLogger(__name__)
@@ -29,9 +30,10 @@ class WeightsError(RuntimeError):
     """Pretrained weights are missing or do not fit the model."""
 
 
-def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trust_remote_code: bool = False
-                    ) -> nn.Module:
-    """``AutoModelForCausalLM`` from ``path`` in fp32 with every weight loaded from it.
+def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
+                    load_in_4bit: bool = False) -> nn.Module:
+    """``AutoModelForCausalLM`` from ``path`` in fp32 with every weight loaded from it (``load_in_4bit``: the linear
+    layers in bitsandbytes NF4 with double quantisation and bf16 compute, QLoRA's recipe; CUDA only).
 
     Raises ``WeightsError`` when a local directory holds no weight files, or when any parameter would be left at
     its random initialisation (missing or mismatched keys).
@@ -45,10 +47,17 @@ def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trus
         if not any(next(local.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
             raise WeightsError(f"no weights in {local} (no *.safetensors or *.bin files): the trainer starts from "
                                "pretrained weights, never from a random initialisation")
+    quantization = {}
+    if load_in_4bit:
+        from transformers import BitsAndBytesConfig
+
+        quantization = {"device_map": {"": torch.cuda.current_device()}, "quantization_config": BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16)}
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(path), dtype=torch.float32, attn_implementation=attn_implementation,
-            trust_remote_code=trust_remote_code, output_loading_info=True)
+            trust_remote_code=trust_remote_code, output_loading_info=True, **quantization)
     except OSError as error:
         raise WeightsError(f"cannot load the model {path}: {error}") from error
     missing = list(info.get("missing_keys") or [])
@@ -62,18 +71,27 @@ def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trus
 
 def load_sharded(path: str | Path, parallel: ParallelState, *, bf16: bool, reshard_after_forward: bool = True,
                  rank0_loading: bool = True, attn_implementation: str = "sdpa", trust_remote_code: bool = False,
-                 prepare: Callable[[nn.Module], None] | None = None) -> nn.Module:
+                 prepare: Callable[[nn.Module], None] | None = None,
+                 transform: Callable[[nn.Module, bool], nn.Module] | None = None,
+                 load_in_4bit: bool = False) -> nn.Module:
     """The pretrained model at ``path``, sharded over ``parallel`` (``shard_model``) and on its device.
 
     With several ranks and ``rank0_loading`` only rank 0 reads the weights into host memory: the others build the
     model on the meta device, shard it, and receive their shards by broadcast (``materialize_from_main``), so host
     memory holds one full copy per machine instead of one per rank. A load error on rank 0 is raised on every
-    rank. ``prepare`` runs on the unsharded model (e.g. to enable gradient checkpointing).
+    rank. ``prepare`` runs on the unsharded model (e.g. to enable gradient checkpointing), then ``transform``
+    (e.g. LoRA adapters, ``agentrl.training.lora``) on every copy before sharding: ``transform(model, True)`` on
+    the copy that holds the weights, ``transform(model, False)`` on a meta-device replica.
     """
     if not (parallel.distributed and rank0_loading):
-        model = load_pretrained(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
+        model = load_pretrained(path, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code,
+                                load_in_4bit=load_in_4bit)
         if prepare is not None:
             prepare(model)
+        if transform is not None:
+            model = transform(model, True)
+        if load_in_4bit:
+            return model  # bitsandbytes placed it on the GPU; one process only
         shard_model(model, parallel, bf16=bf16, reshard_after_forward=reshard_after_forward)
         return model if parallel.distributed else model.to(parallel.device)
     from transformers import AutoModelForCausalLM
@@ -83,7 +101,9 @@ def load_sharded(path: str | Path, parallel: ParallelState, *, bf16: bool, resha
         try:
             source = load_pretrained(path, attn_implementation=attn_implementation,
                                      trust_remote_code=trust_remote_code)
-        except WeightsError as error:
+            if transform is not None:
+                source = transform(source, True)
+        except (WeightsError, ValueError) as error:
             failure = str(error)
     failure = parallel.broadcast_from_main(failure)
     if failure is not None:
@@ -96,6 +116,8 @@ def load_sharded(path: str | Path, parallel: ParallelState, *, bf16: bool, resha
         model.generation_config = source.generation_config
     if prepare is not None:
         prepare(model)
+    if transform is not None:
+        model = transform(model, False)
     shard_model(model, parallel, bf16=bf16, reshard_after_forward=reshard_after_forward)
     materialize_from_main(model, parallel, source)
     del source
@@ -129,12 +151,15 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
     """Write ``model`` as a Hugging Face directory ``out_dir`` (rank 0 writes; every rank must call it).
 
     The weights are saved through a meta-device copy of the model class, so the saved config names the real
-    architecture even when ``model`` is wrapped by FSDP2.
+    architecture even when ``model`` is wrapped by FSDP2. A model with LoRA adapters is saved merged
+    (``lora.merge_state_dict``): a plain model of the base architecture.
     """
     from transformers import AutoModelForCausalLM
 
     state = full_state_dict(model, parallel)
     if parallel.is_main:
+        if lora.is_adapted(model):
+            state = lora.merge_state_dict(model, state)
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
         tmp = out_dir.with_name(f".{out_dir.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -146,6 +171,21 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
         if getattr(model, "generation_config", None) is not None:
             shell.generation_config = model.generation_config
         shell.save_pretrained(tmp, state_dict=state, safe_serialization=True)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(tmp)
+        replace_dir(tmp, out_dir)
+    parallel.barrier()
+
+
+def export_adapter(model: nn.Module, parallel: ParallelState, out_dir: Path, *, tokenizer: Any | None = None) -> None:
+    """Write the LoRA adapter of ``model`` as a PEFT adapter directory ``out_dir`` (fp32; rank 0 writes, every rank
+    must call it), complete before it appears under its name."""
+    state = full_state_dict(model, parallel)
+    if parallel.is_main:
+        config, weights = lora.adapter_files(model, state)
+        tmp = out_dir.with_name(f".{out_dir.name}.tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        lora.write_adapter(tmp, config, {name: tensor.float() for name, tensor in weights.items()})
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out_dir)

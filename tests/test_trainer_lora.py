@@ -1,0 +1,153 @@
+"""LoRA (``--use_peft``): only the adapters learn, for every loss; checkpoints hold a PEFT adapter that PEFT's own
+loader reads and that gives the logprobs of the merged final model; a crash and resume is exact; FSDP2 on two
+ranks gives the adapter of one process; bad combinations of flags are refused with a clear message."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from trainer_fixtures import (
+    enqueue,
+    load_weights,
+    make_samples,
+    max_weight_difference,
+    run_trainer,
+    sft_samples,
+    train_uninterrupted,
+    trainer_args,
+)
+
+from agentrl.failpoints import ENV
+from agentrl.store import sync_client
+from agentrl.train import main
+from agentrl.training import lora
+
+LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules",
+        "all-linear")
+FLAGS = ("--train_batch_size", "4", "--enable_sampling", "false", "--max_tokens", "64", "--adam_epsilon", "1e-6")
+TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
+
+
+def _adapter(checkpoint: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(checkpoint / lora.ADAPTER_WEIGHTS))
+
+
+def _logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1].float()
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:]).unsqueeze(-1)).squeeze(-1)
+
+
+def test_gradients_reach_only_the_adapters(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    config = lora.lora_config(r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=None)
+    lora.inject_lora(model, config)
+    ids = torch.tensor([[5, 17, 99, 3, 250, 7]])
+    model(input_ids=ids, labels=ids).loss.backward()
+    with_grad = {name for name, p in model.named_parameters() if p.grad is not None}
+    assert with_grad and all(".lora_A." in name or ".lora_B." in name for name in with_grad), sorted(with_grad)
+    adapted = {name.split(".lora_")[0] for name in with_grad}
+    assert any(name.endswith("mlp.down_proj") for name in adapted) and not any("lm_head" in n for n in adapted)
+
+
+@pytest.mark.parametrize("loss", ["GRPO", "MINIRL", "GSPO", "CrossEntropy"])
+def test_each_loss_trains_the_adapters_and_leaves_the_base_weights(loss: str, db_uri: str, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    samples = sft_samples(8) if loss == "CrossEntropy" else make_samples(tiny_model_dir, groups=2)
+    asyncio.run(enqueue(db_uri, samples))
+    out = tmp_path / "out"
+    assert main(trainer_args(db_uri, tiny_model_dir, out, *FLAGS, *LORA, "--loss_calculater", loss,
+                             "--max_steps", "2", "--save_steps", "2")) == 0
+    checkpoint = out / "checkpoint-2"
+    assert (checkpoint / lora.ADAPTER_CONFIG).is_file() and not (checkpoint / "model.safetensors").exists()
+    config = json.loads((checkpoint / lora.ADAPTER_CONFIG).read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8 and "q_proj" in config["target_modules"]
+    assert any(float(t.abs().max()) > 0 for k, t in _adapter(checkpoint).items() if "lora_B" in k), "B stayed 0"
+
+    base, final = load_weights(tiny_model_dir), load_weights(out / "final")
+    assert base.keys() == final.keys()  # the final model is a plain model of the base architecture, merged
+    adapted = [k for k in base if k.endswith(("q_proj.weight", "down_proj.weight"))]
+    frozen = [k for k in base if "norm" in k or "embed_tokens" in k]
+    assert adapted and frozen
+    assert all(not torch.equal(base[k], final[k]) for k in adapted)
+    assert all(torch.equal(base[k], final[k]) for k in frozen), "a weight outside the adapters changed"
+
+
+def test_peft_reads_the_checkpoint_and_gives_the_merged_logprobs(db_uri: str, tiny_model_dir: Path,
+                                                                 tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    samples = make_samples(tiny_model_dir, groups=2)
+    asyncio.run(enqueue(db_uri, samples))
+    out = tmp_path / "out"
+    assert main(trainer_args(db_uri, tiny_model_dir, out, *FLAGS, *LORA, "--loss_calculater", "GRPO",
+                             "--max_steps", "2", "--save_steps", "2")) == 0
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    with_adapter = PeftModel.from_pretrained(base, str(out / "checkpoint-2")).eval()  # PEFT's loader, not ours
+    merged = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    for sample in samples[:4]:
+        adapter_lp, merged_lp = _logprobs(with_adapter, sample.input_ids), _logprobs(merged, sample.input_ids)
+        assert float((adapter_lp - merged_lp).abs().max()) < 1e-5
+        assert float((_logprobs(plain, sample.input_ids) - merged_lp).abs().max()) > 1e-4  # it did learn
+
+
+def test_a_crash_after_an_adapter_checkpoint_resumes_exactly(db_uri: str, mongo_server_uri: str,
+                                                             tiny_model_dir: Path, tmp_path: Path) -> None:
+    samples = make_samples(tiny_model_dir, groups=4)
+    asyncio.run(enqueue(db_uri, samples))
+    flags = (*FLAGS, *LORA, "--loss_calculater", "MINIRL", "--max_steps", "4", "--save_steps", "2")
+    out = tmp_path / "crashed"
+    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags),
+                          env={ENV: "trainer.checkpoint.before_mark_trained=exit"})
+    assert crashed.returncode != 0 and (out / "checkpoint-2" / lora.ADAPTER_CONFIG).is_file(), crashed.stdout
+    assert main(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest")) == 0
+
+    reference = tmp_path / "reference"
+    train_uninterrupted(mongo_server_uri, samples, tiny_model_dir, reference, *flags)
+    assert max_weight_difference(_adapter(out / "checkpoint-4"), _adapter(reference / "checkpoint-4")) < 1e-6
+    assert max_weight_difference(load_weights(out / "final"), load_weights(reference / "final")) < 1e-6
+    client = sync_client(db_uri)
+    try:
+        docs = list(client.get_default_database().DBRecordData.find())
+    finally:
+        client.close()
+    assert {d["status"] for d in docs} == {"trained"} and len(docs) == len(samples)
+
+
+def test_fsdp2_with_adapters_on_two_ranks_matches_one_process(db_uri: str, mongo_server_uri: str,
+                                                              tiny_model_dir: Path, tmp_path: Path) -> None:
+    samples = make_samples(tiny_model_dir, groups=2)
+    flags = (*FLAGS, *LORA, "--max_steps", "2", "--save_steps", "2")
+    asyncio.run(enqueue(db_uri, samples))
+    single = tmp_path / "single"
+    assert main(trainer_args(db_uri, tiny_model_dir, single, *flags)) == 0
+    sharded = tmp_path / "fsdp"
+    result = train_uninterrupted(mongo_server_uri, samples, tiny_model_dir, sharded, *flags, launcher=TORCHRUN)
+    assert result.returncode == 0, result.stdout
+    assert "2 ranks (dp 2 × tp 1)" in result.stdout and "parameters trainable" in result.stdout
+    assert max_weight_difference(_adapter(sharded / "checkpoint-2"), _adapter(single / "checkpoint-2")) < 1e-5
+    assert max_weight_difference(load_weights(sharded / "final"), load_weights(single / "final")) < 1e-5
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    (("--lora_r", "8"), "LoRA flags without --use_peft: --lora_r"),
+    (("--use_peft", "--load_in_4bit"), "--load_in_4bit needs a CUDA GPU"),
+    (("--use_peft", "--lora_target_modules", "all-linear", "q_proj"), "'all-linear' stands alone"),
+    (("--use_peft", "--lora_target_modules", "no_such_module"), "--lora_target_modules"),
+])
+def test_bad_lora_flags_are_refused(flags: tuple[str, ...], message: str, db_uri: str, tiny_model_dir: Path,
+                                    tmp_path: Path) -> None:
+    result = run_trainer(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", *FLAGS, *flags), timeout_s=120)
+    assert result.returncode != 0 and message in result.stdout, result.stdout
+    assert "Traceback" not in result.stdout, result.stdout
