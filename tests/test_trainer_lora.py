@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cli_helpers import agentrl
 from trainer_fixtures import (
     enqueue,
     load_weights,
@@ -100,6 +101,13 @@ def test_peft_reads_the_checkpoint_and_gives_the_merged_logprobs(db_uri: str, ti
         adapter_lp, merged_lp = _logprobs(with_adapter, sample.input_ids), _logprobs(merged, sample.input_ids)
         assert float((adapter_lp - merged_lp).abs().max()) < 1e-5
         assert float((_logprobs(plain, sample.input_ids) - merged_lp).abs().max()) > 1e-4  # it did learn
+
+    # `agentrl model merge` (PEFT's merge_and_unload) gives the trainer's merged final weights
+    result = agentrl("model", "merge", str(out / "checkpoint-2"), "--out", str(tmp_path / "merged"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert max_weight_difference(load_weights(tmp_path / "merged"), load_weights(out / "final")) < 1e-6
+    refused = agentrl("model", "merge", str(out / "final"), "--out", str(tmp_path / "again"))
+    assert refused.returncode == 1 and "not a LoRA adapter directory" in refused.stdout, refused.stdout
 
 
 def test_a_crash_after_an_adapter_checkpoint_resumes_exactly(db_uri: str, mongo_server_uri: str,

@@ -54,8 +54,8 @@ def model_problem(path: Path) -> str | None:
     if not any(marker in files for marker in MODEL_MARKERS):
         return f"{path} holds none of {', '.join(MODEL_MARKERS)}"
     if "adapter_config.json" in files and "config.json" not in files:
-        return (f"{path} is a LoRA adapter without its base weights: merge it first "
-                "(peft's merge_and_unload(), then save_pretrained) and submit the merged model")
+        return (f"{path} is a LoRA adapter without its base weights: merge it first (`agentrl model merge "
+                f"{path} --out DIR`, or PEFT's merge_and_unload() then save_pretrained) and submit the merged model")
     return None
 
 

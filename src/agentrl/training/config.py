@@ -220,8 +220,9 @@ class TrainConfig(BaseModel):
             raise ValueError(f"--lr_scheduler_type {self.lr_scheduler_type} decays over --max_steps: set it")
         if self.warmup_ratio and self.max_steps <= 0:
             raise ValueError("--warmup_ratio is a fraction of --max_steps: set it (or use --warmup_steps)")
-        lora_flags = sorted(name for name in self.model_fields_set
-                            if name.startswith("lora_") or (name == "load_in_4bit" and self.load_in_4bit))
+        lora_flags = sorted(name for name in self.model_fields_set  # the defaults may be given (a snapshot is)
+                            if (name.startswith("lora_") or name == "load_in_4bit")
+                            and getattr(self, name) != type(self).model_fields[name].default)
         if lora_flags and not self.use_peft:
             raise ValueError(f"LoRA flags without --use_peft: --{' --'.join(lora_flags)} (add --use_peft to train "
                              "LoRA adapters)")

@@ -197,3 +197,33 @@ def adapter_transform(config: Any, resume_from: Path | None) -> Callable[[nn.Mod
         return model
 
     return transform
+
+
+def merge_adapter_dir(adapter: str | Path, out: Path, base_model: str | Path | None = None) -> Path:
+    """Write ``adapter`` (a PEFT adapter directory, e.g. a LoRA checkpoint) merged into its base model as a plain
+    Hugging Face directory ``out`` (with the adapter's tokenizer if it has one, else the base's), by PEFT's own
+    ``merge_and_unload``; the base is ``base_model``, else the one named in the adapter's config. Returns the base
+    used."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from agentrl.training.weights import replace_dir
+
+    adapter = Path(adapter)
+    if not is_adapter_dir(adapter):
+        raise LoraError(f"{adapter}: not a LoRA adapter directory (no {ADAPTER_CONFIG})")
+    base = Path(base_model or read_adapter_config(adapter).base_model_name_or_path or "")
+    if not base_model and not (base / "config.json").is_file():
+        raise LoraError(f"{adapter / ADAPTER_CONFIG}: its base model {str(base) or '(none)'} is not a local model "
+                        "directory: name it with --base_model")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    except OSError as error:
+        raise LoraError(f"cannot load the base model {base}: {error}") from error
+    merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()
+    tmp = out.with_name(f".{out.name}.tmp")
+    merged.save_pretrained(tmp, safe_serialization=True)
+    source = adapter if (adapter / "tokenizer_config.json").is_file() else base
+    AutoTokenizer.from_pretrained(str(source)).save_pretrained(tmp)
+    replace_dir(tmp, out)
+    return base
