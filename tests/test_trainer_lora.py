@@ -60,6 +60,34 @@ def test_gradients_reach_only_the_adapters(tiny_model_dir: Path) -> None:
     assert any(name.endswith("mlp.down_proj") for name in adapted) and not any("lm_head" in n for n in adapted)
 
 
+def test_our_merge_equals_peft_merge_for_linear_embedding_and_saved_modules(tiny_model_dir: Path) -> None:
+    """The state-dict merge the trainer publishes with (it works on FSDP2's gathered weights) against PEFT's own
+    merge_and_unload, with every kind of adapted module: Linear, Embedding and a modules_to_save copy."""
+    from peft import get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = lora.lora_config(r=4, alpha=8, dropout=0.0, target_modules=["q_proj", "down_proj", "embed_tokens"],
+                              modules_to_save=["norm"])
+    ours = lora.inject_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), config)
+    with torch.no_grad():
+        for name, param in ours.named_parameters():
+            if param.requires_grad:  # B starts at zero: give every adapter and saved copy a real update
+                param.add_(torch.randn_like(param) * 0.05)
+    merged = lora.merge_state_dict(ours, ours.state_dict())
+    reference = get_peft_model(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32),
+                               lora.lora_config(r=4, alpha=8, dropout=0.0,
+                                                target_modules=["q_proj", "down_proj", "embed_tokens"],
+                                                modules_to_save=["norm"]))
+    reference.base_model.model.load_state_dict(ours.state_dict())
+    expected = reference.merge_and_unload().state_dict()
+    assert merged.keys() == expected.keys()
+    differences = {k: float((merged[k] - expected[k]).abs().max()) for k in merged}
+    assert max(differences.values()) < 1e-6, {k: v for k, v in differences.items() if v >= 1e-6}
+    assert not torch.equal(merged["model.embed_tokens.weight"],
+                           load_weights(tiny_model_dir)["model.embed_tokens.weight"])
+
+
 @pytest.mark.parametrize("loss", ["GRPO", "MINIRL", "GSPO", "CrossEntropy"])
 def test_each_loss_trains_the_adapters_and_leaves_the_base_weights(loss: str, db_uri: str, tiny_model_dir: Path,
                                                                    tmp_path: Path) -> None:
@@ -152,7 +180,7 @@ def test_fsdp2_with_adapters_on_two_ranks_matches_one_process(db_uri: str, mongo
     (("--lora_r", "8"), "LoRA flags without --use_peft: --lora_r"),
     (("--use_peft", "--load_in_4bit"), "--load_in_4bit needs a CUDA GPU"),
     (("--use_peft", "--lora_target_modules", "all-linear", "q_proj"), "'all-linear' stands alone"),
-    (("--use_peft", "--lora_target_modules", "no_such_module"), "--lora_target_modules"),
+    (("--use_peft", "--lora_target_modules", "no_such_module"), "not found in the base model"),
 ])
 def test_bad_lora_flags_are_refused(flags: tuple[str, ...], message: str, db_uri: str, tiny_model_dir: Path,
                                     tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ def main() -> None:
         remaining = json.load(reply).get("remaining") or 3600.0
     task = scenario["id"]
     env = protocol.get("env")
+    warmup_s = None  # the warm-up's estimated duration when it depends on its size (else WARMUP_ESTIMATE_S)
     settings = {
         "RUN_DIR": str(workspace / "code" / "run"),
         "MODEL": os.environ["MODEL_PATH"],
@@ -55,10 +56,10 @@ def main() -> None:
         if protocol["answer_schema"] == "gsm8k":
             demos = int(remaining * GSM8K_WARMUP_SHARE / GSM8K_SECONDS_PER_DEMO) // 8 * 8
             warmup = (max(64, min(rows, demos)), 1, "1e-4")
-            WARMUP_ESTIMATE_S[task] = int(GSM8K_SETUP_S + warmup[0] * GSM8K_SECONDS_PER_DEMO)
+            warmup_s = int(GSM8K_SETUP_S + warmup[0] * GSM8K_SECONDS_PER_DEMO)
             settings["TEMPERATURE"] = 0.7
         settings.update(WARMUP=warmup[0], WARMUP_EPOCHS=warmup[1], WARMUP_LEARNING_RATE=warmup[2])
-    train_s = int(remaining - WARMUP_ESTIMATE_S.get(task, 300) - MARGIN_S)
+    train_s = int(remaining - (warmup_s or WARMUP_ESTIMATE_S.get(task, 300)) - MARGIN_S)
     if train_s < 60:
         raise SystemExit(f"agentrl_grpo: only {remaining:.0f} s left: not enough to warm up and train")
     settings["TRAIN_TIME_S"] = train_s

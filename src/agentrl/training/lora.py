@@ -93,7 +93,7 @@ def _scales(model: nn.Module) -> dict[str, tuple[float, bool]]:
 def merge_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """The base architecture's state dict from the full state dict ``state`` of the adapted ``model``: every
     adapted weight is ``W + scale · B A`` (computed in fp32), every ``modules_to_save`` copy replaces its
-    original."""
+    original, and weights tied to a merged one (an output head tied to the input embeddings) follow it."""
     merged: dict[str, torch.Tensor] = {}
     marker = f".modules_to_save.{ADAPTER_NAME}."
     for key, tensor in state.items():
@@ -113,6 +113,9 @@ def merge_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[s
             delta = (b.float() @ a.float()).T
         key = f"{name}.weight"
         merged[key] = (merged[key].float() + scale * delta).to(merged[key].dtype)
+    for tied, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
+        if tied in merged and source in merged:  # e.g. an output head tied to adapted input embeddings
+            merged[tied] = merged[source]
     return merged
 
 
@@ -135,9 +138,9 @@ def _short_names(model: nn.Module, targets: Any) -> Any:
     reads them that way), when the short names select exactly the same modules."""
     if not isinstance(targets, list) or not targets:
         return targets
-    short = {name.rsplit(".", 1)[-1] for name in targets}
     from peft.tuners.lora import LoraLayer
 
+    short = {name.rsplit(".", 1)[-1] for name in targets}
     selected = {name for name, module in model.named_modules()
                 if name.rsplit(".", 1)[-1] in short and isinstance(module, LoraLayer)}
     everything = {name for name, _ in model.named_modules() if name.rsplit(".", 1)[-1] in short}
@@ -186,14 +189,23 @@ def load_adapter_weights(model: nn.Module, path: str | Path) -> None:
                         f"{missing[:2]}; {len(result.unexpected_keys)} unexpected, e.g. {result.unexpected_keys[:2]})")
 
 
-def adapter_transform(config: Any, resume_from: Path | None) -> Callable[[nn.Module, bool], nn.Module]:
-    """What ``weights.load_sharded`` applies to the loaded model before sharding: inject the adapters and, on the
-    copy that holds real weights, load a checkpoint's adapter weights to resume."""
+def adapter_transform(config: Any, resume_from: Path | None, *, quantized: bool = False,
+                      gradient_checkpointing: bool = False) -> Callable[[nn.Module, bool], nn.Module]:
+    """What ``weights.load_sharded`` applies to the loaded model before sharding: PEFT's k-bit preparation for a
+    ``quantized`` (4-bit) base, the adapters, and, on the copy that holds real weights, a checkpoint's adapter
+    weights to resume. With ``gradient_checkpointing`` the frozen embeddings' output carries gradients to the
+    adapters."""
 
     def transform(model: nn.Module, holds_weights: bool) -> nn.Module:
+        if quantized:
+            from peft import prepare_model_for_kbit_training
+
+            model = prepare_model_for_kbit_training(model, gradient_checkpointing)
         inject_lora(model, config)
         if holds_weights and resume_from is not None:
             load_adapter_weights(model, resume_from)
+        if gradient_checkpointing:
+            model.enable_input_require_grads()
         return model
 
     return transform

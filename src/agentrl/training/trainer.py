@@ -230,20 +230,8 @@ class Trainer:
             if cfg.gradient_checkpointing:
                 model.activation_checkpointing_enable()
 
-        transform = None
-        if self.lora is not None:
-            add_adapters = lora.adapter_transform(self.lora, resume)
-
-            def transform(model: torch.nn.Module, holds_weights: bool) -> torch.nn.Module:
-                if cfg.load_in_4bit:
-                    from peft import prepare_model_for_kbit_training
-
-                    model = prepare_model_for_kbit_training(model, cfg.gradient_checkpointing)
-                model = add_adapters(model, holds_weights)
-                if cfg.gradient_checkpointing:  # the frozen embeddings' output must carry gradients to the adapters
-                    model.enable_input_require_grads()
-                return model
-
+        transform = None if self.lora is None else lora.adapter_transform(
+            self.lora, resume, quantized=cfg.load_in_4bit, gradient_checkpointing=cfg.gradient_checkpointing)
         return self._load(path, prepare, transform, load_in_4bit=cfg.load_in_4bit)
 
     def _build_ref_model(self, path: str | Path) -> torch.nn.Module:
