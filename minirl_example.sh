@@ -25,7 +25,7 @@
 #                      them, scored greedily before and after training (16; 0: no evaluation)
 #   WARMUP             demonstrations to fine-tune on before RL (default: 24 with the embedded model, 0 with
 #                      MODEL); WARMUP_TASKS (assets/tasks/arith_warmup.jsonl), WARMUP_EPOCHS (1),
-#                      WARMUP_LEARNING_RATE (1e-4; 1e-3 with LORA_R)
+#                      WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R)
 #   ENGINE_THREADS     CPU threads of the engine started here (2)
 #   NUM_GENERATIONS    samples per task (4)          NUM_SAMPLERS    sampler processes (1)
 #   SAMPLES_PER_SAMPLER concurrent trajectories per sampler (16)
@@ -34,9 +34,13 @@
 #   TRAIN_STEPS        at most this many optimiser steps (8); the run also ends when every task is sampled
 #   TRAIN_TIME_S       stop training after the step that passes this many seconds (default: no limit)
 #   TRAIN_BATCH_SIZE   samples per step (4)          LEARNING_RATE   (5e-6; 5e-5 with LORA_R)
-#   LORA_R             LoRA rank: adapters on every linear layer (alpha 2×rank) in the warm-up and RL, at 10× the
-#                      learning rates; checkpoints hold the adapter, evaluations and the final model are merged
+#   LORA_R             LoRA rank: adapters on every linear layer (alpha 32, no dropout) in the warm-up and RL, at
+#                      10× the RL and 30× the warm-up learning rate; checkpoints hold the adapter, evaluations and
+#                      the final model are merged
 #                      (0: full fine-tuning, the default)
+#   LORA_PUBLISH       with LORA_R: what RL publishes to the inference services: merged (full weights, the default)
+#                      or adapter (the adapter alone; the engine started here gets --enable_lora, SGLANG_URLS
+#                      servers need --enable-lora --max-lora-rank R --lora-target-modules all)
 #   MAX_STALENESS      policy versions a sample may lag behind (1)
 #   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
 #   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)

@@ -21,10 +21,13 @@ from agentrl.inference.protocol import (
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    LoadLoRAAdapterRequest,
+    LoRAUpdateResponse,
     MemoryOccupationRequest,
     MetaInfo,
     ModelInfo,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     policy_version,
@@ -71,6 +74,15 @@ def test_request_models_use_only_fields_sglang_accepts() -> None:
     assert fields(MemoryOccupationRequest) <= set(occupation["release"]) & set(occupation["resume"])
 
 
+def test_lora_adapter_requests_and_answers_are_sglangs() -> None:
+    lora = CONTRACT["lora"]
+    assert fields(LoadLoRAAdapterRequest) <= set(lora["load_request_fields"])
+    assert fields(UnloadLoRAAdapterRequest) <= set(lora["unload_request_fields"])
+    assert fields(LoRAUpdateResponse) == set(lora["update_output_fields"]) - {"rid", "http_worker_ipc"}
+    assert "lora_path" in fields(GenerateRequest)
+    assert {"/load_lora_adapter", "/unload_lora_adapter"} <= set(CONTRACT["routes"])
+
+
 def test_sampling_defaults_are_sglangs() -> None:
     sglang = CONTRACT["sampling_params"]["defaults"]
     ours = SamplingParams()
@@ -98,6 +110,8 @@ def test_routes_are_sglangs(app: str) -> None:
     routes = [r for r in served.routes if isinstance(r, APIRoute) and r.path != "/debug/requests"]
     assert {"/generate", "/health", "/get_model_info", "/update_weights_from_disk", "/flush_cache"} <= {
         r.path for r in routes}
+    if app == "engine":
+        assert {"/load_lora_adapter", "/unload_lora_adapter"} <= {r.path for r in routes}
     for route in routes:
         assert route.path in CONTRACT["routes"], route.path
         assert route.methods <= set(CONTRACT["routes"][route.path]), (route.path, route.methods)

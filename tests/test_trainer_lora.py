@@ -88,6 +88,27 @@ def test_our_merge_equals_peft_merge_for_linear_embedding_and_saved_modules(tiny
                            load_weights(tiny_model_dir)["model.embed_tokens.weight"])
 
 
+def test_a_quantized_bases_adapters_merge_into_the_full_precision_base(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The export a 4-bit (QLoRA) run uses, which merges into the base model's own weights rather than the rounded
+    4-bit ones, gives the same model as the trainer's state-dict merge (run here on a full-precision model: 4-bit
+    needs CUDA)."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.training.weights import export_merged_from_base
+
+    torch.manual_seed(0)
+    config = lora.lora_config(r=4, alpha=8, dropout=0.0, target_modules=["all-linear"], modules_to_save=None)
+    model = lora.inject_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), config)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.05)
+    export_merged_from_base(model, model.state_dict(), tmp_path / "merged")
+    saved, expected = load_weights(tmp_path / "merged"), lora.merge_state_dict(model, model.state_dict())
+    assert max(float((saved[name] - expected[name]).abs().max()) for name in saved) < 1e-6
+    assert max_weight_difference(saved, load_weights(tiny_model_dir)) > 1e-3
+
+
 @pytest.mark.parametrize("loss", ["GRPO", "MINIRL", "GSPO", "CrossEntropy"])
 def test_each_loss_trains_the_adapters_and_leaves_the_base_weights(loss: str, db_uri: str, tiny_model_dir: Path,
                                                                    tmp_path: Path) -> None:
@@ -181,6 +202,9 @@ def test_fsdp2_with_adapters_on_two_ranks_matches_one_process(db_uri: str, mongo
     (("--use_peft", "--load_in_4bit"), "--load_in_4bit needs a CUDA GPU"),
     (("--use_peft", "--lora_target_modules", "all-linear", "q_proj"), "'all-linear' stands alone"),
     (("--use_peft", "--lora_target_modules", "no_such_module"), "not found in the base model"),
+    (("--lora_publish", "adapter"), "LoRA flags without --use_peft: --lora_publish"),
+    (("--use_peft", "--lora_target_modules", "embed_tokens", "--lora_publish", "adapter"),
+     "serve adapters of Linear layers only, and model.embed_tokens is not one"),
 ])
 def test_bad_lora_flags_are_refused(flags: tuple[str, ...], message: str, db_uri: str, tiny_model_dir: Path,
                                     tmp_path: Path) -> None:

@@ -87,3 +87,76 @@ def test_publishing_switches_a_live_engine_to_the_trainers_weights(
         base_logprobs = torch.log_softmax(base(input_ids=ids).logits[0, :-1], dim=-1)
     base_expected = base_logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
     assert not torch.allclose(torch.tensor(engine_logprobs), base_expected, atol=1e-4)  # not the old weights
+
+
+def test_publishing_adapters_serves_the_trainers_policy_by_name(db_uri: str, tiny_model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """--lora_publish adapter: each version is a PEFT adapter loaded into the live engine as policy-v<v> (older ones
+    unloaded), the Run names the current one, a sampler's pool sends it and stamps its tokens with its version, the
+    engine's logprobs are the trainer's merged model's, and an engine that starts later is given the adapter."""
+    from agentrl.rollout.inference_pool import InferencePool
+    from transformers import AutoModelForCausalLM
+
+    engine = start_engine(tiny_model_dir, "--enable_lora", "--db_connection_string", db_uri,
+                          "--heartbeat_interval_s", "1")
+    later = None
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
+        out = tmp_path / "out"
+        assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
+                                 "--save_steps", "0", "--use_peft", "--lora_target_modules", "all-linear",
+                                 "--lora_publish", "adapter", "--keep_published_weights", "1")) == 0
+        assert sorted(p.name for p in (out / "weights").iterdir()) == ["2"]
+        assert (out / "weights" / "2" / "adapter_config.json").is_file()
+        assert not (out / "weights" / "2" / "model.safetensors").exists()
+
+        async def sample(stop_first: bool) -> tuple:
+            async with Store(db_uri) as store:
+                run = await store.runs.get()
+                if stop_first:
+                    await asyncio.to_thread(engine.stop)
+                    await store.services.mark_down(engine.url)
+                pool = InferencePool(store, wait_for_service_s=60)
+                try:
+                    result, _ = await pool.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0,
+                                                             "ignore_eos": True})
+                finally:
+                    await pool.close()
+            async with SGLangClient(later.url if stop_first else engine.url) as client:
+                deadline = time.monotonic() + 30
+                while True:  # the pruned version's adapter is unloaded in the background
+                    try:
+                        await client.generate(PROMPT, {"max_new_tokens": 1}, lora_path="policy-v1")
+                    except Exception as error:  # noqa: BLE001 - the expected refusal
+                        old = str(error)
+                        break
+                    assert time.monotonic() < deadline, "policy-v1 was not unloaded"
+                    await asyncio.sleep(0.2)
+            return run, result, old
+
+        run, result, old = asyncio.run(sample(stop_first=False))
+        assert (run.policy_version, run.lora_name) == (2, "policy-v2")
+        assert result.lora_path == "policy-v2" and result.policy_version == 2 and result.weight_version == "0"
+        assert "not loaded: policy-v1" in old
+
+        later = start_engine(tiny_model_dir, "--enable_lora", "--db_connection_string", db_uri,
+                             "--heartbeat_interval_s", "1")
+        _, again, _ = asyncio.run(sample(stop_first=True))
+    finally:
+        engine.stop()
+        if later is not None:
+            later.stop()
+    assert again.policy_version == 2 and again.output_ids == result.output_ids
+
+    final = AutoModelForCausalLM.from_pretrained(out / "final", dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT + result.output_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(final(input_ids=ids).logits[0, :-1], dim=-1)
+    expected = logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    for served in (result, again):
+        assert torch.allclose(torch.tensor(served.output_token_logprobs), expected, atol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        base_logprobs = torch.log_softmax(base(input_ids=ids).logits[0, :-1], dim=-1)
+    base_expected = base_logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    assert not torch.allclose(torch.tensor(result.output_token_logprobs), base_expected, atol=1e-4)

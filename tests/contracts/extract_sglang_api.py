@@ -13,7 +13,8 @@ It only parses the source with :mod:`ast` (SGLang is never imported), from eithe
     pip download sglang==0.5.23 --no-deps -d /tmp/sg && unzip -q /tmp/sg/*.whl -d /tmp/sg/src
     python tests/contracts/extract_sglang_api.py --source-dir /tmp/sg/src --label "sglang 0.5.23 wheel (PyPI)"
 
-Files read (paths inside the ``sglang`` package): ``srt/managers/io_struct.py`` (request structs),
+Files read (paths inside the ``sglang`` package): ``srt/managers/io_struct.py`` (request structs, LoRA adapter
+requests and their output),
 ``srt/sampling/sampling_params.py`` (``SamplingParams``), ``srt/entrypoints/http_server.py`` (routes, response
 bodies), ``srt/managers/tokenizer_manager.py`` (``meta_info`` keys, how preferred sampling params are merged),
 ``srt/managers/schedule_batch.py`` (finish reasons), ``api/v1/api_types.py`` (the JSON contract gate of recent
@@ -278,6 +279,11 @@ def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
         "memory_occupation_request_fields": {
             "release": sorted(struct_fields(io_struct, "ReleaseMemoryOccupationReqInput")),
             "resume": sorted(struct_fields(io_struct, "ResumeMemoryOccupationReqInput")),
+        },
+        "lora": {
+            "load_request_fields": sorted(struct_fields(io_struct, "LoadLoRAAdapterReqInput")),
+            "unload_request_fields": sorted(struct_fields(io_struct, "UnloadLoRAAdapterReqInput")),
+            "update_output_fields": sorted(struct_fields(io_struct, "LoRAUpdateOutput")),
         },
         "routes": route_methods,
         "model_info_keys": handler_keys(http, handlers["/get_model_info"]),

@@ -10,7 +10,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "engine", help="serve a model over SGLang's HTTP API (token ids in, token ids and logprobs out)",
         description="Serve a causal LM with transformers continuous batching, speaking SGLang's native API "
                     "(/generate, /update_weights_from_disk, /health, /health_generate, /get_model_info, "
-                    "/flush_cache, /release_memory_occupation, /resume_memory_occupation) and "
+                    "/flush_cache, /release_memory_occupation, /resume_memory_occupation, /load_lora_adapter, "
+                    "/unload_lora_adapter) and "
                     "/v1/chat/completions.")
     parser.add_argument("--model_name_or_path", default=None,
                         help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
@@ -36,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="tokens per forward pass, i.e. the prefill chunk (default: 2048)")
     parser.add_argument("--max_running_requests", type=int, default=64,
                         help="requests decoded together at most (default: 64)")
+    parser.add_argument("--enable_lora", action="store_true",
+                        help="serve LoRA adapters loaded at run time with /load_lora_adapter; a /generate request "
+                             "names one in lora_path (SGLang's --enable-lora). Turns prefix sharing off")
     parser.add_argument("--num_threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--db_connection_string", default=None, metavar="URI",
                         help="register the engine in this run database's InferenceService collection, heartbeat, "
@@ -75,7 +79,7 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
             max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
-            page_size=args.page_size, preferred_sampling_params=preferred)
+            page_size=args.page_size, preferred_sampling_params=preferred, enable_lora=args.enable_lora)
     except ValidationError as error:
         print(f"agentrl engine: error: {error}", file=sys.stderr)
         return 2

@@ -13,6 +13,10 @@ The scheduler, paged KV cache, prefix sharing and batching are transformers' ``C
 
 CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
 is used as is: requests are added from any thread, results come back through ``register_result_handler``.
+
+LoRA adapters (:mod:`agentrl.inference.lora_adapters`) are routed per request: before each forward pass the
+runner tells the served adapters which token rows belong to which request's adapter. Prefix sharing then has to
+be off (``BatchingConfig.prefix_sharing``): a cached block holds the keys and values of one adapter's model.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import FutureRequestState, GenerationOutput, RequestState
 from transformers.generation.logits_process import LogitsProcessorList
 
+from agentrl.inference.lora_adapters import Adapter, ServedAdapters
 from agentrl.inference.sampling import RowParams, penalties, sample
 
 
@@ -69,6 +74,7 @@ class BatchingConfig:
     max_batch_tokens: int = 2048
     max_running_requests: int = 64
     page_size: int = 32
+    prefix_sharing: bool = True
 
 
 class _RequestValue(ContinuousBatchingLogitsProcessor):
@@ -128,11 +134,17 @@ def _generated_tokens(state: RequestState) -> list[int]:
 
 
 class _SGLangSamplingRunner(ModelRunner):
-    """transformers' model runner with the sampling step replaced by :func:`sample`."""
+    """transformers' model runner with the sampling step replaced by :func:`sample` and LoRA rows routed."""
+
+    adapters: ServedAdapters | None = None
+    adapter_of: dict[str, str] = {}  # request id -> adapter name (requests of the base model are absent)
 
     def _forward_process_and_sample(self, model: torch.nn.Module, batch_data: dict, carry_over_ids: torch.Tensor,
                                     prev_output_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
         self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
+        if self.adapters is not None and self.adapters.adapters:
+            self.adapters.route([(self.adapter_of.get(r.state.request_id), r.query_length)
+                                 for r in self.inputs_and_outputs.requests_in_batch])
         logits = model(**batch_data).logits
         if "logits_to_keep" not in batch_data:
             logits = logits[:, batch_data["logits_indices"], :]
@@ -156,9 +168,11 @@ class _SGLangSamplingRunner(ModelRunner):
 class _Manager(ContinuousBatchingManager):
     """transformers' manager with our per-request values and our sampling runner."""
 
-    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig):
+    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters,
+                 adapter_of: dict[str, str]):
         super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
         self.logit_processor = _RequestValues()
+        self.adapters, self.adapter_of = adapters, adapter_of
 
     def _create_batch_processor(self):
         processor = super()._create_batch_processor()
@@ -167,6 +181,8 @@ class _Manager(ContinuousBatchingManager):
                 logit_processor=processor.logit_processor, cb_config=processor.cb_config,
                 inputs_and_outputs=processor.inputs_and_outputs, cache=processor.cache, do_sample=True,
                 return_logprobs=True)
+            processor.model_runner.adapters = self.adapters
+            processor.model_runner.adapter_of = self.adapter_of
         return processor
 
 
@@ -174,13 +190,16 @@ class ContinuousBatcher:
     """Serves generation requests for one model from a background continuous-batching loop.
 
     ``generate`` may be awaited concurrently from one event loop; the requests are batched together. Weights can
-    be swapped with :meth:`load_state_dict`, which pauses the loop between two steps.
+    be swapped with :meth:`load_state_dict`, and LoRA adapters added or removed with :meth:`add_adapter` /
+    :meth:`remove_adapter`; each pauses the loop between two steps.
     """
 
     def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None):
         self.model = model.eval()
         self.config = config or BatchingConfig()
-        self._manager = _Manager(self.model, self._cb_config())
+        self.adapters = ServedAdapters(self.model)
+        self._adapter_of: dict[str, str] = {}
+        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self._adapter_of)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
@@ -191,7 +210,7 @@ class ContinuousBatcher:
             page_size=config.page_size, num_blocks=ceil(config.max_total_tokens / config.page_size),
             max_batch_tokens=config.max_batch_tokens, max_requests_per_batch=config.max_running_requests,
             max_blocks_per_request=0, use_cuda_graph=False, use_async_batching=False, return_logprobs=True,
-            auto_switch_to_flash=False, allow_block_sharing=True)
+            auto_switch_to_flash=False, allow_block_sharing=config.prefix_sharing)
 
     def start(self) -> None:
         """Start the generation loop (again, after :meth:`stop`: the KV cache is allocated anew)."""
@@ -206,9 +225,10 @@ class ContinuousBatcher:
         return self._manager.is_running()
 
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids: list[int],
-                       sampling: RequestSampling,
-                       should_stop: Callable[[list[int]], bool] | None = None) -> GenerationOutput:
+                       sampling: RequestSampling, should_stop: Callable[[list[int]], bool] | None = None,
+                       adapter: str | None = None) -> GenerationOutput:
         """Generate for one prompt; finished when a token of ``stop_token_ids`` is sampled or at the length limit.
+        With ``adapter``, the named LoRA adapter (added with :meth:`add_adapter`) applies to the request's tokens.
 
         With ``should_stop``, the request is streamed internally and stops early (cancelled) as soon as
         ``should_stop(generated_tokens)`` is true; the returned output then holds the tokens up to that point.
@@ -232,6 +252,8 @@ class ContinuousBatcher:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         self._manager.register_result_handler(request_id, on_output)
         self._running[request_id] = done
+        if adapter is not None:
+            self._adapter_of[request_id] = adapter
         self.in_flight += 1
         try:
             added = self._manager.add_request(
@@ -249,6 +271,7 @@ class ContinuousBatcher:
         finally:
             self.in_flight -= 1
             self._running.pop(request_id, None)
+            self._adapter_of.pop(request_id, None)
             with self._manager.output_router._lock:
                 self._manager.output_router.result_handlers.pop(request_id, None)
         if output.error is not None:
@@ -280,6 +303,16 @@ class ContinuousBatcher:
         """Copy new weights into the model in place, between two generation steps (blocking)."""
         with self._paused(), torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
+
+    def add_adapter(self, adapter: Adapter) -> None:
+        """Serve a LoRA adapter from the next step on (blocking)."""
+        with self._paused():
+            self.adapters.add(adapter)
+
+    def remove_adapter(self, name: str) -> None:
+        """Stop serving a LoRA adapter no running request uses (blocking)."""
+        with self._paused():
+            self.adapters.remove(name)
 
     def reset_prefix_cache(self) -> None:
         """Forget cached KV blocks (prefix sharing); only call while no request is in flight (blocking)."""

@@ -23,9 +23,12 @@ from pydantic import BaseModel, Field
 
 from agentrl.inference.protocol import (
     GenerateResponse,
+    LoRAUpdateResponse,
     ModelInfo,
     SamplingParams,
     UpdateWeightsFromDiskResponse,
+    adapter_policy_version,
+    policy_version,
 )
 
 logger = logging.getLogger(__name__)
@@ -61,7 +64,15 @@ class GenerateResult(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     weight_version: str | None = Field(None, description="version of the weights that produced the output")
+    lora_path: str | None = Field(None, description="the LoRA adapter the request named, if any")
     meta_info: dict[str, Any] = Field(default_factory=dict, description="the raw meta_info, all keys")
+
+    @property
+    def policy_version(self) -> int:
+        """The run's policy version of the output: the adapter's (SGLang keeps ``weight_version`` across adapter
+        loads), else the service's weight version."""
+        version = adapter_policy_version(self.lora_path) if self.lora_path else None
+        return version if version is not None else policy_version(self.weight_version)
 
     @classmethod
     def from_response(cls, response: GenerateResponse) -> GenerateResult:
@@ -105,9 +116,10 @@ class SGLangClient:
     # -------------------------------------------------------------------------------------------------- calls
 
     async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
-                       *, return_logprob: bool = True, rid: str | None = None) -> GenerateResult:
+                       *, return_logprob: bool = True, rid: str | None = None,
+                       lora_path: str | None = None) -> GenerateResult:
         """``POST /generate`` with token ids; ``sampling_params`` uses SGLang's names (see ``SamplingParams``) and
-        is sent in full, so the server's preferred defaults never apply."""
+        is sent in full, so the server's preferred defaults never apply. ``lora_path`` names a loaded adapter."""
         params = (sampling_params if isinstance(sampling_params, SamplingParams)
                   else SamplingParams.model_validate(sampling_params or {}))
         body: dict[str, Any] = {"input_ids": list(input_ids),
@@ -115,13 +127,17 @@ class SGLangClient:
                                 "return_logprob": return_logprob}
         if rid is not None:
             body["rid"] = rid
+        if lora_path is not None:
+            body["lora_path"] = lora_path
         response = await self._request("POST", "/generate", json=body, retry_timeouts=False)
         payload = self._json(response, "/generate")
         try:
             parsed = GenerateResponse.model_validate(payload)
         except ValueError as error:
             raise InferenceServiceError(self.base_url, "/generate", f"unexpected response shape: {error}") from error
-        return GenerateResult.from_response(parsed)
+        result = GenerateResult.from_response(parsed)
+        result.lora_path = lora_path
+        return result
 
     async def update_weights_from_disk(self, model_path: str, *, weight_version: str | int | None = None,
                                        flush_cache: bool = True) -> UpdateWeightsFromDiskResponse:
@@ -136,6 +152,24 @@ class SGLangClient:
         result = UpdateWeightsFromDiskResponse.model_validate(payload) if "success" in payload else None
         if result is None or not result.success or response.status_code >= 400:
             cause = result.message if result is not None else str(payload)
+            raise InferenceRequestError(self.base_url, endpoint, cause, status_code=response.status_code)
+        return result
+
+    async def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoRAUpdateResponse:
+        """``POST /load_lora_adapter``; raises :class:`InferenceRequestError` when the service refuses."""
+        return await self._lora_update("/load_lora_adapter", {"lora_name": lora_name, "lora_path": lora_path})
+
+    async def unload_lora_adapter(self, lora_name: str) -> LoRAUpdateResponse:
+        """``POST /unload_lora_adapter`` (answers once no running request uses it); raises when refused."""
+        return await self._lora_update("/unload_lora_adapter", {"lora_name": lora_name})
+
+    async def _lora_update(self, endpoint: str, body: dict[str, Any]) -> LoRAUpdateResponse:
+        response = await self._request("POST", endpoint, json=body, timeout=self.admin_timeout_s,
+                                       retry_timeouts=False, raise_for_status=False)
+        payload = self._json(response, endpoint)
+        result = LoRAUpdateResponse.model_validate(payload) if "success" in payload else None
+        if result is None or not result.success or response.status_code >= 400:
+            cause = (result.error_message or "refused") if result is not None else _error_message(response)
             raise InferenceRequestError(self.base_url, endpoint, cause, status_code=response.status_code)
         return result
 

@@ -9,6 +9,10 @@
   requests already running finish with the old weights, new ones wait (none is dropped), the weights are
   swapped in place and the prefix cache is flushed. Each response carries the ``weight_version`` that produced
   all its tokens.
+* ``load_lora_adapter`` / ``unload_lora_adapter`` (with ``enable_lora``, as SGLang's ``--enable-lora``) serve
+  PEFT adapters next to the base weights; a request names one in ``lora_path``. Loading pauses generation for one
+  step; unloading waits until no admitted request uses the adapter (new requests naming it are refused at once).
+  ``weight_version`` stays as it is, as in SGLang: the adapter's name tells which weights made the tokens.
 * ``release_memory`` / ``resume_memory`` (colocated layout) drain the same way, then free the KV cache (and move
   the weights to host memory on an accelerator).
 * ``abort_all`` (on shutdown) ends every running generation at once with finish reason ``abort``.
@@ -29,14 +33,18 @@ from pydantic import BaseModel, Field, field_validator
 
 from agentrl.inference.admission import AdmissionGate
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, GenerationAborted, RequestSampling
+from agentrl.inference.lora_adapters import AdapterError, read_adapter
 from agentrl.inference.protocol import (
     ChatCompletionRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    LoadLoRAAdapterRequest,
+    LoRAUpdateResponse,
     MetaInfo,
     ModelInfo,
     SamplingParams,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
 )
@@ -67,6 +75,7 @@ class EngineConfig(BaseModel):
     max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
     max_running_requests: int = Field(64, gt=0)
     page_size: int = Field(32, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
+    enable_lora: bool = Field(False, description="serve LoRA adapters loaded at run time (turns prefix sharing off)")
     preferred_sampling_params: dict[str, Any] | None = Field(
         None, description="values of the sampling parameters a request omits (SGLang's --preferred-sampling-params)")
 
@@ -107,8 +116,11 @@ class InferenceEngine:
         self.eos_token_ids = self._eos_token_ids()
         self.batcher = ContinuousBatcher(self.model, BatchingConfig(
             max_total_tokens=config.max_total_tokens, max_batch_tokens=config.max_batch_tokens,
-            max_running_requests=config.max_running_requests, page_size=config.page_size))
+            max_running_requests=config.max_running_requests, page_size=config.page_size,
+            prefix_sharing=not config.enable_lora))
         self.weight_version = config.weight_version
+        self._adapter_users: dict[str, int] = {}  # loaded adapter -> admitted requests using it
+        self._adapter_idle: dict[str, asyncio.Event] = {}  # adapters being unloaded -> set when unused
         self.gate = AdmissionGate()
         self.released = False
         self._exclusive = asyncio.Lock()
@@ -178,7 +190,7 @@ class InferenceEngine:
                 raise BadRequest("text encodes to no tokens")
         started = time.perf_counter()
         params = self.with_preferred(request.sampling_params)
-        output_ids, logprobs, finish, version = await self._run(input_ids, params)
+        output_ids, logprobs, finish, version = await self._run(input_ids, params, request.lora_path)
         text = self._text(output_ids, finish, params)
         meta = MetaInfo(
             id=request.rid or uuid.uuid4().hex, finish_reason=finish, prompt_tokens=len(input_ids),
@@ -234,7 +246,7 @@ class InferenceEngine:
         return RequestSampling(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
                                min_p=params.min_p, seed=params.sampling_seed, **penalties)
 
-    async def _run(self, input_ids: list[int], params: SamplingParams
+    async def _run(self, input_ids: list[int], params: SamplingParams, adapter: str | None = None
                    ) -> tuple[list[int], list[float], FinishReason, str]:
         """Generate under an admission; return output ids, logprobs, finish reason and weight version."""
         self._validate(input_ids, params)
@@ -244,13 +256,16 @@ class InferenceEngine:
             version = self.weight_version  # constant while admitted: updates wait for admitted requests
             if params.max_new_tokens == 0:
                 return [], [], FinishReason(type="length", length=0), version
+            self._use_adapter(adapter)
             try:
                 output = await self.batcher.generate(
                     input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids,
                     sampling=self._sampling(params), should_stop=(lambda ids: matcher(ids) is not None)
-                    if matcher else None)
+                    if matcher else None, adapter=adapter)
             except GenerationAborted as error:  # SGLang answers an aborted request, it does not drop it
                 return [], [], FinishReason(type="abort", message=str(error)), version
+            finally:
+                self._release_adapter(adapter)
         tokens, logprobs = list(output.generated_tokens), list(output.logprobs)
         return tokens, logprobs, self._finish_reason(tokens, params, stop_ids, matcher), version
 
@@ -393,6 +408,76 @@ class InferenceEngine:
         async with self._exclusive, self.gate.closed():
             await asyncio.to_thread(self.batcher.reset_prefix_cache)
         return True
+
+    # ------------------------------------------------------------------------------------------ LoRA adapters
+
+    def _use_adapter(self, name: str | None) -> None:
+        """Count an admitted request on adapter ``name``; SGLang's errors for a disabled or unknown adapter."""
+        if name is None:
+            return
+        if not self.config.enable_lora:
+            raise BadRequest(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the "
+                             "engine with --enable_lora and load adapters with the /load_lora_adapter endpoint.")
+        if name not in self._adapter_users or name in self._adapter_idle:
+            raise BadRequest(f"The following requested LoRA adapters are not loaded: {name}\n"
+                             f"Loaded adapters: {sorted(self.loaded_adapters())}.")
+        self._adapter_users[name] += 1
+
+    def _release_adapter(self, name: str | None) -> None:
+        if name is None:
+            return
+        self._adapter_users[name] -= 1
+        if not self._adapter_users[name] and name in self._adapter_idle:
+            self._adapter_idle[name].set()
+
+    def loaded_adapters(self) -> dict[str, str]:
+        """Adapters that requests may name: name -> the path it was loaded from."""
+        return {name: adapter.path for name, adapter in self.batcher.adapters.adapters.items()
+                if name not in self._adapter_idle}
+
+    def _lora_result(self, error: str | None = None) -> LoRAUpdateResponse:
+        return LoRAUpdateResponse(success=error is None, error_message=error, loaded_adapters=self.loaded_adapters())
+
+    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> LoRAUpdateResponse:
+        """Serve the PEFT adapter at ``lora_path`` under ``lora_name`` (running requests are not disturbed)."""
+        if not self.config.enable_lora:
+            return self._lora_result("LoRA is not enabled. Please launch the engine with --enable_lora.")
+        name = request.lora_name
+        if name in self._adapter_users:
+            return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
+        started = time.perf_counter()
+        try:
+            adapter = await asyncio.to_thread(read_adapter, name, request.lora_path, self.model)
+        except AdapterError as error:
+            return self._lora_result(f"Failed to load LoRA adapter {name}: {error}")
+        except Exception as error:  # reported to the caller, who asked for this path
+            return self._lora_result(f"Failed to load LoRA adapter {name} from {request.lora_path}: {error}")
+        async with self._exclusive:
+            if name in self._adapter_users:  # loaded by a concurrent request meanwhile
+                return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
+            await asyncio.to_thread(self.batcher.add_adapter, adapter)
+            self._adapter_users[name] = 0
+        logger.info("loaded LoRA adapter %s from %s (%d layers) in %.2fs", name, request.lora_path,
+                    len(adapter.layers), time.perf_counter() - started)
+        return self._lora_result()
+
+    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> LoRAUpdateResponse:
+        """Stop serving adapter ``lora_name`` once the requests using it have finished; new ones are refused."""
+        if not self.config.enable_lora:
+            return self._lora_result("LoRA is not enabled. Please launch the engine with --enable_lora.")
+        name = request.lora_name
+        if name not in self._adapter_users or name in self._adapter_idle:
+            return self._lora_result(f"LoRA with name {name} does not exist. Loaded LoRAs: "
+                                     f"{sorted(self.loaded_adapters())}")
+        idle = self._adapter_idle[name] = asyncio.Event()
+        if not self._adapter_users[name]:
+            idle.set()
+        await idle.wait()
+        async with self._exclusive:
+            await asyncio.to_thread(self.batcher.remove_adapter, name)
+            del self._adapter_users[name], self._adapter_idle[name]
+        logger.info("unloaded LoRA adapter %s", name)
+        return self._lora_result()
 
     # ------------------------------------------------------------------------------------- memory occupation
 

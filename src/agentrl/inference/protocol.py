@@ -7,7 +7,10 @@ Names, defaults and shapes follow SGLang's source (SGLang 0.5.23; the facts are 
   ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``stream``,
   ``rid``), ``UpdateWeightFromDiskReqInput`` (``model_path``, ``load_format``, ``abort_all_requests``,
   ``weight_version``, ``flush_cache``) and its output (``success``, ``message``, ``num_paused_requests``),
-  ``Release/ResumeMemoryOccupationReqInput`` (``tags``);
+  ``Release/ResumeMemoryOccupationReqInput`` (``tags``), ``Load/UnloadLoRAAdapterReqInput`` (``lora_name``,
+  ``lora_path``, ``pinned``) and their output ``LoRAUpdateOutput`` (``success``, ``error_message``,
+  ``loaded_adapters``: name -> path); a ``/generate`` request names its adapter in ``lora_path`` (the adapter's
+  *name*, as loaded); adapter loads leave ``weight_version`` unchanged;
 * ``python/sglang/srt/sampling/sampling_params.py``: ``SamplingParams`` fields, defaults (``max_new_tokens=128``,
   ``temperature=1``, ``top_p=1``, ``top_k=-1`` (all), ``min_p=0``, ``presence_penalty=0``,
   ``frequency_penalty=0``, ``repetition_penalty=1``) and the checks of ``verify()``; ``python/sglang/api/v1/
@@ -65,6 +68,19 @@ def policy_version(weight_version: str | None) -> int:
         logger.debug("weight_version %r is not a number: counted as the initial policy (version %d)",
                      weight_version, INITIAL_POLICY_VERSION)
     return INITIAL_POLICY_VERSION
+
+
+def policy_adapter_name(version: int) -> str:
+    """The name under which the trainer publishes the adapter of policy ``version`` (``--lora_publish adapter``)."""
+    return f"policy-v{version}"
+
+
+def adapter_policy_version(name: str) -> int | None:
+    """The policy version of an adapter named by :func:`policy_adapter_name`; ``None`` for any other name."""
+    prefix = "policy-v"
+    if name.startswith(prefix) and name[len(prefix):].isdigit():
+        return int(name[len(prefix):])
+    return None
 
 
 class _Request(BaseModel):
@@ -130,6 +146,7 @@ class GenerateRequest(_Request):
     return_text_in_logprobs: bool = False
     stream: Literal[False] = False
     rid: str | None = None
+    lora_path: str | None = Field(None, description="name of a loaded LoRA adapter to generate with")
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:
@@ -205,6 +222,29 @@ class UpdateWeightsFromDiskResponse(BaseModel):
     success: bool
     message: str
     num_paused_requests: int = 0
+
+
+class LoadLoRAAdapterRequest(_Request):
+    """Body of ``POST /load_lora_adapter``: a PEFT adapter directory, served under ``lora_name``."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """Body of ``POST /unload_lora_adapter`` (it answers once no running request uses the adapter)."""
+
+    lora_name: str = Field(min_length=1)
+
+
+class LoRAUpdateResponse(BaseModel):
+    """Answer of both adapter endpoints (200 on success, else 400): the adapters loaded afterwards."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = Field(
+        None, description="adapter name -> the path it was loaded from (some SGLang releases: a LoRARef object)")
 
 
 class MemoryOccupationRequest(_Request):

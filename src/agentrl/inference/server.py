@@ -3,7 +3,8 @@
 Endpoints and status codes mirror SGLang's ``python/sglang/srt/entrypoints/http_server.py`` (v0.5.x): a bad
 request (validation error, unknown field, token id outside the vocabulary, over-long request) is a 400 with
 ``{"error": {"message": ...}}``; ``/update_weights_from_disk`` answers ``{success, message,
-num_paused_requests}`` with 200 or 400; ``/health`` and ``/health_generate`` answer an empty 200 or 503.
+num_paused_requests}`` with 200 or 400, ``/load_lora_adapter`` and ``/unload_lora_adapter`` ``{success,
+error_message, loaded_adapters}`` with 200 or 400; ``/health`` and ``/health_generate`` answer an empty 200 or 503.
 
 On SIGTERM/SIGINT the running generations are aborted at once (each request is answered with finish reason
 ``abort``, requests arriving later get 503), then uvicorn shuts down gracefully: the process exits within seconds
@@ -35,8 +36,10 @@ from agentrl.inference.protocol import (
     ChatCompletionRequest,
     GenerateRequest,
     GenerateResponse,
+    LoadLoRAAdapterRequest,
     MemoryOccupationRequest,
     ModelInfo,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
 )
 from agentrl.inference.registration import ServiceRegistration, check_database
@@ -132,6 +135,16 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
         result = await engine.update_weights_from_disk(request)
         if registration is not None and result.success:
             await registration.heartbeat()
+        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+    @app.post("/load_lora_adapter")
+    async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> JSONResponse:
+        result = await engine.load_lora_adapter(request)
+        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> JSONResponse:
+        result = await engine.unload_lora_adapter(request)
         return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])

@@ -23,7 +23,6 @@ from pymongo.errors import PyMongoError
 from transformers import PreTrainedTokenizerBase
 
 from agentrl.envs.pool import EnvPool
-from agentrl.inference.protocol import policy_version
 from agentrl.rollout.config import SamplerConfig
 from agentrl.rollout.context import reset_context
 from agentrl.rollout.conversation import TokenConversation
@@ -157,7 +156,7 @@ async def generate_turn(res: AgentResources, lease: SlotLease, conversation: Tok
                                      output_logprobs=result.output_token_logprobs, error=error,
                                      latency_s=time.monotonic() - started)
         raise GenerationFailed(error)
-    version = policy_version(result.weight_version)
+    version = result.policy_version
     state.first_version = version if state.first_version is None else state.first_version
     await res.store.calls.finish(
         call.id, CallStatus.COMPLETED, output_ids=result.output_ids, output_logprobs=result.output_token_logprobs,

@@ -7,6 +7,10 @@ once, so that no sampler picks it until its own heartbeat (the engine's, or the 
 marks it UP again. When no live service answers, ``generate`` raises :class:`NoInferenceService`: an
 infrastructure failure, which the sampler does not score (it gives the slot back and waits in
 :meth:`InferencePool.wait_until_live`).
+
+When the trainer publishes LoRA adapters (``Run.lora_name``), every request names the current adapter in
+``lora_path`` (read from the Run at most every ``ADAPTER_REFRESH_S``). A service that does not have it (it started
+or restarted after the publish) is given it from ``Run.weights_path`` and the request is sent again.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import socket
 import time
@@ -35,6 +40,8 @@ CONNECT_PROBE_S = 5.0
 OUTAGE_PAUSE_S = 1.0
 MAX_OUTAGE_PAUSE_S = 60.0
 LIVE_POLL_MAX_S = 5.0
+ADAPTER_REFRESH_S = 1.0
+_NOT_LOADED = ("not loaded", "never been loaded")  # SGLang's (and the engine's) errors for an unknown adapter
 
 
 class NoInferenceService(RuntimeError):
@@ -67,6 +74,8 @@ class InferencePool:
         self._outages = 0  # NoInferenceService raised since the last successful generation
         self._live_lock = asyncio.Lock()
         self._paused = False
+        self._adapter: tuple[str, str] | None = None  # (name, path) of the policy's adapter, if it is one
+        self._adapter_read_at = -math.inf
 
     def client(self, base_url: str) -> SGLangClient:
         if base_url not in self._clients:
@@ -102,7 +111,7 @@ class InferencePool:
                 continue
             self._in_flight[service.id] += 1
             try:
-                result = await self.client(service.base_url).generate(input_ids, sampling_params)
+                result = await self._generate_on(service.base_url, input_ids, sampling_params)
                 if result.finish_reason == "abort":  # the service stopped it (shutting down): not the policy's doing
                     logger.warning("inference service %s aborted a generation; trying another service",
                                    redact(service.base_url))
@@ -131,6 +140,31 @@ class InferencePool:
                     logger.warning("could not count a request on %s as finished (%s)", service.id, error)
         self._outages += 1
         raise NoInferenceService("generation failed on every attempt: " + "; ".join(errors))
+
+    async def _current_adapter(self, refresh: bool = False) -> tuple[str, str] | None:
+        """The policy's published adapter ``(name, path)``, or ``None`` when the services serve full weights."""
+        if refresh or time.monotonic() - self._adapter_read_at > ADAPTER_REFRESH_S:
+            run = await self.store.runs.get()
+            self._adapter = (run.lora_name, run.weights_path) if run and run.lora_name and run.weights_path else None
+            self._adapter_read_at = time.monotonic()
+        return self._adapter
+
+    async def _generate_on(self, base_url: str, input_ids: list[int], sampling_params: dict[str, Any]
+                           ) -> GenerateResult:
+        """Generate on one service with the policy's adapter, giving the service the adapter if it lacks it."""
+        client = self.client(base_url)
+        adapter = await self._current_adapter()
+        try:
+            return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None)
+        except InferenceRequestError as error:
+            if adapter is None or not any(text in error.cause for text in _NOT_LOADED):
+                raise
+        adapter = await self._current_adapter(refresh=True)  # a newer one, or the service restarted
+        if adapter is not None:
+            with contextlib.suppress(InferenceRequestError):  # "already loaded": another sampler was first
+                await client.load_lora_adapter(*adapter)
+                logger.info("gave inference service %s the policy's adapter %s", redact(base_url), adapter[0])
+        return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None)
 
     async def wait_until_live(self) -> None:
         """Return once a live service is registered, after a pause that doubles with every consecutive outage

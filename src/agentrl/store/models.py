@@ -331,6 +331,8 @@ class Run(Document):
     config: dict[str, Any] = Field(default_factory=dict)
     policy_version: int = 0
     weights_path: str | None = None
+    lora_name: str | None = Field(None, description="the published LoRA adapter samplers name (lora_publish "
+                                                    "adapter); None: the services serve the policy's full weights")
     status: RunStatus = RunStatus.CREATED
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)

@@ -41,13 +41,16 @@ class Runs:
         return run.policy_version if run else 0
 
     @retry_on_reconnect
-    async def bump_policy_version(self, weights_path: str | None = None, *, expected: int) -> int:
-        """Move ``policy_version`` from ``expected`` to ``expected + 1`` (recording where the new weights are) in
-        one atomic update whose filter is the precondition ``policy_version == expected``; returns the new version.
-        If another writer moved it, :class:`VersionConflict` is raised and the document is left unchanged."""
+    async def bump_policy_version(self, weights_path: str | None = None, *, expected: int,
+                                  lora_name: str | None = None) -> int:
+        """Move ``policy_version`` from ``expected`` to ``expected + 1`` (recording where the new weights are, and
+        the name of the adapter that holds them if they are a LoRA adapter) in one atomic update whose filter is the
+        precondition ``policy_version == expected``; returns the new version. If another writer moved it,
+        :class:`VersionConflict` is raised and the document is left unchanged."""
         fields: dict[str, Any] = {"updated_at": utcnow()}
         if weights_path is not None:
             fields["weights_path"] = weights_path
+            fields["lora_name"] = lora_name
         doc = await self.collection.find_one_and_update(
             {"_id": RUN_ID, "policy_version": expected}, {"$inc": {"policy_version": 1}, "$set": fields},
             return_document=ReturnDocument.AFTER)

@@ -103,6 +103,10 @@ class TrainConfig(BaseModel):
         None, description="modules trained in full alongside the adapters (e.g. a new classification head)")
     load_in_4bit: bool = Field(False, description="QLoRA: the base model in 4-bit NF4 (bitsandbytes, CUDA, one "
                                "process; needs --use_peft)")
+    lora_publish: Literal["merged", "adapter"] = Field(
+        "merged", description="what a LoRA run publishes to the inference services: merged full weights "
+        "(/update_weights_from_disk, any server) or the adapter alone (/load_lora_adapter: SGLang started with "
+        "--enable-lora, or agentrl engine --enable_lora); samplers then name it in every request")
 
     # ------------------------------------------------------------------------------------------------- batches
     train_batch_size: int | None = Field(
@@ -226,6 +230,9 @@ class TrainConfig(BaseModel):
         if lora_flags and not self.use_peft:
             raise ValueError(f"LoRA flags without --use_peft: --{' --'.join(lora_flags)} (add --use_peft to train "
                              "LoRA adapters)")
+        if self.lora_publish == "adapter" and self.lora_modules_to_save:
+            raise ValueError("--lora_publish adapter cannot serve --lora_modules_to_save (inference servers load "
+                             "only LoRA pairs): publish merged weights instead")
         if self.kl_coef == 0 and self.ref_model_name_or_path is not None:
             raise ValueError("--ref_model_name_or_path is only used with --kl_coef > 0")
         return self

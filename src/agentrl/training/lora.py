@@ -73,6 +73,15 @@ def is_adapted(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None
 
 
+def non_linear_targets(model: nn.Module) -> list[str]:
+    """Adapted modules whose base layer is not a Linear one (an embedding, a GPT-2 Conv1D): inference servers
+    serve adapters of Linear layers only."""
+    from peft.tuners.lora import LoraLayer
+
+    return sorted(name for name, module in model.named_modules()
+                  if isinstance(module, LoraLayer) and not isinstance(module.get_base_layer(), nn.Linear))
+
+
 def trainable_summary(model: nn.Module) -> str:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     total = sum(p.numel() for p in model.parameters())

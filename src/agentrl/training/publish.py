@@ -6,6 +6,12 @@ path and ``weight_version = "v"`` (all services at once; transient failures retr
 running requests with the old weights, nothing is aborted), then ``Run.policy_version`` becomes ``v``. A service
 that still fails is reported by name and counted, and keeps serving its old version, whose tokens stay stamped
 with it, so staleness accounting stays right. Only the last ``keep`` weight directories are kept.
+
+With ``adapter=True`` (``--lora_publish adapter``) ``weights/<v>`` is the PEFT adapter alone (a few MB), every
+live service gets ``POST /load_lora_adapter`` with the name ``policy-v<v>`` (a name left by a crashed publish of
+the same version is unloaded and loaded again), and the bump records that name on the Run: samplers then name it
+in each request and stamp its tokens with ``v`` (SGLang's ``weight_version`` does not change with adapters). The
+adapters of pruned versions are unloaded in the background: unloading waits for the requests still using them.
 """
 
 from __future__ import annotations
@@ -22,10 +28,11 @@ import torch
 from torch import nn
 
 from agentrl.failpoints import failpoint
+from agentrl.inference.protocol import policy_adapter_name
 from agentrl.store import Store, VersionConflict
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
-from agentrl.training.weights import export_pretrained
+from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)
 
@@ -47,10 +54,11 @@ class WeightPublisher:
     """Publishes versions of the trainer's weights (rank 0 talks to the store and services; all ranks export)."""
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, output_dir: Path, *, dtype: torch.dtype,
-                 tokenizer: Any | None, keep: int = 2, retries: int = 3):
+                 tokenizer: Any | None, keep: int = 2, retries: int = 3, adapter: bool = False):
         self.store, self.io, self.parallel = store, io, parallel
         self.root = output_dir / "weights"
         self.dtype, self.tokenizer, self.keep, self.retries = dtype, tokenizer, keep, retries
+        self.adapter = adapter
 
     def publish(self, model: nn.Module, version: int) -> PublishResult:
         """Publish ``model`` as ``version`` (every rank must call this; the result is complete on rank 0)."""
@@ -58,12 +66,17 @@ class WeightPublisher:
         path = (self.root / str(version)).resolve()
         if self.parallel.is_main:
             self.root.mkdir(parents=True, exist_ok=True)
-        export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
+        if self.adapter:
+            export_adapter(model, self.parallel, path)
+        else:
+            export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
         result = PublishResult(version=version, path=path)
         failpoint("publish.after_export")
         if self.parallel.is_main:
             self.io.run(self._announce(result))
-            self._prune(version)
+            pruned = self._prune(version)
+            if self.adapter and pruned:
+                self.io.submit(self._unload([policy_adapter_name(v) for v in pruned]))
         result.seconds = time.monotonic() - started
         self.parallel.barrier()
         return result
@@ -78,8 +91,10 @@ class WeightPublisher:
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
                              result.version, service.base_url, error)
         failpoint("publish.before_bump")
+        lora_name = policy_adapter_name(result.version) if self.adapter else None
         try:
-            await self.store.runs.bump_policy_version(str(result.path), expected=result.version - 1)
+            await self.store.runs.bump_policy_version(str(result.path), expected=result.version - 1,
+                                                      lora_name=lora_name)
         except VersionConflict as error:
             raise PublishError(f"cannot publish weights version {result.version}: {error}") from error
         logger.info("published weights version %d to %d of %d inference services (%s)", result.version,
@@ -91,12 +106,37 @@ class WeightPublisher:
 
         async with SGLangClient(base_url, max_retries=self.retries) as client:
             try:
-                await client.update_weights_from_disk(str(result.path), weight_version=str(result.version))
+                if not self.adapter:
+                    await client.update_weights_from_disk(str(result.path), weight_version=str(result.version))
+                    return None
+                name = policy_adapter_name(result.version)
+                try:
+                    await client.load_lora_adapter(name, str(result.path))
+                except InferenceServiceError as error:
+                    if "already loaded" not in str(error):
+                        raise
+                    # left by a publish of this version that crashed before the bump: no sampler names it yet
+                    await client.unload_lora_adapter(name)
+                    await client.load_lora_adapter(name, str(result.path))
             except InferenceServiceError as error:
                 return str(error)
         return None
 
-    def _prune(self, newest: int) -> None:
+    async def _unload(self, names: list[str]) -> None:
+        """Unload adapters of pruned versions from the live services (each answers once no request uses them)."""
+        from agentrl.inference.client import InferenceServiceError, SGLangClient
+
+        for service in await self.store.services.live():
+            async with SGLangClient(service.base_url, max_retries=self.retries) as client:
+                for name in names:
+                    try:
+                        await client.unload_lora_adapter(name)
+                    except InferenceServiceError as error:  # gone already (a restart), or the service is down
+                        logger.debug("unloading adapter %s: %s", name, error)
+
+    def _prune(self, newest: int) -> list[int]:
+        """Delete the weight directories older than the last ``keep``; returns their versions."""
         versions = sorted(int(p.name) for p in self.root.iterdir() if p.name.isdigit() and int(p.name) <= newest)
         for version in versions[:-self.keep]:
             shutil.rmtree(self.root / str(version), ignore_errors=True)
+        return versions[:-self.keep]

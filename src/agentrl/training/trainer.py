@@ -144,6 +144,10 @@ class Trainer:
             logger.info("LoRA r=%d alpha=%g on %s: %s", self.lora.r, self.lora.lora_alpha,
                         " ".join(sorted(self.model.peft_config[lora.ADAPTER_NAME].target_modules)),
                         lora.trainable_summary(self.model))
+            if cfg.lora_publish == "adapter" and (odd := lora.non_linear_targets(self.model)):
+                raise TrainerError(f"--lora_publish adapter: inference servers serve adapters of Linear layers "
+                                   f"only, and {', '.join(odd[:3])} is not one: leave it out of "
+                                   "--lora_target_modules or publish merged weights")
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
         self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.kl_coef > 0 else None
         self.optimizer = self._build_optimizer()
@@ -173,7 +177,8 @@ class Trainer:
         self.publisher = WeightPublisher(self.store, self.io, parallel, self.output_dir,
                                          dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                          tokenizer=self.tokenizer, keep=cfg.keep_published_weights,
-                                         retries=cfg.publish_retries)
+                                         retries=cfg.publish_retries,
+                                         adapter=cfg.use_peft and cfg.lora_publish == "adapter")
         if cfg.enable_sampling and (resume is not None or self.version > 0):
             # the services may serve weights this trainer does not have (a later step, another run): align them
             self._publish()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import os
 import shutil
+import tempfile
 from pathlib import Path
 from collections.abc import Callable
 from typing import Any
@@ -152,12 +153,15 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
 
     The weights are saved through a meta-device copy of the model class, so the saved config names the real
     architecture even when ``model`` is wrapped by FSDP2. A model with LoRA adapters is saved merged
-    (``lora.merge_state_dict``): a plain model of the base architecture.
+    (``lora.merge_state_dict``): a plain model of the base architecture. The adapters of a 4-bit base are merged
+    into the base model's own full-precision weights instead (:func:`export_merged_from_base`).
     """
     from transformers import AutoModelForCausalLM
 
     state = full_state_dict(model, parallel)
-    if parallel.is_main:
+    if parallel.is_main and lora.is_adapted(model) and getattr(model, "hf_quantizer", None) is not None:
+        export_merged_from_base(model, state, out_dir, tokenizer=tokenizer)
+    elif parallel.is_main:
         if lora.is_adapted(model):
             state = lora.merge_state_dict(model, state)
         state = {name: tensor.to(dtype) for name, tensor in state.items()}
@@ -175,6 +179,20 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
             tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out_dir)
     parallel.barrier()
+
+
+def export_merged_from_base(model: nn.Module, state: dict[str, torch.Tensor], out_dir: Path, *,
+                            tokenizer: Any | None = None) -> None:
+    """Write the adapters of ``model`` (full state dict ``state``) merged into the full-precision weights of the base
+    model it was loaded from (``model.name_or_path``), with PEFT's ``merge_and_unload``: the weights of a 4-bit
+    model are rounded, so merging into them would publish the rounding too."""
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".{out_dir.name}.adapter-", dir=out_dir.parent) as adapter:
+        config, weights = lora.adapter_files(model, state)
+        lora.write_adapter(Path(adapter), config, {name: tensor.float() for name, tensor in weights.items()})
+        if tokenizer is not None:
+            tokenizer.save_pretrained(adapter)
+        lora.merge_adapter_dir(adapter, out_dir, base_model=model.name_or_path)
 
 
 def export_adapter(model: nn.Module, parallel: ParallelState, out_dir: Path, *, tokenizer: Any | None = None) -> None:
