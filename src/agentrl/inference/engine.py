@@ -472,7 +472,11 @@ class InferenceEngine:
         idle = self._adapter_idle[name] = asyncio.Event()
         if not self._adapter_users[name]:
             idle.set()
-        await idle.wait()
+        try:
+            await idle.wait()
+        except asyncio.CancelledError:  # the caller gave up: the adapter stays loaded and usable
+            del self._adapter_idle[name]
+            raise
         async with self._exclusive:
             await asyncio.to_thread(self.batcher.remove_adapter, name)
             del self._adapter_users[name], self._adapter_idle[name]

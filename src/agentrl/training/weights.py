@@ -195,10 +195,27 @@ def export_merged_from_base(model: nn.Module, state: dict[str, torch.Tensor], ou
         lora.merge_adapter_dir(adapter, out_dir, base_model=model.name_or_path)
 
 
+def trainable_state_dict(model: nn.Module, parallel: ParallelState) -> dict[str, torch.Tensor]:
+    """The trainable parameters (a LoRA model's adapters and saved modules) on rank 0's CPU, empty on the other
+    ranks, gathered one at a time: the frozen base is never gathered. Every rank must call it."""
+    from torch.distributed.tensor import DTensor
+
+    state = {}
+    for name, param in model.named_parameters():  # the same order on every rank
+        if not param.requires_grad:
+            continue
+        full = param.full_tensor() if isinstance(param, DTensor) else param
+        if parallel.is_main:
+            for wrapper in ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module."):
+                name = name.replace(wrapper, "")
+            state[name] = full.detach().to("cpu", copy=True)
+    return state
+
+
 def export_adapter(model: nn.Module, parallel: ParallelState, out_dir: Path, *, tokenizer: Any | None = None) -> None:
     """Write the LoRA adapter of ``model`` as a PEFT adapter directory ``out_dir`` (fp32; rank 0 writes, every rank
-    must call it), complete before it appears under its name."""
-    state = full_state_dict(model, parallel)
+    must call it), complete before it appears under its name. Only the adapters are gathered."""
+    state = trainable_state_dict(model, parallel)
     if parallel.is_main:
         config, weights = lora.adapter_files(model, state)
         tmp = out_dir.with_name(f".{out_dir.name}.tmp")
