@@ -272,7 +272,7 @@ warm_up() {
   else
     local made_with="real tool calls"
     [ ${#TOOL_FLAGS[@]} -eq 0 ] && made_with="worked solutions"
-    log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") ($made_with; log $RUN_DIR/logs/warmup.log)"
+    log "warm-up: SFT on $WARMUP demonstrations of $(basename "$WARMUP_TASKS") ($made_with${LORA_FLAGS[*]:+; rank-$LORA_R LoRA at $WARMUP_LEARNING_RATE}; log $RUN_DIR/logs/warmup.log)"
   fi
   {
     if [ -n "${ENV:-}" ]; then
@@ -395,7 +395,9 @@ rl_example() {
     --max_staleness "$MAX_STALENESS" ${EXTRA_SAMPLE_FLAGS:-}
 
   trainer_command
-  log "trainer: $loss_name, up to ${TRAIN_STEPS:-8} steps of $TRAIN_BATCH_SIZE samples (log $RUN_DIR/logs/trainer.log, output $OUTPUT_DIR)"
+  local lora_note=""
+  [ "${LORA_R:-0}" != 0 ] && lora_note=" with rank-$LORA_R LoRA adapters at $LEARNING_RATE, published ${LORA_PUBLISH:-merged},"
+  log "trainer: $loss_name,$lora_note up to ${TRAIN_STEPS:-8} steps of $TRAIN_BATCH_SIZE samples (log $RUN_DIR/logs/trainer.log, output $OUTPUT_DIR)"
   start_background trainer "${TRAINER[@]}" --db_connection_string "$DB_URI" \
     ${start_model:+--model_name_or_path "$start_model"} --output_dir "$OUTPUT_DIR" "$@" \
     --learning_rate "$LEARNING_RATE" "${LORA_FLAGS[@]}" --train_batch_size "$TRAIN_BATCH_SIZE" --max_steps "${TRAIN_STEPS:-8}" \

@@ -97,8 +97,9 @@ class WeightPublisher:
                                                       lora_name=lora_name)
         except VersionConflict as error:
             raise PublishError(f"cannot publish weights version {result.version}: {error}") from error
-        logger.info("published weights version %d to %d of %d inference services (%s)", result.version,
-                    len(services) - len(result.failures), len(services), result.path)
+        logger.info("published weights version %d%s to %d of %d inference services (%s)", result.version,
+                    f" as LoRA adapter {lora_name}" if lora_name else "", len(services) - len(result.failures),
+                    len(services), result.path)
 
     async def _load_on(self, base_url: str, result: PublishResult) -> str | None:
         """Have one service load the weights; the error text if it still fails after the client's retries."""
