@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, trainer_args
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+
+from agentrl.failpoints import ENV, EXIT_CODE
 
 from agentrl.inference import SGLangClient
 from agentrl.store import Store, sync_client
@@ -160,3 +162,37 @@ def test_publishing_adapters_serves_the_trainers_policy_by_name(db_uri: str, tin
         base_logprobs = torch.log_softmax(base(input_ids=ids).logits[0, :-1], dim=-1)
     base_expected = base_logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
     assert not torch.allclose(torch.tensor(result.output_token_logprobs), base_expected, atol=1e-4)
+
+
+def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(db_uri: str, tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """A crash after the engine loaded policy-v2 but before the Run named it: the resumed trainer publishes version
+    2 again, and the engine's leftover adapter of that name is replaced, not an error."""
+    engine = start_engine(tiny_model_dir, "--enable_lora", "--db_connection_string", db_uri,
+                          "--heartbeat_interval_s", "1")
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
+        flags = trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps", "3",
+                             "--save_steps", "1", "--use_peft", "--lora_target_modules", "all-linear",
+                             "--lora_publish", "adapter", "--publish_retries", "0")
+        crashed = run_trainer(flags, env={ENV: "publish.before_bump=exit@2"})
+        assert crashed.returncode == EXIT_CODE, crashed.stdout
+        resumed = run_trainer([*flags, "--resume_from_checkpoint", "latest"])
+        assert resumed.returncode == 0, resumed.stdout
+        assert "did not load them" not in resumed.stdout, resumed.stdout
+        client = sync_client(db_uri)
+        try:
+            run = client.get_default_database().Run.find_one()
+        finally:
+            client.close()
+        assert run["lora_name"] == f"policy-v{run['policy_version']}" and run["policy_version"] >= 3
+
+        async def served() -> str | None:
+            async with SGLangClient(engine.url) as client:
+                result = await client.generate(PROMPT, {"max_new_tokens": 2}, lora_path=run["lora_name"])
+            return result.lora_path
+
+        assert asyncio.run(served()) == run["lora_name"]
+    finally:
+        engine.stop()
+    assert "unloaded LoRA adapter policy-v2" in engine.output, engine.output  # the crashed publish's leftover
