@@ -137,13 +137,12 @@ class _SGLangSamplingRunner(ModelRunner):
     """transformers' model runner with the sampling step replaced by :func:`sample` and LoRA rows routed."""
 
     adapters: ServedAdapters | None = None
-    adapter_of: dict[str, str] = {}  # request id -> adapter name (requests of the base model are absent)
 
     def _forward_process_and_sample(self, model: torch.nn.Module, batch_data: dict, carry_over_ids: torch.Tensor,
                                     prev_output_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
         self.inputs_and_outputs.carry_over_tokens(batch_data["input_ids"], carry_over_ids, prev_output_ids)
         if self.adapters is not None and self.adapters.adapters:
-            self.adapters.route([(self.adapter_of.get(r.state.request_id), r.query_length)
+            self.adapters.route([(r.state.request_id, r.query_length)
                                  for r in self.inputs_and_outputs.requests_in_batch])
         logits = model(**batch_data).logits
         if "logits_to_keep" not in batch_data:
@@ -168,11 +167,10 @@ class _SGLangSamplingRunner(ModelRunner):
 class _Manager(ContinuousBatchingManager):
     """transformers' manager with our per-request values and our sampling runner."""
 
-    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters,
-                 adapter_of: dict[str, str]):
+    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters):
         super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
         self.logit_processor = _RequestValues()
-        self.adapters, self.adapter_of = adapters, adapter_of
+        self.adapters = adapters
 
     def _create_batch_processor(self):
         processor = super()._create_batch_processor()
@@ -182,7 +180,6 @@ class _Manager(ContinuousBatchingManager):
                 inputs_and_outputs=processor.inputs_and_outputs, cache=processor.cache, do_sample=True,
                 return_logprobs=True)
             processor.model_runner.adapters = self.adapters
-            processor.model_runner.adapter_of = self.adapter_of
         return processor
 
 
@@ -198,8 +195,7 @@ class ContinuousBatcher:
         self.model = model.eval()
         self.config = config or BatchingConfig()
         self.adapters = ServedAdapters(self.model)
-        self._adapter_of: dict[str, str] = {}
-        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self._adapter_of)
+        self._manager = _Manager(self.model, self._cb_config(), self.adapters)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
@@ -253,7 +249,7 @@ class ContinuousBatcher:
         self._manager.register_result_handler(request_id, on_output)
         self._running[request_id] = done
         if adapter is not None:
-            self._adapter_of[request_id] = adapter
+            self.adapters.assign(request_id, adapter)
         self.in_flight += 1
         try:
             added = self._manager.add_request(
@@ -271,7 +267,7 @@ class ContinuousBatcher:
         finally:
             self.in_flight -= 1
             self._running.pop(request_id, None)
-            self._adapter_of.pop(request_id, None)
+            self.adapters.release(request_id)
             with self._manager.output_router._lock:
                 self._manager.output_router.result_handlers.pop(request_id, None)
         if output.error is not None:

@@ -5,8 +5,8 @@ An adapter is a PEFT directory (``adapter_config.json`` + ``adapter_model.safete
 weights: a forward hook on each adapted ``nn.Linear`` adds ``scale · (x Aᵀ) Bᵀ`` to the output rows of the tokens
 whose request named that adapter, so one batch can mix requests of several adapters and of the base model.
 
-The rows of a forward pass are given by :meth:`ServedAdapters.route` (one adapter name or ``None`` per request,
-with each request's token count, in batch order). Adding or removing adapters must happen between two forward
+Requests are given their adapter with :meth:`ServedAdapters.assign`; the rows of a forward pass are given by
+:meth:`ServedAdapters.route` (each request's id and token count, in batch order). Adding or removing adapters must happen between two forward
 passes (the batcher pauses its loop). What SGLang refuses, this refuses too: DoRA, adapters that add tokens or
 train whole modules (``modules_to_save``), adapters of non-Linear layers.
 """
@@ -103,6 +103,7 @@ class ServedAdapters:
     def __init__(self, model: nn.Module):
         self.model = model
         self.adapters: dict[str, Adapter] = {}
+        self._adapter_of: dict[str, str] = {}  # request id -> adapter name (the base model's requests are absent)
         self._hooks: dict[str, torch.utils.hooks.RemovableHandle] = {}
         self._rows: list[tuple[Adapter, slice | torch.Tensor]] = []  # routing of the current forward pass
 
@@ -118,23 +119,31 @@ class ServedAdapters:
     def remove(self, name: str) -> None:
         """Stop serving adapter ``name`` (between two forward passes); layers no adapter uses lose their hook."""
         self.adapters.pop(name)
+        self._rows = []  # the next forward pass routes again; none may point at a removed adapter
         used = set().union(*(a.layers.keys() for a in self.adapters.values()))
         for layer in self._hooks.keys() - used:
             self._hooks.pop(layer).remove()
 
-    def route(self, requests: Sequence[tuple[str | None, int]]) -> None:
-        """Set the routing of the next forward pass: ``(adapter name or None, tokens)`` per request, in batch order."""
+    def assign(self, request_id: str, name: str) -> None:
+        """Generate request ``request_id`` with adapter ``name`` (from any thread, before the request is added)."""
+        self._adapter_of[request_id] = name
+
+    def release(self, request_id: str) -> None:
+        self._adapter_of.pop(request_id, None)
+
+    def route(self, requests: Sequence[tuple[str, int]]) -> None:
+        """Set the routing of the next forward pass: ``(request id, tokens)`` per request, in batch order."""
         self._rows = []
         if not self.adapters:
             return
-        names = [name for name, _ in requests]
+        names = [self._adapter_of.get(request_id) for request_id, _ in requests]
         if names and all(name == names[0] for name in names):  # the common case: one adapter for the whole batch
             if names[0] is not None:
                 self._rows = [(self.adapters[names[0]], slice(None))]
             return
         rows: dict[str, list[int]] = {}
         start = 0
-        for name, count in requests:
+        for name, (_, count) in zip(names, requests, strict=True):
             if name is not None:
                 rows.setdefault(name, []).extend(range(start, start + count))
             start += count
