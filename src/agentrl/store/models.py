@@ -271,6 +271,10 @@ class DBRecordData(Document):
                                                "known, e.g. SFT data); set on enqueue; trainers claim the oldest "
                                                "policy first, so groups that finished late are not left to go stale")
     skip_reason: str | None = None
+    trainer_logprobs: list[float] | None = Field(None, description="the trainer's logprob of each token under the "
+                                                 "policy that trained it (0 where loss_mask is 0; None: not "
+                                                 "trained, or trained with cross-entropy)")
+    trainer_version: int | None = Field(None, description="the policy version of trainer_logprobs")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     trained_at: UTCDatetime | None = None
 

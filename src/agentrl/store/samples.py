@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pymongo import ReturnDocument
+from pymongo import ReturnDocument, UpdateOne
 from pymongo.asynchronous.database import AsyncDatabase
 
 from agentrl.failpoints import failpoint
@@ -81,6 +81,19 @@ class SampleQueue:
                 {**mine, "status": str(SampleStatus.TRAINED)}) != len(sample_ids)):
             raise StoreError(f"rank {rank} step {step}: {len(sample_ids) - result.modified_count} of "
                              f"{len(sample_ids)} samples were not claimed by it (already trained or requeued)")
+
+    @retry_on_reconnect
+    async def record_trainer_logprobs(self, rank: int, step: int, version: int,
+                                      logprobs: dict[Any, list[float]]) -> None:
+        """Keep the logprobs the trainer computed for its claimed samples (``trainer_logprobs``, aligned with
+        ``logprobs``; the policy ``trainer_version``), so audits can compare them token by token with the engine's.
+        An annotation, not part of the claim protocol: a sample trained again after a resume is overwritten."""
+        if not logprobs:
+            return
+        await self.collection.bulk_write([
+            UpdateOne({"_id": sample_id, "claimed_rank": rank, "claimed_step": step},
+                      {"$set": {"trainer_logprobs": values, "trainer_version": version}})
+            for sample_id, values in logprobs.items()], ordered=False)
 
     @retry_on_reconnect
     async def mark_trained_through(self, rank: int, step: int) -> int:

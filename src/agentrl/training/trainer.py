@@ -93,6 +93,8 @@ class Trainer:
         self.io: LoopThread | None = None
         self.store: Store | None = None
         self.sink: MetricsSink | None = None
+        self._trainer_logprobs: dict[int, list[float]] = {}
+        """this step's logprobs of each sample (by index in the step) under the policy that trained it, for audits"""
 
     # ------------------------------------------------------------------------------------------------- set-up
 
@@ -336,6 +338,7 @@ class Trainer:
 
     def _after_step(self, data: StepData, values: dict[str, float]) -> None:
         cfg, parallel, step = self.cfg, self.parallel, data.step
+        trained_version = self.version
         values.update(policy_version=float(self.version), epoch=float(self.state.epoch),
                       wait_s=data.wait_s,
                       skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
@@ -347,6 +350,9 @@ class Trainer:
             # Only now, with the new weights served, do the Records leave `ready`: the samplers' admission control
             # counts them until then, so what it admits next is sampled by the new policy.
             self.io.run(self._records_trained(data.samples))
+            if self._trainer_logprobs:
+                self.io.run(self.store.samples.record_trainer_logprobs(parallel.dp_rank, step, trained_version, {
+                    data.samples[index].id: logprobs for index, logprobs in self._trainer_logprobs.items()}))
             if cfg.save_steps == 0:
                 self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
         # the step ledger: tensor-parallel peers hold the same samples, their leaders speak for them
@@ -426,13 +432,14 @@ class Trainer:
             micro.append(_empty_micro_batch(pad_id))
         normaliser = global_normaliser(self.loss_cfg, micro, parallel)
         loss_metrics, mismatch = LossMetrics(), Reducer()
+        self._trainer_logprobs = {}
         padded = 0
         self.model.train()
         if normaliser > 0:
             for index, batch in enumerate(micro):
                 if parallel.distributed:
                     self.model.set_requires_gradient_sync(index == len(micro) - 1)
-                metrics = self._micro_step(batch.to(device), normaliser, mismatch)
+                metrics = self._micro_step(batch.to(device), normaliser, mismatch, merged)
                 loss_metrics = loss_metrics + metrics
                 padded += batch.input_ids.numel()
             grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm, parallel)
@@ -456,7 +463,8 @@ class Trainer:
                       step_s=compute_s, tokens_per_s=values["tokens"] / compute_s if compute_s > 0 else 0.0)
         return values
 
-    def _micro_step(self, batch: MicroBatch, normaliser: float, mismatch: Reducer) -> LossMetrics:
+    def _micro_step(self, batch: MicroBatch, normaliser: float, mismatch: Reducer,
+                    merged: list[MergedSample]) -> LossMetrics:
         cfg = self.cfg
         with self._autocast():
             # Only the trained tokens' logprobs are needed: the LM head runs only where they are predicted.
@@ -482,6 +490,9 @@ class Trainer:
                         mismatch.add(f"count{suffix}", values.numel())
                         mismatch.add(f"sum{suffix}", float(values.sum()))
                         mismatch.max(f"max{suffix}", float(values.max()))
+                scored_logprobs = new_logprobs.detach().float().masked_fill(~mask, 0.0).cpu()
+                for row, index in enumerate(batch.sample_indices):
+                    self._trainer_logprobs[index] = scored_logprobs[row, : merged[index].num_tokens].tolist()
         return metrics
 
     def _mismatch_metrics(self, mismatch: Reducer) -> dict[str, float]:
