@@ -233,6 +233,10 @@ summary() {
   if [ -n "$STOP_EMBEDDED_DB" ]; then
     echo "                     (the embedded database stopped with this script: agentrl db start --data_dir $STOP_EMBEDDED_DB)"
   fi
+  local dashboard_db="'$DB_BASE/$DB_QUERY'"
+  [ -n "${MONGO_URI:-}" ] && dashboard_db='"$MONGO_URI"'  # never print credentials
+  echo "  dashboard:         ${STOP_EMBEDDED_DB:+agentrl db start --data_dir $STOP_EMBEDDED_DB && }agentrl dashboard --db_connection_string $dashboard_db"
+  echo "                     then open http://127.0.0.1:8080/runs/$RUN_NAME (curves, records, every token)"
   echo "  logs:              $RUN_DIR/logs"
 }
 

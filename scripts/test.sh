@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_venv.sh
+# The dashboard's page tests drive a real headless Chromium (Debian's package; installed once, as root).
+if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+  if ! apt-get install -y -q chromium >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q chromium >/dev/null 2>&1 || echo "could not install chromium: the dashboard's browser test is skipped" >&2
+  fi
+fi
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

@@ -22,7 +22,7 @@ from pymongo.uri_parser import parse_uri
 from agentrl.store.embedded import EmbeddedServer
 
 # shared session fixtures (tiny models, engines, the SecantusDB server)
-pytest_plugins = ["inference_fixtures", "rollout_fixtures", "env_fixtures", "secantus_fixtures"]
+pytest_plugins = ["inference_fixtures", "rollout_fixtures", "env_fixtures", "secantus_fixtures", "example_fixtures"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

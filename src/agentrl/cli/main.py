@@ -30,6 +30,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "agentrl.cli.chat",
     "agentrl.cli.envs",
     "agentrl.cli.bench",
+    "agentrl.cli.dashboard",
 )
 
 

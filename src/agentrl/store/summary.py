@@ -35,20 +35,30 @@ STATES: dict[str, list[str]] = {
 
 def reward_by_version(records: Collection, split: str | None = None) -> list[dict[str, Any]]:
     """Mean score of the scored trajectories (of ``split``, or all) per policy version that sampled them
-    (ascending versions)."""
-    sums: dict[int, list[float]] = {}
+    (ascending versions; trajectories without a version count as version 0)."""
     query: dict[str, Any] = {"score": {"$ne": None}} | ({"split": split} if split else {})
-    for doc in records.find(query, {"policy_version": 1, "score": 1}):
-        sums.setdefault(doc.get("policy_version") or 0, []).append(float(doc["score"]))
-    return [{"policy_version": v, "records": len(scores), "mean_score": sum(scores) / len(scores)}
-            for v, scores in sorted(sums.items())]
+    sums: dict[int, list[float]] = {}
+    for row in records.aggregate([{"$match": query}, {"$group": {
+            "_id": "$policy_version", "n": {"$sum": 1}, "total": {"$sum": "$score"}}}]):
+        n, total = sums.setdefault(row["_id"] or 0, [0, 0.0])
+        sums[row["_id"] or 0] = [n + row["n"], total + float(row["total"])]
+    return [{"policy_version": v, "records": n, "mean_score": total / n} for v, (n, total) in sorted(sums.items())]
+
+
+def state_counts(db: Database) -> dict[str, dict[str, int]]:
+    """Documents per state of the Task, Record, DispatchedSamplingTask and DBRecordData collections (every known
+    state listed, 0 included)."""
+    counts = {}
+    for name, states in STATES.items():
+        found = {row["_id"]: row["n"] for row in db[name].aggregate([{"$group": {"_id": "$status", "n": {"$sum": 1}}}])}
+        counts[name] = {state: int(found.get(state, 0)) for state in states}
+    return counts
 
 
 def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
     """A JSON-able summary of the run stored in ``db``."""
     now = now or utcnow()
-    counts = {name: {state: db[name].count_documents({"status": state}) for state in states}
-              for name, states in STATES.items()}
+    counts = state_counts(db)
     records = db[Record.collection]
     leases = {
         "live": records.count_documents({"leased": True, "lease_expires_at": {"$gt": now}}),

@@ -1,0 +1,86 @@
+"""`agentrl dashboard`: web pages and a JSON API over every run on a MongoDB server (read-only)."""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import signal
+import sys
+
+from agentrl.cli.options import add_db_option
+
+READY_LINE = "dashboard: {url} (runs on {where})"
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser(
+        "dashboard", help="web pages and a JSON API over every run on a MongoDB server, down to each token",
+        description="Read-only web pages and a JSON API (/api, documented at /api/docs) over every AgentRL run on "
+                    "a MongoDB server: runs, learning curves, record states, evaluations, each trajectory turn by "
+                    "turn and token by token, each task's group side by side.")
+    add_db_option(parser)
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1; any other needs --auth_token_env)")
+    parser.add_argument("--port", type=int, default=8080, help="port to listen on, 0 for a free one (default: 8080)")
+    parser.add_argument("--auth_token_env", default=None, metavar="VAR",
+                        help="environment variable holding a token that every request must bring (header "
+                             "'Authorization: Bearer TOKEN', or open a page once with ?token=TOKEN)")
+    parser.set_defaults(func=run)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from agentrl.listen import listening_socket
+    from agentrl.log import redact
+    from agentrl.store import database_name, resolve_connection_string, sync_client
+    from agentrl.store.connection import answers_ping
+
+    def fail(message: str) -> int:
+        print(f"agentrl dashboard: error: {message}", file=sys.stderr)
+        return 2
+
+    token = None
+    if args.auth_token_env:
+        token = os.environ.get(args.auth_token_env, "")
+        if not token:
+            return fail(f"--auth_token_env {args.auth_token_env}: the environment variable is unset or empty")
+    elif not is_loopback(args.host):
+        return fail(f"--host {args.host} is reachable from other machines: give a token with --auth_token_env VAR "
+                    "(or keep the default 127.0.0.1 and tunnel to it)")
+    uri = resolve_connection_string(args.db_connection_string)
+    where = redact(uri)
+    if not answers_ping(uri, timeout_s=5.0):
+        return fail(f"no MongoDB server answers at {where}")
+    try:
+        sock = listening_socket(args.host, args.port)
+    except OSError as error:
+        return fail(f"cannot listen on {args.host}:{args.port}: {error}")
+
+    from agentrl.dashboard.app import create_app
+
+    client = sync_client(uri, serverSelectionTimeoutMS=5000)
+    app = create_app(client, default_database=database_name(uri, default="") or None, auth_token=token)
+    bound = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    print(READY_LINE.format(url=f"http://{host}:{bound}/", where=where), flush=True)
+    # no access log: a first visit's URL carries ?token=
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
+    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        client.close()
+    return 0

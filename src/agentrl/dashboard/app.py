@@ -1,0 +1,166 @@
+"""The dashboard's web app: HTML pages and the JSON API under ``/api`` they share (read-only: GET only).
+
+Pages: ``/`` (runs), ``/runs/{run}`` (curves, states, reward per version, evaluations; live while the run runs),
+``/runs/{run}/records`` (filterable, paginated), ``/runs/{run}/records/{id}`` (turns and token view) and
+``/runs/{run}/tasks/{id}`` (the group side by side). The API answers 404 for unknown runs, records and tasks and
+400 for bad filters. With an auth token, every request needs ``Authorization: Bearer TOKEN`` or the cookie that
+opening any page with ``?token=TOKEN`` sets.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import threading
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from fastapi import FastAPI, Request
+from fastapi.encoders import jsonable_encoder
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from pydantic import ValidationError
+from pymongo import MongoClient
+
+from agentrl.dashboard.charts import metric_charts
+from agentrl.dashboard.queries import NotFound, RecordFilters, RunReader
+from agentrl.dashboard.tokens import TokenTexts, calls_views, sample_view
+
+logger = logging.getLogger(__name__)
+
+HERE = Path(__file__).parent
+TOKEN_COOKIE = "agentrl_dashboard_token"
+LIVE_REFRESH_S = 5
+
+
+class BadFilter(ValueError):
+    """Query parameters that are not valid filters (HTTP 400)."""
+
+
+def parse_filters(request: Request) -> RecordFilters:
+    """The record filters of the request's query string; :class:`BadFilter` names each wrong parameter."""
+    try:
+        return RecordFilters.model_validate(dict(request.query_params))
+    except ValidationError as error:
+        problems = []
+        for issue in error.errors():
+            name = ".".join(str(part) for part in issue["loc"]) or "query"
+            problems.append(f"{name}: {issue['msg'] if issue['type'] != 'extra_forbidden' else 'unknown filter'}")
+        raise BadFilter("; ".join(problems)) from None
+
+
+def _json(data: Any, status_code: int = 200) -> JSONResponse:
+    return JSONResponse(jsonable_encoder(data), status_code=status_code)
+
+
+def _warm_tokenizers(reader: RunReader, texts: TokenTexts) -> None:
+    try:
+        for run in reader.run_names():
+            texts.texts(reader.run_config(run).get("model_name_or_path"), [])
+    except Exception:  # noqa: BLE001 - only a warm-up: the page loads what it needs itself
+        logger.debug("warming the tokenizers failed", exc_info=True)
+
+
+def create_app(client: MongoClient, *, default_database: str | None = None, auth_token: str | None = None) -> FastAPI:
+    """The dashboard over the runs ``client`` sees (``default_database``: the one to show when the user may not list
+    databases)."""
+    reader = RunReader(client, default_database)
+    texts = TokenTexts()
+    # the first record page of a run would wait seconds for transformers and the tokenizer: load them now
+    threading.Thread(target=_warm_tokenizers, args=(reader, texts), daemon=True, name="warm-tokenizers").start()
+    templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.globals.update(urlencode=urlencode, live_refresh_s=LIVE_REFRESH_S)
+    app = FastAPI(title="AgentRL dashboard", docs_url="/api/docs", openapi_url="/api/openapi.json", redoc_url=None)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+
+    @app.middleware("http")
+    async def authenticate(request: Request, call_next):
+        if auth_token is None:
+            return await call_next(request)
+        offered = request.query_params.get("token")
+        if offered is not None and hmac.compare_digest(offered, auth_token) and request.method == "GET":
+            query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
+            response = RedirectResponse(request.url.path + (f"?{query}" if query else ""), status_code=303)
+            response.set_cookie(TOKEN_COOKIE, auth_token, httponly=True, samesite="strict")
+            return response
+        header = request.headers.get("authorization", "")
+        given = header[7:] if header.lower().startswith("bearer ") else request.cookies.get(TOKEN_COOKIE, "")
+        if not hmac.compare_digest(given.encode(), auth_token.encode()):
+            return JSONResponse({"detail": "missing or wrong token: send 'Authorization: Bearer TOKEN' or open the "
+                                           "page with ?token=TOKEN once"}, status_code=401)
+        return await call_next(request)
+
+    @app.exception_handler(NotFound)
+    async def not_found(request: Request, error: NotFound) -> Response:
+        if request.url.path.startswith("/api/"):
+            return _json({"detail": str(error)}, 404)
+        return templates.TemplateResponse(request, "error.html", {"message": str(error)}, status_code=404)
+
+    @app.exception_handler(BadFilter)
+    async def bad_filter(request: Request, error: BadFilter) -> Response:
+        if request.url.path.startswith("/api/"):
+            return _json({"detail": f"bad filter: {error}"}, 400)
+        return templates.TemplateResponse(request, "error.html", {"message": f"bad filter: {error}"}, status_code=400)
+
+    # ------------------------------------------------------------------------------------------------ API
+
+    @app.get("/api/runs")
+    def api_runs() -> JSONResponse:
+        return _json({"runs": reader.runs()})
+
+    @app.get("/api/runs/{run}")
+    def api_run(run: str) -> JSONResponse:
+        return _json(reader.run(run))
+
+    @app.get("/api/runs/{run}/metrics")
+    def api_metrics(run: str, split: str = "train") -> JSONResponse:
+        return _json({"run": run, "split": split, "metrics": reader.metrics(run, split)})
+
+    @app.get("/api/runs/{run}/records")
+    def api_records(run: str, request: Request) -> JSONResponse:
+        return _json(reader.records(run, parse_filters(request)))
+
+    @app.get("/api/runs/{run}/records/{record_id:path}")
+    def api_record(run: str, record_id: str) -> JSONResponse:
+        return _json(reader.record(run, record_id))
+
+    @app.get("/api/runs/{run}/tasks/{task_id:path}")
+    def api_task(run: str, task_id: str) -> JSONResponse:
+        return _json(reader.task(run, task_id))
+
+    # ---------------------------------------------------------------------------------------------- pages
+
+    @app.get("/", response_class=HTMLResponse)
+    def runs_page(request: Request) -> Response:
+        return templates.TemplateResponse(request, "runs.html", {"runs": reader.runs()})
+
+    @app.get("/runs/{run}", response_class=HTMLResponse)
+    def run_page(request: Request, run: str) -> Response:
+        info = reader.run(run)
+        charts = metric_charts(reader.metrics(run))
+        return templates.TemplateResponse(request, "run.html", {"run": run, "info": info, "charts": charts,
+                                                                "live": info.get("status") == "running"})
+
+    @app.get("/runs/{run}/records", response_class=HTMLResponse)
+    def records_page(request: Request, run: str) -> Response:
+        filters = parse_filters(request)
+        page = reader.records(run, filters)
+        return templates.TemplateResponse(request, "records.html", {
+            "run": run, "page": page, "filters": filters, "choices": reader.filter_choices(run)})
+
+    @app.get("/runs/{run}/records/{record_id:path}", response_class=HTMLResponse)
+    def record_page(request: Request, run: str, record_id: str) -> Response:
+        record = reader.record(run, record_id)
+        model = (reader.run_config(run) or {}).get("model_name_or_path")
+        views = [sample_view(s) for s in record["samples"]] or calls_views(record["calls"])
+        for view in views:
+            view["texts"] = texts.texts(model, view["ids"])
+        return templates.TemplateResponse(request, "record.html", {"run": run, "record": record, "views": views})
+
+    @app.get("/runs/{run}/tasks/{task_id:path}", response_class=HTMLResponse)
+    def task_page(request: Request, run: str, task_id: str) -> Response:
+        return templates.TemplateResponse(request, "task.html", {"run": run, "task": reader.task(run, task_id)})
+
+    return app
