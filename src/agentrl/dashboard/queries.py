@@ -26,7 +26,7 @@ from agentrl.store.models import (
 )
 from agentrl.store.evals import Eval
 from agentrl.store.runs import RUN_ID
-from agentrl.store.summary import run_summary
+from agentrl.store.summary import count, run_summary
 
 RECORD_FIELDS = ("task_id", "split", "slot", "attempt", "status", "outcome", "score", "score_error", "advantage",
                  "group_decision", "policy_version", "num_turns", "final_answer", "error", "created_at",
@@ -191,7 +191,7 @@ class RunReader:
         records = db[Record.collection]
         docs = records.find(query, _projection(RECORD_FIELDS), sort=[("created_at", -1), ("_id", 1)],
                             skip=filters.offset, limit=filters.limit)
-        return {"total": records.count_documents(query), "limit": filters.limit, "offset": filters.offset,
+        return {"total": count(records, query), "limit": filters.limit, "offset": filters.offset,
                 "filters": filters.active(), "records": [plain(doc) for doc in docs]}
 
     def filter_choices(self, run: str) -> dict[str, list[Any]]:

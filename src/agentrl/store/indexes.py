@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pymongo import ASCENDING, IndexModel
+from pymongo import ASCENDING, DESCENDING, IndexModel
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.database import Database
 
@@ -27,6 +27,8 @@ INDEXES: dict[str, list[IndexModel]] = {
         _index("task_id", "slot", "attempt", name="task_records"),
         # trainer conversion: {split, status}
         _index("split", "status", "updated_at", name="records_by_state"),
+        # the dashboard's record lists: newest first
+        IndexModel([("created_at", DESCENDING)], name="records_newest"),
     ],
     "DispatchedSamplingTask": [
         _index("record_id", "turn", name="record_calls"),

@@ -33,6 +33,13 @@ STATES: dict[str, list[str]] = {
 }
 
 
+def count(collection: Collection, query: dict[str, Any]) -> int:
+    """How many documents match ``query``: a ``$match`` + ``$count`` pipeline. PyMongo's ``count_documents`` groups
+    on a constant key, which NX-27017 does slowly (340 ms for 12,000 records, against 1 ms with ``$count``)."""
+    found = list(collection.aggregate([{"$match": query}, {"$count": "n"}]))
+    return int(found[0]["n"]) if found else 0
+
+
 def reward_by_version(records: Collection, split: str | None = None) -> list[dict[str, Any]]:
     """Mean score of the scored trajectories (of ``split``, or all) per policy version that sampled them
     (ascending versions; trajectories without a version count as version 0)."""
@@ -61,8 +68,8 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
     counts = state_counts(db)
     records = db[Record.collection]
     leases = {
-        "live": records.count_documents({"leased": True, "lease_expires_at": {"$gt": now}}),
-        "expired": records.count_documents({"leased": True, "lease_expires_at": {"$lte": now}}),
+        "live": count(records, {"leased": True, "lease_expires_at": {"$gt": now}}),
+        "expired": count(records, {"leased": True, "lease_expires_at": {"$lte": now}}),
     }
     services = []
     for doc in db[InferenceService.collection].find({}, sort=[("_id", 1)]):
@@ -74,8 +81,7 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
                          "running_requests": service.running_requests, "total_requests": service.total_requests})
     run = Run.from_mongo(db[Run.collection].find_one({"_id": RUN_ID}))
     last_metric = db[Metric.collection].find_one({}, sort=[("step", -1)])
-    pending_groups = db[Task.collection].count_documents(
-        {"remaining": 0, "group_stage_done": False})
+    pending_groups = count(db[Task.collection], {"remaining": 0, "group_stage_done": False})
     return {
         "database": db.name,
         "run": None if run is None else {"name": run.name, "status": str(run.status),
@@ -87,6 +93,5 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
         "last_metric": None if last_metric is None else {"step": last_metric["step"],
                                                          "values": last_metric.get("values", {})},
         "reward_by_version": reward_by_version(records, (run.config.get("split") if run else None) or "train"),
-        "recent_records_per_min": records.count_documents(
-            {"finished_at": {"$gt": now - timedelta(minutes=1)}}),
+        "recent_records_per_min": count(records, {"finished_at": {"$gt": now - timedelta(minutes=1)}}),
     }

@@ -33,19 +33,14 @@
     return text.replace(/\n/g, "↵\n").replace(/\t/g, "→\t");
   }
 
-  containers.forEach(function (box) {
-    const view = views[Number(box.dataset.view)];
-    const starts = new Set(view.turn_starts);
-    const fragment = document.createDocumentFragment();
-    for (let i = 0; i < view.ids.length; i++) {
-      const span = document.createElement("span");
-      span.textContent = shown(view.texts ? view.texts[i] : null, view.ids[i]);
-      span.dataset.i = i;
-      if (starts.has(i) && i > 0) span.className = "turn";
-      fragment.appendChild(span);
-    }
-    box.appendChild(fragment);
+  function escapeHtml(text) {
+    return text.replace(/&/g, "&amp;").replace(/</g, "&lt;").replace(/>/g, "&gt;");
+  }
+  views.forEach(function (view) {
+    view.shown = view.ids.map(function (id, i) { return escapeHtml(shown(view.texts ? view.texts[i] : null, id)); });
   });
+
+  let hovered = null;
 
   const scales = {
     logprob: function (view, i) {
@@ -98,21 +93,25 @@
   }
 
   function paint(mode) {
+    // one HTML string per view, set at once: much faster than styling 30,000 elements one by one
     containers.forEach(function (box) {
-      const view = views[Number(box.dataset.view)], scale = scales[mode];
-      const spans = box.children;
-      for (let i = 0; i < spans.length; i++) {
+      const view = views[Number(box.dataset.view)], scale = scales[mode], starts = new Set(view.turn_starts);
+      const parts = new Array(view.ids.length);
+      for (let i = 0; i < view.ids.length; i++) {
         const colour = scale(view, i);
-        spans[i].style.background = colour || "";
-        spans[i].style.color = view.mask[i] || mode === "version" ? "" : "#9ca3af";
+        let style = colour ? "background: " + colour : "";
+        if (!view.mask[i] && mode !== "version") style += (style ? "; " : "") + "color: #9ca3af";
+        parts[i] = '<span data-i="' + i + '"' + (starts.has(i) && i > 0 ? ' class="turn"' : "") +
+          (style ? ' style="' + style + '"' : "") + ">" + view.shown[i] + "</span>";
       }
+      box.innerHTML = parts.join("");
     });
+    hovered = null;
     legend.textContent = " — " + legendText(mode);
   }
 
   function fmt(x) { return x === null || x === undefined ? "–" : Number(x).toFixed(4); }
 
-  let hovered = null;
   containers.forEach(function (box) {
     box.addEventListener("mouseover", function (event) {
       const span = event.target.closest("span[data-i]");
@@ -141,4 +140,5 @@
     input.addEventListener("change", function () { paint(input.value); });
   });
   paint(document.querySelector("input[name=colour]:checked").value);
+  document.body.dataset.tokenViewMs = Math.round(performance.now());  // since navigation start (bench/dashboard.py)
 })();
