@@ -139,6 +139,10 @@
   document.querySelectorAll("input[name=colour]").forEach(function (input) {
     input.addEventListener("change", function () { paint(input.value); });
   });
+  // a link may choose the colouring: #colour=diff
+  const chosen = /colour=(\w+)/.exec(location.hash);
+  const radio = chosen && document.querySelector("input[name=colour][value=" + chosen[1] + "]");
+  if (radio) radio.checked = true;
   paint(document.querySelector("input[name=colour]:checked").value);
   document.body.dataset.tokenViewMs = Math.round(performance.now());  // since navigation start (bench/dashboard.py)
 })();
