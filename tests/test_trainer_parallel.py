@@ -17,6 +17,7 @@ import pytest
 from conftest import with_database
 from trainer_fixtures import (
     TRAINER_ENV,
+    check_trainer_logprobs,
     enqueue,
     load_weights,
     make_samples,
@@ -93,6 +94,9 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_process_and_resumes_on_one(
     client = sync_client(uri)
     try:  # the step ledger on rank 0 lists both ranks' samples
         ledger = [i for d in client.get_default_database().Metric.find() for i in d["sample_ids"]]
+        # each rank keeps its own samples' logprobs (and nothing from the empty passes that pad the shorter rank)
+        check_trainer_logprobs(list(client.get_default_database().DBRecordData.find(
+            {"claimed_step": {"$ne": None}})), published=False)
     finally:
         client.close()
     assert len(ledger) == len(set(ledger)) == 8
@@ -107,6 +111,23 @@ def test_fsdp2_on_two_gloo_ranks_matches_one_process_and_resumes_on_one(
                              "--resume_from_checkpoint", "latest")) == 0
     difference = max_weight_difference(load_weights(out / "final"), load_weights(reference / "final"))
     assert difference < TOLERANCE, difference
+
+
+def test_a_rank_with_fewer_micro_batches_keeps_only_its_own_samples_logprobs(
+        tiny_model_dir: Path, samples, fresh_db, tmp_path: Path) -> None:
+    # 3 samples over 2 ranks, one micro-batch each: rank 1 runs an empty pass to match rank 0's two passes
+    uri = fresh_db(samples[:3])
+    result = run_trainer(trainer_args(uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "3",
+                                      "--enable_sampling", "false", "--max_tokens", "1", "--max_steps", "1",
+                                      "--save_steps", "0"), launcher=TORCHRUN)
+    assert result.returncode == 0, result.stdout
+    client = sync_client(uri)
+    try:
+        docs = list(client.get_default_database().DBRecordData.find({"claimed_step": 1}))
+    finally:
+        client.close()
+    assert sorted(d["claimed_rank"] for d in docs) == [0, 0, 1]
+    check_trainer_logprobs(docs, published=False)
 
 
 def test_tensor_parallel_on_two_gloo_ranks_matches_one_process(

@@ -262,4 +262,8 @@ def test_logprobs_of_the_scored_tokens_only_equal_the_full_pass_and_their_gradie
     for expected, param in zip(full_grads, model.parameters()):
         assert torch.allclose(param.grad, expected, atol=1e-6)
     model.zero_grad()
-    assert model_token_logprobs(model, ids, scored=torch.zeros_like(scored)).eq(0).all()
+    # nothing scored (a pass that pads a rank): zeros, and still a graph whose backward gives zero gradients
+    nothing = model_token_logprobs(model, ids, scored=torch.zeros_like(scored))
+    assert nothing.eq(0).all() and nothing.requires_grad
+    nothing.sum().backward()
+    assert all(p.grad is not None and p.grad.eq(0).all() for p in model.parameters() if p.requires_grad)

@@ -53,7 +53,8 @@ def model_token_logprobs(
     The LM head runs in fp32 (see the module doc). With ``scored`` (``[B, T]`` bool), only the positions scored in
     some row get their logprob (the others are 0): the LM head runs only at the positions before them
     (``logits_to_keep``), which skips most of a prompt-heavy sequence's ``[T, V]`` logits — their cost and memory
-    — in the forward and backward pass.
+    — in the forward and backward pass. With nothing scored the model still runs (all logprobs 0, with a graph):
+    a padding pass must make the same FSDP2 collectives as the other ranks' real passes.
     """
     _check_temperature(temperature)
     if getattr(model.config, "final_logit_softcapping", None):
@@ -63,8 +64,13 @@ def model_token_logprobs(
         targets = torch.arange(1, input_ids.shape[1], device=input_ids.device)
     else:
         targets = scored[:, 1:].any(dim=0).nonzero().squeeze(-1) + 1  # token positions scored in any row
-    if targets.numel() == 0:
-        return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    nothing_scored = targets.numel() == 0
+    if nothing_scored:
+        if input_ids.shape[1] < 2:
+            return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+        # Still one forward over the batch (the head at one position): FSDP2 ranks must make the same collectives,
+        # and the caller's backward needs a graph. Every logprob stays 0.
+        targets = torch.ones(1, dtype=torch.long, device=input_ids.device)
     head = model.get_output_embeddings()
     with _scoring(head, input_ids[:, targets], temperature, chunk_bytes):
         # the model's forward ends in our head, which returns [B, K] logprobs in place of [B, K, V] logits
@@ -73,6 +79,8 @@ def model_token_logprobs(
     if picked.shape != (input_ids.shape[0], targets.numel()):
         raise ValueError(f"{type(model).__name__} transformed its LM head output (got {tuple(picked.shape)}): "
                          "its logprobs cannot be computed with the fp32 head")
+    if nothing_scored:
+        picked = picked * 0.0
     out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=input_ids.device)
     return out.index_copy(1, targets, picked)
 

@@ -93,8 +93,6 @@ class Trainer:
         self.io: LoopThread | None = None
         self.store: Store | None = None
         self.sink: MetricsSink | None = None
-        self._trainer_logprobs: dict[int, list[float]] = {}
-        """this step's logprobs of each sample (by index in the step) under the policy that trained it, for audits"""
 
     # ------------------------------------------------------------------------------------------------- set-up
 
@@ -332,13 +330,14 @@ class Trainer:
                 if self.state.step == 0 and self.state.epoch == 0:
                     logger.warning("no queued samples in split %r: nothing to train", cfg.split)
                 return True
-            values = self._train_step(got)
+            values, trainer_logprobs = self._train_step(got)
             self.state.step = got.step
-            self._after_step(got, values)
+            self._after_step(got, values, trainer_logprobs)
 
-    def _after_step(self, data: StepData, values: dict[str, float]) -> None:
+    def _after_step(self, data: StepData, values: dict[str, float], trainer_logprobs: dict[Any, list[float]]
+                    ) -> None:
         cfg, parallel, step = self.cfg, self.parallel, data.step
-        trained_version = self.version
+        trained_version = self.version  # the policy that computed trainer_logprobs, before publishing moves it
         values.update(policy_version=float(self.version), epoch=float(self.state.epoch),
                       wait_s=data.wait_s,
                       skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
@@ -350,9 +349,8 @@ class Trainer:
             # Only now, with the new weights served, do the Records leave `ready`: the samplers' admission control
             # counts them until then, so what it admits next is sampled by the new policy.
             self.io.run(self._records_trained(data.samples))
-            if self._trainer_logprobs:
-                self.io.run(self.store.samples.record_trainer_logprobs(parallel.dp_rank, step, trained_version, {
-                    data.samples[index].id: logprobs for index, logprobs in self._trainer_logprobs.items()}))
+            self.io.run(self.store.samples.record_trainer_logprobs(parallel.dp_rank, step, trained_version,
+                                                                   trainer_logprobs))
             if cfg.save_steps == 0:
                 self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
         # the step ledger: tensor-parallel peers hold the same samples, their leaders speak for them
@@ -420,26 +418,31 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------- one step
 
-    def _train_step(self, data: StepData) -> dict[str, float]:
+    def _train_step(self, data: StepData) -> tuple[dict[str, float], dict[Any, list[float]]]:
+        """One optimiser step: its metrics, and the logprobs the policy gave each sample's tokens (by sample id; 0 off
+        the loss tokens; none with cross-entropy), which the store keeps for audits."""
         cfg, parallel, device = self.cfg, self.parallel, self.parallel.device
         started = time.monotonic()
         merged = [to_merged(sample) for sample in data.samples]
         pad_id = self.model.config.pad_token_id or 0
         micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id,
                                    pad_to_multiple_of=cfg.pad_to_multiple_of) if merged else []
-        passes = int(parallel.all_reduce([float(len(micro))], op="max", group="dp")[0])
+        passes, real = int(parallel.all_reduce([float(len(micro))], op="max", group="dp")[0]), len(micro)
         while len(micro) < passes:  # FSDP2 needs the same number of forward/backward passes on every rank
             micro.append(_empty_micro_batch(pad_id))
         normaliser = global_normaliser(self.loss_cfg, micro, parallel)
         loss_metrics, mismatch = LossMetrics(), Reducer()
-        self._trainer_logprobs = {}
+        trainer_logprobs: dict[Any, list[float]] = {}
         padded = 0
         self.model.train()
         if normaliser > 0:
             for index, batch in enumerate(micro):
                 if parallel.distributed:
                     self.model.set_requires_gradient_sync(index == len(micro) - 1)
-                metrics = self._micro_step(batch.to(device), normaliser, mismatch, merged)
+                metrics, scored = self._micro_step(batch.to(device), normaliser, mismatch)
+                if scored is not None and index < real:  # the empty passes that pad this rank hold no sample
+                    for row, sample in enumerate(batch.sample_indices):
+                        trainer_logprobs[data.samples[sample].id] = scored[row, : merged[sample].num_tokens].tolist()
                 loss_metrics = loss_metrics + metrics
                 padded += batch.input_ids.numel()
             grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm, parallel)
@@ -461,10 +464,12 @@ class Trainer:
         padded_total = parallel.all_reduce([float(padded)], group="dp")[0]
         values.update(grad_norm=grad_norm, learning_rate=learning_rate, padded_tokens=padded_total,
                       step_s=compute_s, tokens_per_s=values["tokens"] / compute_s if compute_s > 0 else 0.0)
-        return values
+        return values, trainer_logprobs
 
-    def _micro_step(self, batch: MicroBatch, normaliser: float, mismatch: Reducer,
-                    merged: list[MergedSample]) -> LossMetrics:
+    def _micro_step(self, batch: MicroBatch, normaliser: float, mismatch: Reducer
+                    ) -> tuple[LossMetrics, torch.Tensor | None]:
+        """Forward, loss and backward of one micro-batch; returns its loss metrics and the policy's logprobs of its
+        loss tokens (``[B, T]`` on the CPU, 0 elsewhere; ``None`` with cross-entropy)."""
         cfg = self.cfg
         with self._autocast():
             # Only the trained tokens' logprobs are needed: the LM head runs only where they are predicted.
@@ -490,10 +495,8 @@ class Trainer:
                         mismatch.add(f"count{suffix}", values.numel())
                         mismatch.add(f"sum{suffix}", float(values.sum()))
                         mismatch.max(f"max{suffix}", float(values.max()))
-                scored_logprobs = new_logprobs.detach().float().masked_fill(~mask, 0.0).cpu()
-                for row, index in enumerate(batch.sample_indices):
-                    self._trainer_logprobs[index] = scored_logprobs[row, : merged[index].num_tokens].tolist()
-        return metrics
+            return metrics, new_logprobs.detach().float().masked_fill(~mask, 0.0).cpu()
+        return metrics, None
 
     def _mismatch_metrics(self, mismatch: Reducer) -> dict[str, float]:
         if self.cfg.loss_calculater == "CrossEntropy":
