@@ -67,8 +67,9 @@ def populate(db, records: int, long_tokens: int) -> None:
     db.Run.insert_one(Run(id="run", name=RUN, status=RunStatus.RUNNING, policy_version=500, created_at=start,
                           config={"model_name_or_path": None, "loss_calculater": "GRPO"}).to_mongo())
     db.Metric.insert_many([Metric(id=f"train/{s}", step=s, values={
-        "loss": rng.gauss(0, 0.3), "reward_mean": min(1.0, s / 500 + rng.random() * 0.2), "clip_fraction": rng.random() * 0.02,
-        "masked_fraction": 0.0, "staleness_mean": rng.random(), "staleness_max": 1.0, "tokens_per_s": 900 + rng.random() * 100,
+        "loss": rng.gauss(0, 0.3), "reward_mean": min(1.0, s / 500 + rng.random() * 0.2),
+        "clip_fraction": rng.random() * 0.02, "masked_fraction": 0.0, "staleness_mean": rng.random(),
+        "staleness_max": 1.0, "tokens_per_s": 900 + rng.random() * 100,
         "logprob_mismatch_mean": 1e-3 * rng.random(), "grad_norm": rng.random() * 5},
         sample_ids=[f"s{s}-{i}" for i in range(16)]).to_mongo() for s in range(1, 501)])
     statuses = [RecordStatus.TRAINED, RecordStatus.ABANDONED, RecordStatus.READY, RecordStatus.FAILED]
@@ -175,12 +176,14 @@ def main() -> int:
             db = client[RUN]
             started = time.perf_counter()
             populate(db, args.records, args.long_tokens)
-            print(f"wrote {db.Record.estimated_document_count()} records, {db.DispatchedSamplingTask.estimated_document_count()} "
-                  f"calls, {db.DBRecordData.estimated_document_count()} samples in {time.perf_counter() - started:.0f} s")
+            written = {name: db[name].estimated_document_count()
+                       for name in ("Record", "DispatchedSamplingTask", "DBRecordData")}
+            print(f"wrote {written['Record']} records, {written['DispatchedSamplingTask']} calls, "
+                  f"{written['DBRecordData']} samples in {time.perf_counter() - started:.0f} s")
             port = free_port()
-            dashboard = subprocess.Popen([str(ROOT / ".venv" / "bin" / "agentrl"), "dashboard", "--db_connection_string",
-                                          server.uri(), "--port", str(port)], stdout=subprocess.PIPE,
-                                         stderr=subprocess.STDOUT, text=True)
+            command = [str(ROOT / ".venv" / "bin" / "agentrl"), "dashboard", "--db_connection_string", server.uri(),
+                       "--port", str(port)]
+            dashboard = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             for line in dashboard.stdout:
                 if line.startswith("dashboard:"):
                     break
@@ -220,7 +223,8 @@ def main() -> int:
                 ("run", "run page (500 steps)", f"/runs/{RUN}"),
                 ("records", "records page 1 (50)", f"/runs/{RUN}/records"),
                 ("records", "API records page 1", f"/api/runs/{RUN}/records"),
-                ("records_filtered", "records, state + score filter", f"/runs/{RUN}/records?status=trained&min_score=0.5"),
+                ("records_filtered", "records, state + score filter",
+                 f"/runs/{RUN}/records?status=trained&min_score=0.5"),
                 ("records_deep", "records at offset 10,000", f"/runs/{RUN}/records?offset=10000"),
                 ("record_long", f"record page, {args.long_tokens:,} tokens", f"/runs/{RUN}/records/{LONG_ID}"),
                 ("record_long", f"API record, {args.long_tokens:,} tokens", f"/api/runs/{RUN}/records/{LONG_ID}"),
@@ -257,7 +261,8 @@ def main() -> int:
                       "server": "NX-27017 (embedded)", "rows": rows, "browser": browser}
             args.out.parent.mkdir(parents=True, exist_ok=True)
             args.out.write_text(json.dumps(result, indent=2) + "\n")
-            print("\n| request | median ms | cold ms | database only ms | ratio | size KiB |\n|---|---:|---:|---:|---:|---:|")
+            print("\n| request | median ms | cold ms | database only ms | ratio | size KiB |")
+            print("|---|---:|---:|---:|---:|---:|")
             for row in rows:
                 print(f"| {row['case']} | {row['median_ms']:.0f} | {row['cold_ms']:.0f} | {row['db_only_ms']:.0f} | "
                       f"{row['ratio']:.1f} | {row['bytes'] / 1024:.0f} |")

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,14 +14,16 @@ from pathlib import Path
 
 import httpx
 import pytest
+from browser import CHROMIUM, Browser
 from example_fixtures import RUN_NAME, ExampleRun
 
+from agentrl.dashboard.tokens import calls_views
+from agentrl.store import sync_client
 from agentrl.store.embedded import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = ROOT / "bench" / "results"
 BIN = Path(sys.executable).parent
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 
 
 def start_dashboard(command: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
@@ -136,6 +137,12 @@ def test_a_record_comes_with_its_calls_and_training_sample(run) -> None:
     assert max(abs(t - e) for t, e, m in zip(sample["trainer_logprobs"], sample["logprobs"], sample["loss_mask"])
                if m) < 1e-3
 
+    # without its sample, the same tokens come back rebuilt from the calls by the trainer's prefix merge
+    (rebuilt,) = calls_views(record["calls"])
+    assert rebuilt["ids"][:len(sample["input_ids"])] == sample["input_ids"]
+    assert all(ours >= theirs for ours, theirs in zip(rebuilt["mask"], sample["loss_mask"]))
+    assert rebuilt["turn_starts"][:len(sample["turn_boundaries"])] == sample["turn_boundaries"]
+
     group = get(url, f"/api/runs/{RUN_NAME}/tasks/{record['task_id']}").json()
     assert group["id"] == record["task_id"] and len({(r["slot"]) for r in group["records"]}) == 4
     assert all(r["calls"] and r["calls"][0]["output_text"] for r in group["records"])
@@ -223,3 +230,33 @@ def test_every_page_in_a_headless_browser(run, tmp_path: Path) -> None:
     dom = chromium(url + pages["record"][0], tmp_path)
     assert len(re.findall(r'<span data-i="\d+"', dom)) == len(record["samples"][0]["input_ids"])
     assert re.search(r'<span data-i="\d+"[^>]* style="background: rgba', dom)  # trained tokens coloured by logprob
+    # an evaluation's record has no training sample: its page shows the tokens rebuilt from its calls
+    split = next(s for s in get(url, f"/api/runs/{RUN_NAME}").json()["splits"] if s.startswith("eval:"))
+    (evaluated,) = get(url, f"/api/runs/{RUN_NAME}/records", params={"split": split, "limit": 1}).json()["records"]
+    calls = get(url, f"/api/runs/{RUN_NAME}/records/{evaluated['id']}").json()["calls"]
+    dom = chromium(url + f"runs/{RUN_NAME}/records/{evaluated['id']}", tmp_path)
+    assert "rebuilt from the LLM calls" in dom
+    assert len(re.findall(r'<span data-i="\d+"', dom)) == sum(len(v["ids"]) for v in calls_views(calls))
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="no Chromium: scripts/test.sh installs the Debian package as root")
+def test_a_running_runs_page_refreshes_itself_until_the_run_ends(run, tmp_path: Path) -> None:
+    url, example = run
+    client = sync_client(embedded_server(example.db_dir).uri(RUN_NAME))
+    runs = client.get_default_database().Run
+    saved = runs.find_one({"_id": "run"}, {"status": 1, "policy_version": 1})
+    browser = Browser(tmp_path / "profile")
+    try:
+        runs.update_one({"_id": "run"}, {"$set": {"status": "running"}})
+        browser.open(url + f"runs/{RUN_NAME}")
+        assert browser.evaluate("document.querySelector('#live .live') !== null")  # the "live" badge
+        runs.update_one({"_id": "run"}, {"$set": {"status": "finished", "policy_version": 77}})
+        # within a refresh (every 5 s) the page shows the new state, without reloading the document
+        browser.evaluate("window.notReloaded = true")
+        browser.wait_for("document.querySelector('#live').innerText.includes('policy version 77')", timeout_s=15)
+        assert browser.evaluate("window.notReloaded === true && document.querySelector('#live .live') === null")
+    finally:
+        browser.close()
+        runs.update_one({"_id": "run"}, {"$set": {"status": saved["status"],
+                                                  "policy_version": saved["policy_version"]}})
+        client.close()

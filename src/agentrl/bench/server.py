@@ -308,12 +308,11 @@ READY_LINE = "agentrl bench: serving at {url}"
 
 def serve(config: BenchServerConfig) -> int:
     """Serve until SIGINT/SIGTERM; prints :data:`READY_LINE` once listening. Returns the exit code."""
-    import signal
     import sys
 
     import uvicorn
 
-    from agentrl.listen import listening_socket
+    from agentrl.listen import listening_socket, serve_until_stopped
     from agentrl.store import resolve_connection_string
 
     try:
@@ -331,10 +330,4 @@ def serve(config: BenchServerConfig) -> int:
     url = f"http://[{config.host}]:{bound}" if ":" in config.host else f"http://{config.host}:{bound}"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     print(READY_LINE.format(url=url), flush=True)
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[sock])
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0 if server.started else 1
+    return 0 if serve_until_stopped(server, sock) else 1

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
-import signal
 import sys
 
 from agentrl.cli.options import add_db_option
@@ -41,7 +40,7 @@ def is_loopback(host: str) -> bool:
 def run(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from agentrl.listen import listening_socket
+    from agentrl.listen import listening_socket, serve_until_stopped
     from agentrl.log import redact
     from agentrl.store import database_name, resolve_connection_string, sync_client
     from agentrl.store.connection import answers_ping
@@ -76,11 +75,8 @@ def run(args: argparse.Namespace) -> int:
     print(READY_LINE.format(url=f"http://{host}:{bound}/", where=where), flush=True)
     # no access log: a first visit's URL carries ?token=
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=5))
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        server.run(sockets=[sock])
+        started = serve_until_stopped(server, sock)
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
         client.close()
-    return 0
+    return 0 if started else 1

@@ -27,6 +27,7 @@ from pymongo import MongoClient
 from agentrl.dashboard.charts import metric_charts
 from agentrl.dashboard.queries import NotFound, RecordFilters, RunReader
 from agentrl.dashboard.tokens import TokenTexts, calls_views, sample_view
+from agentrl.training.merge import PrefixError
 
 logger = logging.getLogger(__name__)
 
@@ -154,10 +155,15 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
     def record_page(request: Request, run: str, record_id: str) -> Response:
         record = reader.record(run, record_id)
         model = (reader.run_config(run) or {}).get("model_name_or_path")
-        views = [sample_view(s) for s in record["samples"]] or calls_views(record["calls"])
+        token_error = None
+        try:
+            views = [sample_view(s) for s in record["samples"]] or calls_views(record["calls"])
+        except PrefixError as error:
+            views, token_error = [], f"the LLM calls do not fit together: {error}"
         for view in views:
             view["texts"] = texts.texts(model, view["ids"])
-        return templates.TemplateResponse(request, "record.html", {"run": run, "record": record, "views": views})
+        return templates.TemplateResponse(request, "record.html", {"run": run, "record": record, "views": views,
+                                                                   "token_error": token_error})
 
     @app.get("/runs/{run}/tasks/{task_id:path}", response_class=HTMLResponse)
     def task_page(request: Request, run: str, task_id: str) -> Response:

@@ -57,7 +57,8 @@ def line_chart(title: str, steps: list[int], series: dict[str, list[float | None
     for value in (x0, x1):
         x, _ = xy(value, y0)
         parts.append(f'<text x="{x:.1f}" y="{HEIGHT - 10}" class="tick" text-anchor="middle">{value:g}</text>')
-    parts.append(f'<text x="{PAD_LEFT + plot_w / 2:.0f}" y="{HEIGHT - 10}" class="tick" text-anchor="middle">step</text>')
+    parts.append(f'<text x="{PAD_LEFT + plot_w / 2:.0f}" y="{HEIGHT - 10}" class="tick" '
+                 'text-anchor="middle">step</text>')
     legend_x = PAD_LEFT
     for index, (name, values) in enumerate(series.items()):
         color = COLORS[index % len(COLORS)]

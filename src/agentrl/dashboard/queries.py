@@ -201,18 +201,18 @@ class RunReader:
                 for name in ("split", "outcome", "group_decision", "policy_version")}
 
     def record(self, run: str, record_id: str) -> dict[str, Any]:
-        """A record with its task, its LLM calls (token ids, logprobs, texts) and its training samples."""
+        """A record with its task, its LLM calls in turn order (token ids, logprobs, texts) and its training
+        samples."""
         db = self.database(run)
         doc = db[Record.collection].find_one({"_id": record_id})
         if doc is None:
             raise NotFound(f"run {run!r} has no record {record_id!r}")
         task = db[Task.collection].find_one({"_id": doc["task_id"]}, {"query": 1, "system_prompt": 1, "answer": 1,
                                                                        "scorer": 1, "metadata": 1})
-        calls = db[DispatchedSamplingTask.collection].find({"record_id": record_id},
-                                                            sort=[("record_id", 1), ("turn", 1)])
+        calls = db[DispatchedSamplingTask.collection].find({"record_id": record_id}, sort=[("turn", 1)])
         samples = db[DBRecordData.collection].find({"record_id": record_id}, sort=[("branch", 1)])
         return {**plain(doc), "task": plain(task) if task else None,
-                "calls": sorted((plain(c) for c in calls), key=lambda c: (c.get("branch", 0), c["turn"])),
+                "calls": [plain(c) for c in calls],
                 "samples": [plain(s) for s in samples]}
 
     def task(self, run: str, task_id: str) -> dict[str, Any]:
@@ -229,5 +229,5 @@ class RunReader:
                                        "prompt_delta_text": 1, "tool_calls": 1, "tool_results": 1}):
             turns.setdefault(call["record_id"], []).append(plain(call))
         for record in records:
-            record["calls"] = sorted(turns.get(record["id"], []), key=lambda c: (c.get("branch", 0), c["turn"]))
+            record["calls"] = sorted(turns.get(record["id"], []), key=lambda c: c["turn"])
         return {**plain(task), "records": records}

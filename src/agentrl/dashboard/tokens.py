@@ -2,8 +2,7 @@
 
 Where the trajectory was made into a training sample (``DBRecordData``), the view is that sample, exactly as the
 trainer saw it, with the trainer's own logprobs where it kept them. Otherwise (a dropped group, an evaluation, a
-trajectory still running) it is rebuilt from the LLM calls: the first prompt, then each call's output (the tokens a
-sample would train) and the next call's prompt delta.
+trajectory still running) it is rebuilt from the LLM calls by the same prefix merge that makes samples.
 """
 
 from __future__ import annotations
@@ -13,42 +12,53 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from agentrl.store.models import CallStatus, DispatchedSamplingTask
+from agentrl.training.merge import CallTokens, merge_trajectory
+
 logger = logging.getLogger(__name__)
+
+
+ALL_CALL_STATUSES = frozenset(str(status) for status in CallStatus)
 
 
 def _rounded(values: Sequence[float] | None, digits: int = 4) -> list[float] | None:
     return None if values is None else [round(float(v), digits) for v in values]
 
 
+def _view(source: str, ids: Sequence[int], mask: Sequence[int], logprobs: Sequence[float], versions: Sequence[int],
+          turn_starts: Sequence[int], **details: Any) -> dict[str, Any]:
+    """A token view: per-token lists of equal length, and what the page says about where they come from."""
+    view = {"source": source, "id": None, "branch": 0, "status": None, "skip_reason": None, "reward": None,
+            "advantages": None, "trainer_logprobs": None, "trainer_version": None}
+    view.update(details)
+    view.update(ids=list(ids), mask=list(mask), logprobs=_rounded(logprobs), versions=list(versions),
+                turn_starts=list(turn_starts), advantages=_rounded(view["advantages"]),
+                trainer_logprobs=_rounded(view["trainer_logprobs"]))
+    return view
+
+
 def sample_view(sample: dict[str, Any]) -> dict[str, Any]:
     """The token view of a stored training sample."""
-    return {"source": "sample", "id": sample["id"], "branch": sample.get("branch", 0),
-            "status": sample.get("status"), "skip_reason": sample.get("skip_reason"),
-            "reward": sample.get("reward"), "ids": list(sample["input_ids"]), "mask": list(sample["loss_mask"]),
-            "logprobs": _rounded(sample["logprobs"]), "versions": list(sample["versions"]),
-            "advantages": _rounded(sample["advantages"]), "trainer_logprobs": _rounded(sample.get("trainer_logprobs")),
-            "trainer_version": sample.get("trainer_version"), "turn_starts": list(sample.get("turn_boundaries", []))}
+    return _view("sample", sample["input_ids"], sample["loss_mask"], sample["logprobs"], sample["versions"],
+                 sample.get("turn_boundaries", []), id=sample["id"], branch=sample.get("branch", 0),
+                 status=sample.get("status"), skip_reason=sample.get("skip_reason"), reward=sample.get("reward"),
+                 advantages=sample["advantages"], trainer_logprobs=sample.get("trainer_logprobs"),
+                 trainer_version=sample.get("trainer_version"))
 
 
 def calls_views(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Token views rebuilt from LLM calls (sorted by branch and turn), one per branch."""
-    views: dict[int, dict[str, Any]] = {}
+    """Token views rebuilt from a trajectory's LLM calls (in turn order) by the trainer's own prefix merge
+    (:func:`agentrl.training.merge.merge_trajectory`), so branches are those a sample would have. Every call's
+    output is marked as sampled, whatever its status; a call without one logprob per output token stays context.
+    Raises :class:`~agentrl.training.merge.PrefixError` when the calls do not fit together."""
+    tokens = []
     for call in calls:
-        view = views.get(call.get("branch", 0))
-        if view is None or call.get("input_ids") is not None:
-            view = views[call.get("branch", 0)] = {
-                "source": "calls", "id": None, "branch": call.get("branch", 0), "status": None, "skip_reason": None,
-                "reward": None, "ids": [], "mask": [], "logprobs": [], "versions": [], "advantages": None,
-                "trainer_logprobs": None, "trainer_version": None, "turn_starts": []}
-        prompt = call.get("input_ids") if call.get("input_ids") is not None else call.get("prompt_delta_ids", [])
-        output, logprobs = call.get("output_ids", []), call.get("output_logprobs", [])
-        version = call.get("weight_version")
-        view["turn_starts"].append(len(view["ids"]))
-        view["ids"] += list(prompt) + list(output)
-        view["mask"] += [0] * len(prompt) + [1] * len(output)
-        view["logprobs"] += [0.0] * len(prompt) + _rounded(list(logprobs) + [0.0] * (len(output) - len(logprobs)))
-        view["versions"] += [-1] * len(prompt) + [-1 if version is None else int(version)] * len(output)
-    return [views[branch] for branch in sorted(views)]
+        doc = DispatchedSamplingTask.model_validate(call)
+        has_logprobs = len(doc.output_logprobs) == len(doc.output_ids)
+        tokens.append(CallTokens.from_document(doc, advantage=0.0 if has_logprobs else None))
+    merged = merge_trajectory(tokens, trainable_statuses=ALL_CALL_STATUSES)
+    return [_view("calls", s.input_ids, s.loss_mask, s.logprobs, s.versions, s.turn_boundaries, branch=branch)
+            for branch, s in enumerate(merged.samples)]
 
 
 class TokenTexts:

@@ -23,7 +23,6 @@ Logging: one line per instance created or closed, none per step.
 import asyncio
 import logging
 import os
-import signal
 import sys
 import threading
 import time
@@ -47,7 +46,7 @@ from agentrl.envs.protocol import (
     wire_first_observation,
     wire_format,
 )
-from agentrl.listen import listening_socket
+from agentrl.listen import listening_socket, serve_until_stopped
 
 logger = logging.getLogger(__name__)
 
@@ -370,15 +369,7 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 8000, *,
         threading.Thread(target=_exit_with_parent, args=(int(parent_fd), server), daemon=True,
                          name="parent-watch").start()
     print(READY_LINE.format(name=spec.name, url=url), flush=True)
-    # uvicorn turns SIGINT/SIGTERM into a graceful shutdown (which closes every instance), then re-raises the
-    # signal with the handlers it found installed; these make that re-raise a no-op, so a stop exits with 0.
-    previous = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        server.run(sockets=[sock])  # on uvloop where installed
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-    return 0 if server.started else 1
+    return 0 if serve_until_stopped(server, sock) else 1  # a stop's graceful shutdown closes every instance
 
 
 def _exit_with_parent(fd: int, server: Any) -> None:

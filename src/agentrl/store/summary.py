@@ -44,11 +44,11 @@ def reward_by_version(records: Collection, split: str | None = None) -> list[dic
     """Mean score of the scored trajectories (of ``split``, or all) per policy version that sampled them
     (ascending versions; trajectories without a version count as version 0)."""
     query: dict[str, Any] = {"score": {"$ne": None}} | ({"split": split} if split else {})
-    sums: dict[int, list[float]] = {}
+    sums: dict[int, tuple[int, float]] = {}
     for row in records.aggregate([{"$match": query}, {"$group": {
             "_id": "$policy_version", "n": {"$sum": 1}, "total": {"$sum": "$score"}}}]):
-        n, total = sums.setdefault(row["_id"] or 0, [0, 0.0])
-        sums[row["_id"] or 0] = [n + row["n"], total + float(row["total"])]
+        n, total = sums.get(row["_id"] or 0, (0, 0.0))  # no version and version 0 are one row
+        sums[row["_id"] or 0] = (n + row["n"], total + float(row["total"]))
     return [{"policy_version": v, "records": n, "mean_score": total / n} for v, (n, total) in sorted(sums.items())]
 
 
@@ -57,7 +57,8 @@ def state_counts(db: Database) -> dict[str, dict[str, int]]:
     state listed, 0 included)."""
     counts = {}
     for name, states in STATES.items():
-        found = {row["_id"]: row["n"] for row in db[name].aggregate([{"$group": {"_id": "$status", "n": {"$sum": 1}}}])}
+        rows = db[name].aggregate([{"$group": {"_id": "$status", "n": {"$sum": 1}}}])
+        found = {row["_id"]: row["n"] for row in rows}
         counts[name] = {state: int(found.get(state, 0)) for state in states}
     return counts
 
