@@ -1,6 +1,11 @@
 """Benchmark ``agentrl engine``: generated tokens/s at 1, 4 and 16 concurrent requests vs sequential generate.
 
-Usage: ``.venv/bin/python bench/engine.py [--model_name_or_path DIR] [--device cpu|cuda] [--repeats 3]``
+Usage: ``.venv/bin/python bench/engine.py [--model_name_or_path DIR | --model_config FILE] [--device cpu|cuda]
+[--concurrency 1 4 16] [--repeats 3] [--output FILE] [--dry_run]``
+
+``--model_config`` builds a model of that architecture (a Hugging Face ``config.json``, e.g.
+``bench/configs/qwen3-0.6b.json``) with seeded random weights and the embedded tokenizer: speed depends on the
+shapes, not on the weights.
 
 In one run, with the same model, device, dtype and thread count:
 
@@ -23,6 +28,7 @@ import json
 import os
 import platform
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -34,6 +40,7 @@ from agentrl.inference.consistency import logprob_mismatch
 from agentrl.inference.embedded_model import default_model_path
 from agentrl.inference.engine import resolve_device, resolve_dtype
 from agentrl.inference.process import EngineProcess
+from agentrl.inference.tiny_model import build_random_model
 
 QUESTIONS = [
     "What is 17 times 23?", "Name three prime numbers above 50.", "Explain what a hash table is.",
@@ -108,6 +115,7 @@ async def run_engine(url: str, model_dir: str, tokenizer, model, concurrencies: 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model_config", default=None, help="a config.json to build a random-weight model from")
     parser.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     parser.add_argument("--dtype", default="float32", choices=["auto", "float32", "bfloat16", "float16"])
     parser.add_argument("--num_threads", type=int, default=os.cpu_count(), help="torch CPU threads, both sides")
@@ -115,17 +123,35 @@ def main() -> int:
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--output", default=None, help="JSON file (default: bench/results/engine-<time>.json)")
+    parser.add_argument("--dry_run", action="store_true", help="check the arguments and the model, measure nothing")
     args = parser.parse_args()
+    if args.model_config and args.model_name_or_path:
+        parser.error("give --model_name_or_path or --model_config, not both")
+    if args.model_config and not Path(args.model_config).is_file():
+        parser.error(f"--model_config {args.model_config}: no such file")
 
     torch.set_num_threads(args.num_threads)
-    model_dir = args.model_name_or_path or str(default_model_path())
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
+    if args.dry_run:
+        print(f"dry run: would serve {args.model_config or args.model_name_or_path or 'the embedded model'} on "
+              f"{device} ({dtype}) at {args.concurrency} concurrent requests")
+        return 0
+    with tempfile.TemporaryDirectory(prefix="agentrl-bench-engine-") as built:
+        model_dir = args.model_name_or_path or str(default_model_path())
+        if args.model_config:
+            model_dir = str(build_random_model(args.model_config, Path(built) / Path(args.model_config).stem))
+        return measure(args, model_dir, device, dtype)
+
+
+def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtype: torch.dtype) -> int:
+    """Run the baseline and the engine rounds, print the table and write the JSON."""
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
     baseline_rates = baseline(model, tokenizer, device, args.max_new_tokens, args.repeats)
+    del model
     engine_args = ["--num_threads", str(args.num_threads), "--dtype", args.dtype, "--no_register",
                    "--max_running_requests", str(max(args.concurrency)), "--weight_version", "0"]
     if args.device:
@@ -154,7 +180,7 @@ def main() -> int:
         Path(__file__).parent / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps({
-        "model": model_dir, "device": str(device), "device_name": device_name, "dtype": str(dtype),
+        "model": args.model_config or model_dir, "device": str(device), "device_name": device_name, "dtype": str(dtype),
         "num_threads": args.num_threads, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "baseline_tokens_per_s": baseline_rates,
         "engine_tokens_per_s": {str(k): v for k, v in report["concurrency"].items()},

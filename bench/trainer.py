@@ -3,10 +3,11 @@
     .venv/bin/python bench/trainer.py [--model_name_or_path DIR | --model_config bench/configs/NAME.json]
                                       [--steps 4] [--samples_per_step 4] [--turns 4] [--turn_tokens 64]
                                       [--max_tokens 4096] [--loss_calculater GRPO] [--gradient_checkpointing]
+                                      [--json FILE] [--dry_run]
 
 ``--model_config`` builds a model of that architecture (a Hugging Face ``config.json``; ``bench/configs/`` has
-Qwen2.5-1.5B, Qwen3-4B and Qwen2.5-7B shapes) with seeded random weights, saved to a temporary directory with the
-embedded model's tokenizer: throughput and MFU depend on the shapes, not on the weights.
+Qwen3-0.6B, Qwen2.5-1.5B, Qwen3-4B and Qwen2.5-7B shapes) with seeded random weights, saved to a temporary
+directory with the embedded model's tokenizer: throughput and MFU depend on the shapes, not on the weights.
 
 Both sides train on the same synthetic multi-turn samples (random tokens, ``--turns`` calls of about
 ``--turn_tokens`` new prompt + output tokens each, merged into one sequence per trajectory as the samplers' group
@@ -161,35 +162,40 @@ def main() -> int:
     parser.add_argument("--loss_calculater", default="GRPO")
     parser.add_argument("--model_config", default=None, help="a config.json to build a random-weight model from")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="both loops recompute activations")
+    parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures to FILE")
+    parser.add_argument("--dry_run", action="store_true", help="check the arguments and the model, measure nothing")
     args = parser.parse_args()
     if args.model_config and args.model_name_or_path:
         parser.error("give --model_name_or_path or --model_config, not both")
+    if args.model_config and not Path(args.model_config).is_file():
+        parser.error(f"--model_config {args.model_config}: no such file")
 
     from agentrl.inference.embedded_model import default_model_path
+    from agentrl.inference.tiny_model import build_random_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     bf16 = device.type == "cuda"
+    if args.dry_run:
+        from transformers import AutoConfig
+
+        config = AutoConfig.for_model(**json.loads(Path(args.model_config).read_text())) if args.model_config \
+            else AutoConfig.from_pretrained(args.model_name_or_path or default_model_path())
+        print(f"dry run: would train a {config.model_type} model ({config.num_hidden_layers} layers, hidden "
+              f"{config.hidden_size}) on {device}, {'bf16' if bf16 else 'fp32'}, {args.samples_per_step} samples of "
+              f"{args.turns} turns per step")
+        return 0
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-model-") as built:
         model_path = Path(args.model_name_or_path or default_model_path())
         if args.model_config:
-            model_path = build_model(Path(args.model_config), Path(built) / Path(args.model_config).stem)
-        return measure(args, model_path, device, bf16)
+            model_path = build_random_model(args.model_config, Path(built) / Path(args.model_config).stem)
+        figures = measure(args, model_path, device, bf16)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
+    return 0
 
 
-def build_model(config_file: Path, out: Path) -> Path:
-    """A model of ``config_file``'s architecture with seeded random weights and the embedded tokenizer, in ``out``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    from agentrl.inference.embedded_model import default_model_path
-
-    config = AutoConfig.for_model(**json.loads(config_file.read_text()))
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
-    AutoTokenizer.from_pretrained(default_model_path()).save_pretrained(out)
-    return out
-
-
-def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf16: bool) -> int:
+def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf16: bool) -> dict:
+    """Run both loops, print the table and return the figures."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
@@ -224,13 +230,18 @@ def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf
     print(f"| baseline: plain HF forward+backward+AdamW | {base:,.0f} | 1.00 |")
     print(f"| agentrl trainer, step compute | {ours:,.0f} | {ours / base:.2f} |")
     print(f"| agentrl trainer, wall between steps | {ours_wall:,.0f} | {ours_wall / base:.2f} |")
+    figures = {"device": name, "model": model_path.name, "parameters": parameters, "precision": "bf16" if bf16
+               else "fp32", "tokens_per_step": tokens_per_step, "baseline_tokens_per_s": base,
+               "trainer_tokens_per_s": ours, "trainer_wall_tokens_per_s": ours_wall, "trainer_vs_baseline": ours / base}
     peak = peak_flops(device)
     if peak:
         for label, rate in (("baseline", base), ("trainer", ours)):
-            print(f"MFU {label}: {6 * parameters * rate / peak:.1%} (6·N·tokens/s over {peak / 1e12:.0f} TFLOP/s)")
+            figures[f"{label}_mfu"] = 6 * parameters * rate / peak
+            print(f"MFU {label}: {figures[f'{label}_mfu']:.1%} (6·N·tokens/s over {peak / 1e12:.0f} TFLOP/s)")
+        figures["peak_flops"] = peak
     elif device.type == "cuda":
         print("MFU: unknown peak FLOP/s for this GPU")
-    return 0
+    return figures
 
 
 if __name__ == "__main__":

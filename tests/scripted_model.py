@@ -100,13 +100,14 @@ def train_on_sequences(path: Path, sequences: list[tuple[list[int], list[int]]],
     """Fit the model at ``path`` to ``(input_ids, loss_mask)`` sequences (full batch, AdamW) and save it there."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # seconds on a GPU machine
     tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device)
     width = max(len(ids) for ids, _ in sequences)
     pad = tokenizer.pad_token_id
-    input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in sequences])
-    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in sequences])
-    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in sequences], dtype=torch.bool)
+    input_ids = torch.tensor([ids + [pad] * (width - len(ids)) for ids, _ in sequences], device=device)
+    attention = torch.tensor([[1] * len(ids) + [0] * (width - len(ids)) for ids, _ in sequences], device=device)
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in sequences], dtype=torch.bool, device=device)
     # Position i predicts token i + 1: the logits are computed only where the next token is trained.
     predict_at, targets = mask[:, 1:], input_ids[:, 1:][mask[:, 1:]]
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -117,5 +118,5 @@ def train_on_sequences(path: Path, sequences: list[tuple[list[int], list[int]]],
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
-    model.save_pretrained(path)
+    model.cpu().save_pretrained(path)
     return path

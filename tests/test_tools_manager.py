@@ -193,3 +193,36 @@ async def test_an_http_server_that_dies_and_comes_back() -> None:
             assert (back.status, back.text) == (ToolStatus.OK, "2")
     finally:
         await manager.__aexit__(None, None, None)
+
+
+ENVIRONMENT_SERVER = '''
+import os
+
+from mcp.server.mcpserver import MCPServer
+
+server = MCPServer("environment", log_level="WARNING")
+
+
+def variable(name: str) -> str:
+    return os.environ.get(name, "<unset>")
+
+
+server.add_tool(variable, description="the value of an environment variable", structured_output=False)
+server.run("stdio")
+'''
+
+
+async def test_stdio_servers_get_pythonpath_but_not_the_clients_other_variables(
+        tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A server module found only through the client's PYTHONPATH starts (a checkout used without installing it:
+    the GPU check runs so); the client's other variables stay out, the config's env comes in."""
+    (tmp_path / "environment_server.py").write_text(ENVIRONMENT_SERVER)
+    monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
+    monkeypatch.setenv("AGENTRL_TEST_SECRET", "do-not-leak")
+    config = MCPConfig.model_validate({"servers": [
+        {"name": "env", "command": PYTHON, "args": ["-m", "environment_server"], "env": {"GIVEN": "yes"}}]})
+    async with ToolManager(config, connect_timeout=30) as manager:
+        found = {name: (await manager.call_tool("variable", {"name": name})).text
+                 for name in ("AGENTRL_TEST_SECRET", "GIVEN", "PYTHONPATH")}
+    assert found["AGENTRL_TEST_SECRET"] == "<unset>" and found["GIVEN"] == "yes"
+    assert found["PYTHONPATH"].startswith(str(tmp_path))

@@ -1,7 +1,8 @@
-"""A tiny, randomly initialised model of the embedded model's family (Llama) with its tokenizer, for tests.
+"""Models built in code with the embedded model's tokenizer: a tiny random Llama for tests, and random-weight
+models of any architecture for benchmarks.
 
-It shares the embedded model's tokenizer and chat template (so token ids, special tokens and rendering are those
-of SmolLM2-135M-Instruct) but has two thin layers, so it builds in about a second and runs fast on CPU.
+They share the embedded model's tokenizer and chat template (so token ids, special tokens and rendering are those
+of SmolLM2-135M-Instruct). The tiny model has two thin layers, so it builds in about a second and runs fast on CPU.
 """
 
 from __future__ import annotations
@@ -45,3 +46,23 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2,
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+def build_random_model(config_file: str | Path, out_dir: str | Path, *, seed: int = 0) -> Path:
+    """Save a model of ``config_file``'s architecture (a Hugging Face ``config.json``) with seeded random weights and
+    the embedded tokenizer into ``out_dir``; return it. Benchmarks use it: speed depends on shapes, not weights."""
+    import json
+
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    config = AutoConfig.for_model(**json.loads(Path(config_file).read_text()))
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.save_pretrained(out_dir)
+    AutoTokenizer.from_pretrained(default_tokenizer_path()).save_pretrained(out_dir)
+    return Path(out_dir)

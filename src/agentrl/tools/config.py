@@ -14,7 +14,9 @@ A config file (YAML or JSON) lists servers, either as ``servers: [...]`` or in t
       - name: legacy                         # SSE (inferred from the /sse path; or say transport: sse)
         url: http://127.0.0.1:8001/sse
 
-Secrets never appear in the file: tokens are named by environment variable.
+Secrets never appear in the file: tokens are named by environment variable. A stdio server does not inherit the
+client's environment: it gets the MCP SDK's safe default (``HOME``, ``PATH``, ``USER``...), ``PYTHONPATH`` when the
+client has one, and its ``env``.
 """
 
 from __future__ import annotations

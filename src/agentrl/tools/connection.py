@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -155,7 +156,7 @@ class MCPConnection:
         if config.transport == "stdio":
             assert config.command is not None
             params = StdioServerParameters(
-                command=config.command, args=config.args, env=config.env or None, cwd=config.cwd
+                command=config.command, args=config.args, env=stdio_environment(config.env), cwd=config.cwd
             )
             async with stdio_client(params) as streams:
                 yield streams
@@ -285,3 +286,11 @@ class MCPConnection:
         if self.config.transport == "stdio":
             return f"stdio: {' '.join([self.config.command or '', *self.config.args])}"
         return redact(f"{self.config.transport}: {self.config.url}")
+
+
+def stdio_environment(extra: dict[str, str]) -> dict[str, str]:
+    """What a stdio server's environment adds to the MCP SDK's safe default (``HOME``, ``PATH``, ``USER``...; no
+    secrets): ``PYTHONPATH`` when this process has one, so a server run by this interpreter finds the same packages
+    (a checkout used without installing it), then the config's ``env``."""
+    inherited = {"PYTHONPATH": os.environ["PYTHONPATH"]} if os.environ.get("PYTHONPATH") else {}
+    return {**inherited, **extra}

@@ -61,6 +61,11 @@ class ParallelState:
         return self.mesh is not None
 
     @property
+    def backend(self) -> str | None:
+        """The process group's backend (``nccl``, ``gloo``...), None without a process group."""
+        return dist.get_backend() if self.distributed else None
+
+    @property
     def is_main(self) -> bool:
         return self.rank == 0
 
@@ -83,7 +88,7 @@ class ParallelState:
     def collective_device(self) -> torch.device:
         """Where a tensor handed to a collective must live: the rank's CUDA device under NCCL (which accepts no
         CPU tensor), the CPU under gloo. Every trainer collective builds its tensors with ``collective_tensor``."""
-        return backend_device(dist.get_backend() if self.distributed else "gloo", self.device)
+        return backend_device(self.backend or "gloo", self.device)
 
     def collective_tensor(self, values: list[float] | torch.Tensor, dtype: torch.dtype | None = None
                           ) -> torch.Tensor:

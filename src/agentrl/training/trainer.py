@@ -121,9 +121,10 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir or Path("output") / self.run_name)
         self.io = LoopThread()
         self.store = self.io.run(_open_store(uri))
-        logger.info("run %s (%s); %d ranks (dp %d × tp %d) on %s; %d samples per step; output in %s",
+        logger.info("run %s (%s); %d ranks (dp %d × tp %d) on %s (%s, %s); %d samples per step; output in %s",
                     self.run_name, redact(uri), parallel.world_size, parallel.dp_size, parallel.tp_size,
-                    parallel.device, self.batch_size, self.output_dir)
+                    parallel.device, parallel.backend or "one process", "bf16" if self.bf16 else "fp32",
+                    self.batch_size, self.output_dir)
         if parallel.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             snapshot = cfg.model_dump(mode="json", exclude={"db_connection_string"})

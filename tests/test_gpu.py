@@ -1,0 +1,188 @@
+"""CUDA paths: the engine in bf16, a trainer step under NCCL with FSDP2, LoRA adapters published to an engine on
+the GPU, and a QLoRA step. Marker ``gpu``; every test skips without a CUDA device. ``scripts/gpu_check.sh`` runs
+them (``pytest -m gpu tests/test_gpu.py``) on a GPU machine; the rest of the suite covers the same code on CPU.
+
+The model is the tests' scripted model (two layers, trained in code on the calculator scripts, seconds on a GPU):
+its distributions are peaked like a real policy's, so logprob gaps mean something. Bounds: bf16 layers against
+fp32 logprobs stay within the CPU precision test's 0.02 mean nats (``test_trainer_precision.BF16_MEAN_BOUND``);
+fp32 on CUDA (no TF32 for matmuls, torch's default) within 1e-3 of fp32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import with_database
+from inference_fixtures import start_engine
+from scripted_model import SCRIPTS
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+
+from agentrl.inference import SGLangClient
+from agentrl.inference.consistency import logprob_mismatch
+from agentrl.store import DBRecordData, Store, sync_client
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+BF16_MEAN_BOUND = 0.02
+FP32_CUDA_ATOL = 1e-3
+
+
+def record_figures(name: str, figures: dict) -> None:
+    """Print the figures (the GPU check's log keeps them) on one line a test."""
+    print(f"GPU-FIGURES {name} {json.dumps(figures)}")
+
+
+def prompts(model_dir: Path) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return [tokenizer.apply_chat_template([{"role": "user", "content": s.question}], add_generation_prompt=True,
+                                          return_dict=False) for s in SCRIPTS]
+
+
+async def sampled(url: str, prompt_ids: list[list[int]], max_new_tokens: int = 40, lora_path: str | None = None):
+    async with SGLangClient(url) as client:
+        return await asyncio.gather(*[client.generate(
+            ids, {"temperature": 1.0, "max_new_tokens": max_new_tokens, "sampling_seed": i}, lora_path=lora_path)
+            for i, ids in enumerate(prompt_ids)])
+
+
+def fp32_model(model_dir: Path) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to("cuda").eval()
+
+
+def test_engine_generates_with_logprobs_in_bf16(scripted_model_dir: Path) -> None:
+    engine = start_engine(scripted_model_dir, "--device", "cuda", "--dtype", "bfloat16")
+    try:
+        assert "bfloat16" in engine.output and "cuda" in engine.output, engine.output
+        ids = prompts(scripted_model_dir)
+        results = asyncio.run(sampled(engine.url, ids))
+    finally:
+        engine.stop()
+    model = fp32_model(scripted_model_dir)
+    gaps = [logprob_mismatch(model, prompt, r.output_ids, r.output_token_logprobs) for prompt, r in zip(ids, results)]
+    mean = statistics.fmean(g["mean_abs_diff"] for g in gaps)
+    record_figures("engine_bf16", {"mean_abs_diff": mean, "max_abs_diff": max(g["max_abs_diff"] for g in gaps),
+                                   "tokens": sum(len(r.output_ids) for r in results)})
+    assert all(r.output_ids for r in results)
+    assert mean < BF16_MEAN_BOUND, gaps
+
+
+def engine_samples(url: str, model_dir: Path) -> list[DBRecordData]:
+    """Completions sampled by the engine at ``url``, as queued samples carrying its logprobs."""
+    ids = prompts(model_dir)
+    samples = []
+    for i, (prompt, result) in enumerate(zip(ids, asyncio.run(sampled(url, ids)))):
+        output = result.output_ids
+        samples.append(DBRecordData(
+            id=f"s{i}", record_id=f"r{i}", task_id="t", seq=i, input_ids=list(prompt) + output,
+            loss_mask=[0] * len(prompt) + [1] * len(output),
+            logprobs=[0.0] * len(prompt) + list(result.output_token_logprobs),
+            versions=[-1] * len(prompt) + [0] * len(output),
+            advantages=[0.0] * len(prompt) + [1.0 if i % 2 else -1.0] * len(output),
+            turn_boundaries=[0], num_tokens=len(prompt) + len(output)))
+    return samples
+
+
+def test_fsdp2_trainer_step_under_nccl_matches_the_bf16_engine(scripted_model_dir: Path, mongo_server_uri: str,
+                                                               tmp_path: Path) -> None:
+    """World size 1 under torchrun: NCCL, FSDP2 with bf16 layers and the fp32 logprob head; its logprobs of the
+    engine's samples (before the update) are within the bf16 bound of the engine's own."""
+    engine = start_engine(scripted_model_dir, "--device", "cuda", "--dtype", "bfloat16")
+    try:
+        samples = engine_samples(engine.url, scripted_model_dir)
+    finally:
+        engine.stop()
+    name = "t_" + uuid.uuid4().hex[:12]
+    uri = with_database(mongo_server_uri, name)
+    asyncio.run(enqueue(uri, samples))
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
+    done = run_trainer(trainer_args(uri, scripted_model_dir, tmp_path / "out", "--train_batch_size",
+                                    str(len(samples)), "--enable_sampling", "false", "--max_steps", "1",
+                                    "--save_steps", "0"), launcher=launcher, timeout_s=300)
+    assert done.returncode == 0, done.stdout[-4000:]
+    assert "(nccl, bf16)" in done.stdout, done.stdout[-4000:]
+    client = sync_client(uri)
+    try:
+        db = client[name]
+        values = db.Metric.find_one({"step": 1})["values"]
+        docs = list(db.DBRecordData.find({}, {"trainer_logprobs": 1, "logprobs": 1, "loss_mask": 1}))
+        client.drop_database(name)
+    finally:
+        client.close()
+    gaps = [abs(t - e) for d in docs for t, e, m in zip(d["trainer_logprobs"], d["logprobs"], d["loss_mask"]) if m]
+    record_figures("fsdp2_nccl_bf16", {"logprob_mismatch_mean": values["logprob_mismatch_mean"],
+                                       "trainer_vs_engine_mean": statistics.fmean(gaps), "max": max(gaps),
+                                       "loss": values["loss"], "grad_norm": values["grad_norm"]})
+    assert values["logprob_mismatch_mean"] < BF16_MEAN_BOUND, values
+    assert statistics.fmean(gaps) < BF16_MEAN_BOUND
+    assert values["grad_norm"] > 0 and torch.isfinite(torch.tensor(values["loss"]))
+
+
+def test_lora_adapters_are_published_to_the_gpu_engine_and_sampled(db_uri: str, tiny_model_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """The trainer on CUDA publishes each version as an adapter into a live engine on CUDA (fp32); a sampler's
+    pool sends the Run's adapter, and the engine's logprobs are the trainer's merged final model's."""
+    from agentrl.rollout.inference_pool import InferencePool
+    from agentrl.train import main
+
+    engine = start_engine(tiny_model_dir, "--device", "cuda", "--dtype", "float32", "--enable_lora",
+                          "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    prompt = prompts(tiny_model_dir)[0]
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
+        out = tmp_path / "out"
+        assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
+                                 "--save_steps", "0", "--use_peft", "--lora_target_modules", "all-linear",
+                                 "--lora_publish", "adapter")) == 0
+
+        async def sample():
+            async with Store(db_uri) as store:
+                pool = InferencePool(store, wait_for_service_s=60)
+                try:
+                    result, _ = await pool.generate(prompt, {"max_new_tokens": 8, "temperature": 0,
+                                                             "ignore_eos": True})
+                finally:
+                    await pool.close()
+            return result
+
+        result = asyncio.run(sample())
+    finally:
+        engine.stop()
+    assert result.lora_path == "policy-v2" and result.policy_version == 2
+    final = fp32_model(out / "final")
+    gaps = logprob_mismatch(final, prompt, result.output_ids, result.output_token_logprobs)
+    base = logprob_mismatch(fp32_model(tiny_model_dir), prompt, result.output_ids, result.output_token_logprobs)
+    record_figures("lora_adapter_publish", {"vs_final_max": gaps["max_abs_diff"], "vs_base_max": base["max_abs_diff"]})
+    assert gaps["max_abs_diff"] < FP32_CUDA_ATOL, gaps
+    assert base["max_abs_diff"] > FP32_CUDA_ATOL, "the engine served the base model, not the adapter"
+
+
+def test_qlora_step(db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A 4-bit (NF4) base with bf16 LoRA adapters trains one step and saves an adapter checkpoint."""
+    pytest.importorskip("bitsandbytes", reason="bitsandbytes is not installed (the GPU kit carries a trimmed wheel)")
+    from agentrl.train import main
+
+    asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
+    out = tmp_path / "out"
+    assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "1",
+                             "--save_steps", "1", "--enable_sampling", "false", "--use_peft", "--load_in_4bit",
+                             "--lora_target_modules", "all-linear")) == 0
+    client = sync_client(db_uri)
+    try:
+        values = client.get_default_database().Metric.find_one({"step": 1})["values"]
+    finally:
+        client.close()
+    record_figures("qlora", {"loss": values["loss"], "grad_norm": values["grad_norm"]})
+    assert values["grad_norm"] > 0 and torch.isfinite(torch.tensor(values["loss"]))
+    assert (out / "checkpoint-1").is_dir()
