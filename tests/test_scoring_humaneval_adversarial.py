@@ -27,11 +27,11 @@ from agentrl.scoring.code_exec import HUMANEVAL_SANDBOX, humaneval_score, run_hu
 PROBLEMS = read_problems()
 
 
-def whole_function(task_id: str, body: str | None = None) -> str:
-    """The problem's function in full (signature, docstring and ``body``, by default the canonical one)."""
+def whole_function(task_id: str) -> str:
+    """The problem's function as a model would write it in full: signature, docstring and canonical body."""
     problem = PROBLEMS[task_id]
     start = problem["prompt"].index(f"def {problem['entry_point']}(")
-    return problem["prompt"][start:] + (problem["canonical_solution"] if body is None else body)
+    return problem["prompt"][start:] + problem["canonical_solution"]
 
 
 async def score(task_id: str, answer: str) -> tuple[float, dict]:
