@@ -5,13 +5,20 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_venv.sh
-# The dashboard's page tests drive a real headless Chromium (Debian's package; installed once, as root).
-if ! command -v chromium >/dev/null && [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
-  if ! apt-get install -y -q chromium >/dev/null 2>&1; then
-    apt-get update -q >/dev/null 2>&1 || true
-    apt-get install -y -q chromium >/dev/null 2>&1 || echo "could not install chromium: the dashboard's browser test is skipped" >&2
+# Debian packages that some tests need, installed once (as root): without them those tests skip.
+install_package() {  # COMMAND PACKAGE TESTS: install PACKAGE where COMMAND is missing, else say which TESTS skip
+  command -v "$1" >/dev/null && return 0
+  if [ "$(id -u)" != 0 ] || ! command -v apt-get >/dev/null; then
+    echo "$1 not found and not installed (needs root and apt-get: apt-get install $2): $3 skip" >&2
+    return 0
   fi
-fi
+  if ! apt-get install -y -q "$2" >/dev/null 2>&1; then
+    apt-get update -q >/dev/null 2>&1 || true
+    apt-get install -y -q "$2" >/dev/null 2>&1 || echo "could not install $2 (apt-get install $2 failed): $3 skip" >&2
+  fi
+}
+install_package chromium chromium "the dashboard's browser tests"  # a real headless Chromium drives its pages
+install_package bwrap bubblewrap "the sandbox's bwrap-mode tests"  # the sandbox's preferred mechanism
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi

@@ -17,7 +17,7 @@ from agentrl.rollout.prompting import ANSWER_FORMATS
 from agentrl.scoring import ANSWER_SCHEMAS, MCPScorerFactory, extract_answer
 from agentrl.scoring import code_exec
 from agentrl.scoring.builtin import gsm8k_score
-from agentrl.scoring.code_exec import HUMANEVAL_SANDBOX, humaneval_program, humaneval_score
+from agentrl.scoring.code_exec import HUMANEVAL_SANDBOX, answer_program, check_program, humaneval_score
 from agentrl.store.task_files import UploadDefaults, parse_file
 from agentrl.tools.sandbox import SandboxConfig, SandboxUnavailable, select_isolation
 
@@ -124,15 +124,17 @@ async def test_gsm8k_scorer_is_registered() -> None:
     assert (result.score, result.error) == (1.0, None)
 
 
-def test_humaneval_program_completes_the_prompt_or_keeps_its_preamble() -> None:
+def test_humaneval_programs_complete_the_prompt_or_keep_its_preamble() -> None:
     problem = PROBLEMS["HumanEval/10"]
-    fields = {name: problem[name] for name in ("prompt", "test", "entry_point")}
-    body = humaneval_program(problem["canonical_solution"], **fields)
-    assert body.startswith(problem["prompt"] + problem["canonical_solution"])
-    assert body.endswith("\n\ncheck(make_palindrome)\n")
-    whole = humaneval_program(_whole_function("HumanEval/10"), **fields)
+    body = answer_program(problem["canonical_solution"], problem["prompt"], "make_palindrome")
+    assert body == problem["prompt"] + problem["canonical_solution"] and "check(" not in body
+    whole = answer_program(_whole_function("HumanEval/10"), problem["prompt"], "make_palindrome")
     assert whole.count("def make_palindrome(") == 1 and "def is_palindrome(" in whole  # the prompt's helper stays
+    tests = check_program(problem["prompt"], problem["test"], "make_palindrome")
+    assert "def is_palindrome(" in tests and "def make_palindrome(" not in tests
+    assert tests.endswith(problem["test"] + "\n")
     assert (HUMANEVAL_SANDBOX.timeout_s, HUMANEVAL_SANDBOX.cpu_seconds, HUMANEVAL_SANDBOX.memory_mb) == (10, 10, 1024)
+    assert HUMANEVAL_SANDBOX.stdlib_only
 
 
 @needs_sandbox

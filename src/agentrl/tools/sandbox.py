@@ -19,7 +19,11 @@ limit the run is stopped and the output truncated).
   ``bus`` and ``fs`` read-only); a private ``/tmp`` (tmpfs of ``max_file_mb``; ``/dev/shm`` points there); and the
   run's working directory, the only writable host directory. Nothing else of the host is there (the prefixes
   only, even under ``/work`` or ``/root``): not the repository, ``/home``, the host's ``/tmp`` or ``/etc``, task or
-  database files.
+  database files. With ``stdlib_only`` the code sees the standard library and no installed package: the
+  interpreter outside any virtual environment (``sys._base_executable``) runs it, the virtual environment is not
+  mounted, and every ``site-packages`` or ``dist-packages`` directory there (the interpreter's, and Debian's under
+  ``/usr/lib/python3*`` and ``/usr/local/lib/python3*``) is an empty read-only directory (in the ``audit`` mode,
+  which mounts nothing, only the interpreter changes).
 - Processes: a new PID namespace, so ``/proc`` lists only the sandbox's own processes (no other process's
   ``environ`` to read, none to signal). ``RLIMIT_NPROC`` (``max_processes``) contains fork bombs. The interpreter's
   first process is a supervisor (in the ``unshare`` mode the namespace's init) that forks the program: when the
@@ -53,6 +57,8 @@ import asyncio
 import contextlib
 import dataclasses
 import functools
+import glob
+import json
 import os
 import random
 import shlex
@@ -76,6 +82,7 @@ _DEV_LINKS = (("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"), (
 _PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")  # writable for root, Docker keeps them read-only
 _TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # directories, or symlinks into /usr
 _SBIN = "/usr/sbin:/sbin"  # util-linux's pivot_root lives there, often off an unprivileged user's PATH
+_SITE_GLOBS = ("/usr/lib/python3*/*-packages", "/usr/local/lib/python3*/*-packages")  # Debian's, whichever Python
 
 _BOOTSTRAP = r"""
 import os, sys
@@ -173,6 +180,9 @@ class SandboxConfig(BaseModel):
         False, description="where the mechanism cannot run, run code with audit hooks only instead of refusing"
     )
     python: str = Field(default_factory=lambda: sys.executable, description="interpreter that runs the code")
+    stdlib_only: bool = Field(
+        False, description="the standard library only: python's base interpreter runs the code, no site-packages"
+    )
 
 
 class SandboxResult(BaseModel):
@@ -217,15 +227,45 @@ class _Layout:
     symlinks: tuple[tuple[str, str], ...]  # (target, link)
     workdir: str  # bound read-write at the same path
     tmp_bytes: int
+    hidden: tuple[str, ...] = ()  # directories under read_only that the empty directory covers
+    empty: str = ""  # an empty host directory (with hidden)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Interpreter:
+    """What a sandbox runs: the interpreter's executable, the directories it runs from, those to hide."""
+
+    executable: str
+    directories: tuple[str, ...]
+    hidden: tuple[str, ...]
+
+
+_DESCRIBE = """import json, site, sys, sysconfig
+base = sysconfig.get_paths(vars={"base": sys.base_prefix, "platbase": sys.base_exec_prefix})
+print(json.dumps({"prefixes": [sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix],
+                  "bases": [sys.base_prefix, sys.base_exec_prefix],
+                  "base_executable": getattr(sys, "_base_executable", sys.executable),
+                  "sites": [*site.getsitepackages(), site.getusersitepackages(), base["purelib"], base["platlib"]]}))
+"""
 
 
 @functools.cache
-def _python_dirs(python: str) -> tuple[str, ...]:
-    """The directories ``python`` runs from: its prefixes (stdlib, site-packages) and its executable's."""
-    code = "import sys; print(sys.prefix, sys.base_prefix, sys.exec_prefix, sys.base_exec_prefix, sep='\\n')"
-    found = subprocess.run([python, "-I", "-c", code], capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S,
-                           check=True)
-    return (*found.stdout.splitlines(), os.path.dirname(os.path.realpath(python)))
+def _interpreter(python: str, stdlib_only: bool) -> _Interpreter:
+    """How ``python`` runs in a sandbox: itself from its prefixes (stdlib, site-packages) and its executable's
+    directory; or, ``stdlib_only``, its base interpreter from the base prefixes, every site directory hidden."""
+    found = json.loads(subprocess.run([python, "-I", "-c", _DESCRIBE], capture_output=True, text=True,
+                                      timeout=_PROBE_TIMEOUT_S, check=True).stdout)
+    if not stdlib_only:
+        return _Interpreter(python, (*found["prefixes"], os.path.dirname(os.path.realpath(python))), ())
+    executable = found["base_executable"]
+    sites = [*found["sites"], *(path for pattern in _SITE_GLOBS for path in glob.glob(pattern))]
+    hidden = dict.fromkeys(path for site in sites for path in (os.path.abspath(site), os.path.realpath(site))
+                           if os.path.isdir(path))
+    return _Interpreter(executable, (*found["bases"], os.path.dirname(os.path.realpath(executable))), tuple(hidden))
+
+
+def _executable(config: SandboxConfig) -> str:
+    return _interpreter(config.python, True).executable if config.stdlib_only else config.python
 
 
 def _under(path: str, directory: str) -> bool:
@@ -238,7 +278,7 @@ def _ancestors(path: str) -> list[str]:
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
 
 
-def _layout(config: SandboxConfig, workdir: str) -> _Layout:
+def _layout(config: SandboxConfig, workdir: str, empty: str) -> _Layout:
     read_only: list[tuple[str, str]] = [("/usr", "/usr")]
     symlinks = list(_DEV_LINKS)
     for top in _TOP_DIRS:
@@ -248,14 +288,16 @@ def _layout(config: SandboxConfig, workdir: str) -> _Layout:
             read_only.append((top, top))
     if os.path.isfile("/etc/ld.so.cache"):
         read_only.append(("/etc/ld.so.cache", "/etc/ld.so.cache"))
-    for directory in _python_dirs(config.python):
+    interpreter = _interpreter(config.python, config.stdlib_only)
+    for directory in interpreter.directories:
         source = os.path.realpath(directory)
         for target in dict.fromkeys((os.path.abspath(directory), source)):
             taken = [bound for _, bound in read_only] + [link for _, link in symlinks]
             # "/": an interpreter installed at the root has its stdlib in /lib or /usr/lib
             if target != "/" and not any(_under(target, other) for other in taken):
                 read_only.append((source, target))
-    return _Layout(tuple(read_only), tuple(symlinks), workdir, config.max_file_mb << 20)
+    hidden = tuple(path for path in interpreter.hidden if any(_under(path, target) for _, target in read_only))
+    return _Layout(tuple(read_only), tuple(symlinks), workdir, config.max_file_mb << 20, hidden, empty)
 
 
 def _tools(names: tuple[str, ...]) -> dict[str, str]:
@@ -292,6 +334,8 @@ def _bwrap_argv(layout: _Layout, uid: int | None, command: list[str]) -> list[st
     argv += ["--perms", "1777", "--size", str(layout.tmp_bytes), "--tmpfs", "/tmp"]
     for source, target in layout.read_only:
         argv += [*parents(target), "--ro-bind", source, target]
+    for hidden in layout.hidden:
+        argv += ["--ro-bind", layout.empty, hidden]
     for device in _DEVICES:
         argv += [*parents(device), "--dev-bind", device, device]
     for target, link in layout.symlinks:
@@ -299,7 +343,8 @@ def _bwrap_argv(layout: _Layout, uid: int | None, command: list[str]) -> list[st
     argv += ["--proc", "/proc"]
     for name in _PROC_READ_ONLY:  # bwrap covers some of them itself
         argv += ["--ro-bind-try", f"/proc/{name}", f"/proc/{name}"]
-    argv += [*parents(layout.workdir), "--bind", layout.workdir, layout.workdir, "--remount-ro", "/", "--chdir", layout.workdir, "--", *command]
+    argv += [*parents(layout.workdir), "--bind", layout.workdir, layout.workdir, "--remount-ro", "/",
+             "--chdir", layout.workdir, "--", *command]
     return argv
 
 
@@ -327,6 +372,7 @@ def _unshare_argv(layout: _Layout, uid: int | None, base: str, command: list[str
     entries.append(("tmpfs", root + "/tmp", "tmpfs", f"nosuid,nodev,mode=1777,size={layout.tmp_bytes}"))
     entries += [(source, root + target, "none", "bind,ro,nosuid,nodev" + (",X-mount.mkdir" if (
         target + "/").startswith("/tmp/") else "")) for source, target in layout.read_only]
+    entries += [(layout.empty, root + hidden, "none", "bind,ro,nosuid,nodev") for hidden in layout.hidden]
     entries += [(device, root + device, "none", "bind") for device in _DEVICES]
     entries.append(("proc", root + "/proc", "proc", "nosuid,nodev,noexec"))
     entries += [(root + f"/proc/{name}", root + f"/proc/{name}", "none", "bind,ro,nosuid,nodev,noexec")
@@ -364,7 +410,9 @@ def _prepare(isolation: Isolation, config: SandboxConfig, base: str, command: li
     uid = random.choice(_ROOT_UIDS) if _real_root() else None
     if uid is not None:
         os.chown(workdir, uid, uid)
-    layout = _layout(config, workdir)
+    empty = os.path.join(base, "empty")  # what hides a directory (stdlib_only)
+    os.mkdir(empty)
+    layout = _layout(config, workdir, empty)
     if isolation == "bwrap":
         return _bwrap_argv(layout, uid, command), workdir
     return _unshare_argv(layout, uid, base, command), workdir
@@ -378,18 +426,19 @@ def _environment(workdir: str) -> dict[str, str]:
     }
 
 
-_WORKING: set[tuple[str, str, str]] = set()
-"""(mechanism, python, $PATH) that ran the probe; failures are not cached, so they are retried on the next run."""
+_WORKING: set[tuple[str, str, bool, str]] = set()
+"""(mechanism, python, stdlib_only, $PATH) that ran the probe; failures are not cached, so they are retried on the
+next run."""
 
 
 def _probe(isolation: Literal["bwrap", "unshare"], config: SandboxConfig) -> str | None:
     """Why ``isolation`` cannot run ``config.python`` here, or None where it can (found by running it)."""
-    key = (isolation, config.python, os.environ.get("PATH", os.defpath))
+    key = (isolation, config.python, config.stdlib_only, os.environ.get("PATH", os.defpath))
     if key in _WORKING:
         return None
     try:
         with tempfile.TemporaryDirectory(prefix="agentrl-sandbox-") as base:
-            argv, workdir = _prepare(isolation, config, base, [config.python, "-I", "-c", "print('ok')"])
+            argv, workdir = _prepare(isolation, config, base, [_executable(config), "-I", "-c", "print('ok')"])
             probe = subprocess.run(argv, cwd=workdir, env=_environment(workdir), stdin=subprocess.DEVNULL,
                                    capture_output=True, text=True, timeout=_PROBE_TIMEOUT_S)
     except (SandboxUnavailable, OSError, subprocess.SubprocessError) as exc:
@@ -448,8 +497,9 @@ def _read_status(fd: int) -> int | None:
     return None
 
 
-async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxResult:
-    """Run ``code`` as ``main.py`` in a fresh temporary directory under the limits of ``config``.
+async def run_python(code: str, config: SandboxConfig | None = None, pass_fds: tuple[int, ...] = ()) -> SandboxResult:
+    """Run ``code`` as ``main.py`` in a fresh temporary directory under the limits of ``config``. The program
+    inherits ``pass_fds`` under the same numbers (the caller keeps its own copies, and closes them).
 
     Raises:
         SandboxUnavailable: the code cannot be isolated here and ``config.allow_unsandboxed`` is not set.
@@ -462,7 +512,7 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
         try:
             try:
                 bootstrap = [
-                    config.python, "-I", "-c", _BOOTSTRAP,
+                    _executable(config), "-I", "-c", _BOOTSTRAP,
                     str(config.memory_mb << 20), str(config.cpu_seconds), str(config.max_file_mb << 20),
                     "0" if isolation == "audit" else str(config.max_processes),  # unsandboxed, it counts the host's
                     "1" if isolation == "audit" else "0", str(status_write),
@@ -474,7 +524,7 @@ async def run_python(code: str, config: SandboxConfig | None = None) -> SandboxR
                 process = await asyncio.create_subprocess_exec(
                     *argv, cwd=workdir, env=_environment(workdir),
                     stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                    start_new_session=True, pass_fds=(status_write,),
+                    start_new_session=True, pass_fds=(status_write, *pass_fds),
                 )
             finally:
                 os.close(status_write)
