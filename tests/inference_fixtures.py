@@ -19,11 +19,11 @@ TEST_FLAGS = ("--num_threads", "1", "--max_total_tokens", "8192")
 TEST_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def start_engine(model_dir: Path | None, *args: str) -> EngineProcess:
+def start_engine(model_dir: Path | None, *args: str, env: dict[str, str] | None = None) -> EngineProcess:
     """``agentrl engine`` on ``model_dir`` (None: the embedded model) with test sizing; not registered unless a
-    database is given. The caller stops it."""
+    database is given; ``env`` adds environment variables (e.g. ``AGENTRL_FAILPOINTS``). The caller stops it."""
     register = () if "--db_connection_string" in args else ("--no_register",)
-    return EngineProcess(model_dir, *TEST_FLAGS, *register, *args, env=TEST_ENV)
+    return EngineProcess(model_dir, *TEST_FLAGS, *register, *args, env={**TEST_ENV, **(env or {})})
 
 
 @pytest.fixture(scope="session")

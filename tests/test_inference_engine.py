@@ -181,3 +181,39 @@ async def test_malformed_json_gets_400(engine_url: str) -> None:
         update = await http.post("/update_weights_from_disk", json={"model_path": "/nonexistent/ckpt"})
     assert update.status_code == 400
     assert update.json()["success"] is False and "/nonexistent/ckpt" in update.json()["message"]
+
+
+
+def _prompt_logprobs(model_dir: Path, ids: list[int], temperature: float = 1.0) -> list[float]:
+    """log_softmax(logits / temperature) of ids[i] given ids[:i], for i >= 1, from a plain fp32 forward pass."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1] / temperature
+    return torch.log_softmax(logits, dim=-1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1).tolist()
+
+
+async def test_prompt_token_logprobs_as_sglang_returns_them(engine_url: str, tiny_model_dir: Path) -> None:
+    """``logprob_start_len`` k: ``input_token_logprobs`` holds ``[logprob, id, text]`` of the prompt tokens from k
+    on, the first one's logprob null (SGLang's scheduler), tempered like the output's, from the same weights; -1
+    (the default): the last prompt token only; a start at or past the prompt's end is a 400 with SGLang's message."""
+    async with httpx.AsyncClient(base_url=engine_url, timeout=60) as http:
+        async def ask(**fields: object) -> httpx.Response:
+            return await http.post("/generate", json={"input_ids": PROMPT, "return_logprob": True, **fields,
+                                                      "sampling_params": {"max_new_tokens": 2, "temperature": 0.7}})
+
+        whole, tail, default, too_far = await asyncio.gather(
+            ask(logprob_start_len=0), ask(logprob_start_len=4, return_text_in_logprobs=True), ask(),
+            ask(logprob_start_len=len(PROMPT)))
+    tempered = _prompt_logprobs(tiny_model_dir, PROMPT, temperature=0.7)
+    assert max(abs(a - b) for a, b in zip(tempered, _prompt_logprobs(tiny_model_dir, PROMPT))) > 1e-3
+    entries = whole.json()["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == PROMPT and entries[0][0] is None and all(e[2] is None for e in entries)
+    assert max(abs(e[0] - t) for e, t in zip(entries[1:], tempered, strict=True)) < 1e-4
+    entries = tail.json()["meta_info"]["input_token_logprobs"]
+    assert [e[1] for e in entries] == PROMPT[4:] and entries[0][0] is None
+    assert [e[2] for e in entries] == [AutoTokenizer.from_pretrained(tiny_model_dir).decode([i]) for i in PROMPT[4:]]
+    assert max(abs(e[0] - t) for e, t in zip(entries[1:], tempered[4:], strict=True)) < 1e-4
+    assert default.json()["meta_info"]["input_token_logprobs"] == [[None, PROMPT[-1], None]]
+    assert too_far.status_code == 400, too_far.text
+    assert (f"logprob_start_len ({len(PROMPT)}) is higher than the number of input tokens ({len(PROMPT)})"
+            in too_far.json()["error"]["message"])

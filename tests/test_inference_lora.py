@@ -80,6 +80,28 @@ async def test_each_request_gets_its_adapter_in_a_mixed_batch(engine: EngineProc
         assert all(not torch.allclose(torch.tensor(result.output_token_logprobs), o, atol=1e-3) for o in others)
 
 
+async def test_prompt_logprobs_are_the_adapters(engine: EngineProcess, tiny_model_dir: Path,
+                                                tmp_path: Path) -> None:
+    """``input_token_logprobs`` of a request naming an adapter come from the adapted model (the policy probe scores
+    an adapter publish this way)."""
+    merged = _peft_adapter(tiny_model_dir, tmp_path / "p", seed=3, r=4, lora_alpha=8, target_modules="all-linear")
+    async with SGLangClient(engine.url) as client:
+        await client.load_lora_adapter("p", str(tmp_path / "p"))
+        try:
+            adapted, base = await asyncio.gather(*(client.generate(
+                PROMPT, {"max_new_tokens": 1, "temperature": 1.0}, lora_path=name, logprob_start_len=0)
+                for name in ("p", None)))
+        finally:
+            await client.unload_lora_adapter("p")
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(merged(input_ids=ids).logits[0, :-1], dim=-1)
+    expected = logprobs.gather(-1, ids[0, 1:, None]).squeeze(-1)
+    assert adapted.input_token_logprobs[0] is None and base.input_token_logprobs[0] is None
+    assert torch.allclose(torch.tensor(adapted.input_token_logprobs[1:]), expected, atol=1e-4)
+    assert not torch.allclose(torch.tensor(base.input_token_logprobs[1:]), expected, atol=1e-3)
+
+
 async def test_unloading_waits_for_the_requests_using_the_adapter(engine: EngineProcess, tiny_model_dir: Path,
                                                                  tmp_path: Path) -> None:
     _peft_adapter(tiny_model_dir, tmp_path / "slow", seed=3, r=2, lora_alpha=2, target_modules=["o_proj"])

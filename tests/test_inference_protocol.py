@@ -54,7 +54,7 @@ def test_invalid_sampling_params_are_rejected(bad: dict) -> None:
 @pytest.mark.parametrize("body", [
     {}, {"input_ids": []}, {"input_ids": [1, -2]}, {"input_ids": [[1, 2], [3]]}, {"text": "a", "input_ids": [1]},
     {"input_ids": [1], "stream": True}, {"input_ids": [1], "top_logprobs_num": 2},
-    {"input_ids": [1], "logprob_start_len": 0}, {"input_ids": [1], "unknown": 1},
+    {"input_ids": [1], "logprob_start_len": -2}, {"input_ids": [1], "unknown": 1},
 ])
 def test_invalid_generate_requests_are_rejected(body: dict) -> None:
     with pytest.raises(ValidationError):

@@ -1,11 +1,14 @@
 """Weight publishing to a live ``agentrl engine``: the engine switches to each new version and serves exactly the
-trainer's weights; Run.policy_version follows; a dead registered service is reported by name, not fatal."""
+trainer's weights; Run.policy_version follows; a dead registered service is reported by name, not fatal; an engine
+that starts during a run serves the Run's published weights before samplers can pick it; crashes while replacing
+published weights are recovered."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import socket
+import threading
 import time
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 from agentrl.failpoints import ENV, EXIT_CODE
 
 from agentrl.inference import SGLangClient
+from agentrl.inference.process import EngineStartError
 from agentrl.store import Store, sync_client
 from agentrl.train import main
 
@@ -196,3 +200,144 @@ def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(db_u
     finally:
         engine.stop()
     assert "unloaded LoRA adapter policy-v2" in engine.output, engine.output  # the crashed publish's leftover
+
+
+def _served(url: str) -> tuple[str, list[int], list[float]]:
+    """The engine's weight version, and its greedy continuation of PROMPT with logprobs."""
+    async def ask() -> tuple[str, list[int], list[float]]:
+        async with SGLangClient(url) as client:
+            info = await client.get_model_info()
+            result = await client.generate(PROMPT, {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        return info.weight_version, result.output_ids, result.output_token_logprobs
+
+    return asyncio.run(ask())
+
+
+def _assert_logprobs_of(model_dir: Path, output_ids: list[int], served: list[float]) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([PROMPT + output_ids])
+    with torch.no_grad():
+        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1], dim=-1)
+    expected = logprobs[len(PROMPT) - 1:].gather(-1, ids[0, len(PROMPT):, None]).squeeze(-1)
+    assert torch.allclose(torch.tensor(served), expected, atol=1e-4), (served, expected)
+
+
+class _ServiceWatch:
+    """Polls the InferenceService collection from a thread: every (service, status, weight_version) seen."""
+
+    def __init__(self, db_uri: str):
+        self.seen: set[tuple[str, str, int]] = set()
+        self._stop = threading.Event()
+        self._client = sync_client(db_uri)
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        collection = self._client.get_default_database().InferenceService
+        while not self._stop.is_set():
+            for doc in collection.find({}, {"status": 1, "weight_version": 1}):
+                self.seen.add((doc["_id"], doc["status"], doc.get("weight_version", 0)))
+            time.sleep(0.01)
+
+    def stop(self) -> set[tuple[str, str, int]]:
+        self._stop.set()
+        self._thread.join(10)
+        self._client.close()
+        return self.seen
+
+
+def test_a_restarted_engine_serves_the_published_weights_before_samplers_can_pick_it(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An engine restarted during a run (full-weight publishing) registers as STARTING, loads the Run's published
+    weights and only then becomes UP: it is never pickable with its start-up weights (version 0)."""
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    restarted = watch = None
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
+        out = tmp_path / "out"
+        assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
+                                 "--save_steps", "0")) == 0
+        engine.stop()
+        watch = _ServiceWatch(db_uri)
+        restarted = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+        version, output_ids, logprobs = _served(restarted.url)
+    finally:
+        seen = watch.stop() if watch is not None else set()
+        engine.stop()
+        if restarted is not None:
+            restarted.stop()
+    assert version == "2"
+    states = {(status, weights) for url, status, weights in seen if url == restarted.url}
+    assert ("STARTING", 0) in states, seen  # registered while it loaded: publishes reach it, samplers do not
+    assert {weights for status, weights in states if status == "UP"} == {2}, seen
+    _assert_logprobs_of(out / "weights" / "2", output_ids, logprobs)
+
+
+def test_an_engine_that_cannot_load_the_runs_published_weights_does_not_serve(db_uri: str, tiny_model_dir: Path,
+                                                                              tmp_path: Path) -> None:
+    async def published_elsewhere() -> None:
+        async with Store(db_uri) as store:
+            await store.runs.get_or_create("run")
+            await store.runs.bump_policy_version(str(tmp_path / "weights" / "1"), expected=0)
+
+    asyncio.run(published_elsewhere())
+    with pytest.raises(EngineStartError) as failed:
+        start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    assert "cannot serve the run's published policy version 1" in str(failed.value), failed.value
+    assert str(tmp_path / "weights" / "1") in str(failed.value)
+    client = sync_client(db_uri)
+    try:
+        assert [d["status"] for d in client.get_default_database().InferenceService.find()] == ["DOWN"]
+    finally:
+        client.close()
+
+
+def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tiny_model_dir: Path,
+                                                                tmp_path: Path) -> None:
+    """The ``weights.replace`` failpoints: a resumed trainer publishes again a version whose directory a crashed
+    publish left (``publish.before_bump``), and is killed after renaming that directory aside, then after putting the
+    new one in place. Meanwhile the Run's weights stay loadable (a restarted engine catches up to them); the next
+    resume publishes, leaves no renamed-aside or temporary directory, and every engine serves the final weights."""
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    restarted = None
+    out = tmp_path / "out"
+    weights = out / "weights"
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
+        flags = trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "3",
+                             "--save_steps", "1", "--publish_retries", "0")
+        resume = [*flags, "--resume_from_checkpoint", "latest"]
+        assert run_trainer(flags, env={ENV: "publish.before_bump=exit@2"}).returncode == EXIT_CODE
+        assert sorted(p.name for p in weights.iterdir()) == ["1", "2"]  # 2 loaded by the engine, not in the Run
+
+        crashed = run_trainer(resume, env={ENV: "weights.replace.after_aside=exit"})
+        assert crashed.returncode == EXIT_CODE, crashed.stdout
+        assert sorted(p.name for p in weights.iterdir()) == [".2.old", ".2.tmp", "1"]
+        assert all((weights / name / "config.json").is_file() for name in (".2.old", ".2.tmp"))
+        restarted = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+        assert _served(restarted.url)[0] == "1"  # the Run's version, from its untouched directory
+
+        crashed = run_trainer(resume, env={ENV: "weights.replace.after_rename=exit"})
+        assert crashed.returncode == EXIT_CODE, crashed.stdout
+        assert sorted(p.name for p in weights.iterdir()) == [".2.old", "1", "2"]
+
+        finished = run_trainer(resume)
+        assert finished.returncode == 0, finished.stdout
+        assert "did not load them" not in finished.stdout and "policy probe" not in finished.stdout, finished.stdout
+        client = sync_client(db_uri)
+        try:
+            run = client.get_default_database().Run.find_one()
+        finally:
+            client.close()
+        assert run["policy_version"] == 4 and run["weights_path"] == str((weights / "4").resolve())
+        assert sorted(p.name for p in weights.iterdir()) == ["3", "4"]
+        served = [_served(e.url) for e in (engine, restarted)]
+    finally:
+        engine.stop()
+        if restarted is not None:
+            restarted.stop()
+    for version, output_ids, logprobs in served:
+        assert version == "4"
+        _assert_logprobs_of(weights / "4", output_ids, logprobs)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 
 from agentrl.cli.options import add_db_option
+from agentrl.listen import is_loopback
 
 READY_LINE = "dashboard: {url} (runs on {where})"
 
@@ -26,15 +26,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="environment variable holding a token that every request must bring (header "
                              "'Authorization: Bearer TOKEN', or open a page once with ?token=TOKEN)")
     parser.set_defaults(func=run)
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def run(args: argparse.Namespace) -> int:

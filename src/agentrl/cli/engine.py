@@ -16,7 +16,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--model_name_or_path", default=None,
                         help="Hugging Face model directory (default: the embedded SmolLM2-135M-Instruct)")
     parser.add_argument("--served_model_name", default=None, help="model name reported to clients")
-    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default: 127.0.0.1; any other needs an API key)")
     parser.add_argument("--port", type=int, default=30000, help="port to listen on, 0 for a free one (default: 30000)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
@@ -40,6 +41,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--enable_lora", action="store_true",
                         help="serve LoRA adapters loaded at run time with /load_lora_adapter; a /generate request "
                              "names one in lora_path (SGLang's --enable-lora). Turns prefix sharing off")
+    parser.add_argument("--api_key", default=None,
+                        help="every request but /health and /health_generate must carry 'Authorization: Bearer "
+                             "KEY' (SGLang's --api-key; default: $AGENTRL_INFERENCE_API_KEY, which the samplers, "
+                             "trainer and evaluations send; prefer the variable: a command line is visible to other "
+                             "users)")
     parser.add_argument("--num_threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--db_connection_string", default=None, metavar="URI",
                         help="register the engine in this run database's InferenceService collection, heartbeat, "
@@ -61,9 +67,18 @@ def run(args: argparse.Namespace) -> int:
     import torch
     from pydantic import ValidationError
 
+    from agentrl.inference.client import API_KEY_ENV
     from agentrl.inference.embedded_model import default_model_path
     from agentrl.inference.engine import EngineConfig
     from agentrl.inference.server import ServerConfig, serve
+    from agentrl.listen import is_loopback
+
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    if api_key is None and not is_loopback(args.host):
+        print(f"agentrl engine: error: --host {args.host} is reachable from other machines, and anyone who reaches "
+              f"the engine could replace its weights: set ${API_KEY_ENV} (or --api_key) here and where the "
+              "samplers and the trainer run, or keep the default 127.0.0.1", file=sys.stderr)
+        return 2
 
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -83,6 +98,6 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as error:
         print(f"agentrl engine: error: {error}", file=sys.stderr)
         return 2
-    server_config = ServerConfig(host=args.host, port=args.port, db_connection_string=db,
+    server_config = ServerConfig(host=args.host, port=args.port, db_connection_string=db, api_key=api_key,
                                  advertise_url=args.advertise_url, heartbeat_interval_s=args.heartbeat_interval_s)
     return serve(engine_config, server_config)

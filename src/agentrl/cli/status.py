@@ -63,12 +63,14 @@ def render(summary: dict[str, Any], where: str) -> None:
                   f"records finished in the last minute: {summary['recent_records_per_min']}")
     if summary["services"]:
         services = Table(title="inference services")
-        for column in ("service", "kind", "status", "heartbeat", "weights", "running", "total"):
+        for column in ("service", "kind", "status", "heartbeat", "weights", "running", "total", "policy probe"):
             services.add_column(column)
         for s in summary["services"]:
-            status = s["status"] if s["live"] or s["status"] == "DOWN" else "stale"
-            services.add_row(s["id"], s["kind"], status, f"{s['heartbeat_age_s']}s ago", str(s["weight_version"]),
-                             str(s["running_requests"]), str(s["total_requests"]))
+            probe = s["policy_probe"]
+            checked = "-" if probe is None else (f"v{probe['version']} " + (
+                f"ok ({probe['mean_abs_diff']:.2g})" if probe["ok"] else f"FAILED: {probe['error']}"))
+            services.add_row(s["id"], s["kind"], s["state"], f"{s['heartbeat_age_s']}s ago", str(s["weight_version"]),
+                             str(s["running_requests"]), str(s["total_requests"]), checked)
         console.print(services)
     else:
         console.print("inference services: none registered")

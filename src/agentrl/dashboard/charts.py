@@ -15,6 +15,7 @@ CHARTS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("clip and masked fractions", ("clip_fraction", "masked_fraction", "truncated_fraction")),
     ("staleness (policy versions)", ("staleness_mean", "staleness_max")),
     ("engine-vs-trainer logprob mismatch", ("logprob_mismatch_mean", "logprob_mismatch_mean_fresh")),
+    ("policy probe after publish: worst service", ("policy_probe_max_mean_abs_diff", "policy_probe_failures")),
     ("tokens/s", ("tokens_per_s",)),
     ("advantage", ("advantage_mean", "advantage_std")),
     ("gradient norm", ("grad_norm",)),

@@ -45,6 +45,10 @@ from agentrl.inference.lora_adapters import Adapter, ServedAdapters
 from agentrl.inference.sampling import RowParams, penalties, sample
 
 
+PROMPT_LOGPROB_ROWS = 256
+"""Prompt positions whose fp32 log-softmax over the vocabulary is made at once (input-token logprobs)."""
+
+
 class EngineStopped(RuntimeError):
     """The generation loop is not running (stopped, or died with an error)."""
 
@@ -294,6 +298,33 @@ class ContinuousBatcher:
             return
         with self._manager.pause():
             yield
+
+    def prompt_logprobs(self, input_ids: list[int], start: int, *, temperature: float = 1.0,
+                        adapter: str | None = None) -> list[float]:
+        """``log_softmax(logits / temperature)`` of each prompt token after position ``start`` given the tokens
+        before it (``len(input_ids) - start - 1`` values), with LoRA adapter ``adapter`` if named (blocking).
+
+        One forward pass of the whole prompt between two generation steps, without the KV cache: the logits are
+        kept only from position ``start`` on and turned into logprobs ``PROMPT_LOGPROB_ROWS`` rows at a time."""
+        if start >= len(input_ids) - 1:
+            return []
+        request_id = f"prompt-{uuid.uuid4().hex}"
+        with self._paused(), torch.no_grad():
+            if adapter is not None:
+                self.adapters.assign(request_id, adapter)
+            try:
+                self.adapters.route([(request_id, len(input_ids))])
+                ids = torch.tensor([input_ids], device=self.model.device)
+                logits = self.model(input_ids=ids, use_cache=False,
+                                    logits_to_keep=len(input_ids) - start).logits[0, :-1]
+            finally:
+                self.adapters.release(request_id)
+                self.adapters.route([])
+            targets = ids[0, start + 1:]
+            picked = [torch.log_softmax(logits[i:i + PROMPT_LOGPROB_ROWS].float() / temperature, dim=-1)
+                      .gather(-1, targets[i:i + PROMPT_LOGPROB_ROWS, None]).squeeze(-1)
+                      for i in range(0, targets.numel(), PROMPT_LOGPROB_ROWS)]
+        return torch.cat(picked).tolist()
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
         """Copy new weights into the model in place, between two generation steps (blocking)."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -34,6 +35,9 @@ from agentrl.inference.protocol import (
 logger = logging.getLogger(__name__)
 
 TRANSIENT_STATUS = frozenset({429, 502, 503, 504})
+API_KEY_ENV = "AGENTRL_INFERENCE_API_KEY"
+"""The environment variable holding the inference services' API key (``agentrl engine --api_key``, SGLang's
+``--api-key``): every client sends it as ``Authorization: Bearer KEY`` when it is set."""
 
 
 class InferenceServiceError(RuntimeError):
@@ -63,6 +67,8 @@ class GenerateResult(BaseModel):
     matched_stop: int | str | None = Field(None, description="the stop token id or string that matched")
     prompt_tokens: int
     completion_tokens: int
+    input_token_logprobs: list[float | None] = Field(
+        default_factory=list, description="logprobs of the prompt tokens from logprob_start_len on (the first: None)")
     weight_version: str | None = Field(None, description="version of the weights that produced the output")
     lora_path: str | None = Field(None, description="the LoRA adapter the request named, if any")
     meta_info: dict[str, Any] = Field(default_factory=dict, description="the raw meta_info, all keys")
@@ -81,6 +87,8 @@ class GenerateResult(BaseModel):
         return cls(
             output_ids=response.output_ids, text=response.text,
             output_token_logprobs=[float(entry[0]) for entry in meta.output_token_logprobs or []],
+            input_token_logprobs=[None if entry[0] is None else float(entry[0])
+                                  for entry in meta.input_token_logprobs or []],
             finish_reason=finish.type if finish else "abort", matched_stop=finish.matched if finish else None,
             prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens,
             weight_version=meta.weight_version, meta_info=meta.model_dump(mode="json"))
@@ -91,7 +99,8 @@ class SGLangClient:
 
     ``timeout_s`` bounds every call except weight updates and memory release/resume, which wait for running
     requests to finish and use ``admin_timeout_s``. ``max_retries`` more attempts follow a transient failure,
-    waiting ``backoff_s * 2**attempt`` (capped at ``max_backoff_s``) with ±50% jitter.
+    waiting ``backoff_s * 2**attempt`` (capped at ``max_backoff_s``) with ±50% jitter. ``api_key`` (default:
+    ``$AGENTRL_INFERENCE_API_KEY``) is sent as ``Authorization: Bearer`` with every call.
     """
 
     def __init__(self, base_url: str, *, timeout_s: float = 600.0, admin_timeout_s: float = 1800.0,
@@ -100,6 +109,7 @@ class SGLangClient:
         self.base_url = base_url.rstrip("/")
         self.timeout_s, self.admin_timeout_s = timeout_s, admin_timeout_s
         self.max_retries, self.backoff_s, self.max_backoff_s = max_retries, backoff_s, max_backoff_s
+        api_key = api_key or os.environ.get(API_KEY_ENV)
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         self._http = httpx.AsyncClient(base_url=self.base_url, headers=headers,
                                        timeout=httpx.Timeout(timeout_s, connect=connect_timeout_s))
@@ -117,9 +127,10 @@ class SGLangClient:
 
     async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
                        *, return_logprob: bool = True, rid: str | None = None,
-                       lora_path: str | None = None) -> GenerateResult:
+                       lora_path: str | None = None, logprob_start_len: int | None = None) -> GenerateResult:
         """``POST /generate`` with token ids; ``sampling_params`` uses SGLang's names (see ``SamplingParams``) and
-        is sent in full, so the server's preferred defaults never apply. ``lora_path`` names a loaded adapter."""
+        is sent in full, so the server's preferred defaults never apply. ``lora_path`` names a loaded adapter;
+        ``logprob_start_len`` asks for the prompt tokens' logprobs from that position on."""
         params = (sampling_params if isinstance(sampling_params, SamplingParams)
                   else SamplingParams.model_validate(sampling_params or {}))
         body: dict[str, Any] = {"input_ids": list(input_ids),
@@ -129,6 +140,8 @@ class SGLangClient:
             body["rid"] = rid
         if lora_path is not None:
             body["lora_path"] = lora_path
+        if logprob_start_len is not None:
+            body["logprob_start_len"] = logprob_start_len
         response = await self._request("POST", "/generate", json=body, retry_timeouts=False)
         payload = self._json(response, "/generate")
         try:

@@ -4,11 +4,13 @@
   parameters it omits from ``preferred_sampling_params`` (like SGLang's ``--preferred-sampling-params``), maps
   them onto the continuous batcher and builds SGLang's response (finish reasons, ``meta_info``). Output logprobs
   are ``log_softmax((logits - penalties) / temperature)`` of the sampled token, as SGLang reports them (see
-  :mod:`agentrl.inference.sampling`).
+  :mod:`agentrl.inference.sampling`). With ``logprob_start_len`` the prompt tokens from there on get theirs too
+  (``input_token_logprobs``, ``log_softmax(logits / temperature)``, the first one null, as SGLang), from one extra
+  forward pass of the prompt with the same weights and adapter, between two generation steps.
 * ``update_weights_from_disk`` reads the new checkpoint while generation goes on, then closes the admission gate:
   requests already running finish with the old weights, new ones wait (none is dropped), the weights are
   swapped in place and the prefix cache is flushed. Each response carries the ``weight_version`` that produced
-  all its tokens.
+  all its tokens. :meth:`InferenceEngine.load_published` does the same for an engine joining a run under way.
 * ``load_lora_adapter`` / ``unload_lora_adapter`` (with ``enable_lora``, as SGLang's ``--enable-lora``) serve
   PEFT adapters next to the base weights; a request names one in ``lora_path``. Loading pauses generation for one
   step; unloading waits until no admitted request uses the adapter (new requests naming it are refused at once).
@@ -21,16 +23,18 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, Field, field_validator
 
+from agentrl.failpoints import failpoint
 from agentrl.inference.admission import AdmissionGate
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, GenerationAborted, RequestSampling
 from agentrl.inference.lora_adapters import AdapterError, read_adapter
@@ -95,6 +99,16 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     return getattr(torch, dtype)
+
+
+class _Run(NamedTuple):
+    """One admitted generation: output ids and logprobs, finish reason, weight version, prompt logprobs."""
+
+    output_ids: list[int]
+    logprobs: list[float]
+    finish: FinishReason
+    version: str
+    prompt_logprobs: list[float]
 
 
 class InferenceEngine:
@@ -190,17 +204,26 @@ class InferenceEngine:
                 raise BadRequest("text encodes to no tokens")
         started = time.perf_counter()
         params = self.with_preferred(request.sampling_params)
-        output_ids, logprobs, finish, version = await self._run(input_ids, params, request.lora_path)
-        text = self._text(output_ids, finish, params)
+        start = None
+        if request.return_logprob:  # as SGLang's scheduler: -1 (the default) is the last prompt token
+            start = len(input_ids) - 1 if request.logprob_start_len in (None, -1) else request.logprob_start_len
+            if start >= len(input_ids):
+                raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens "
+                                 f"({len(input_ids)}). Request with a lower logprob_start_len.")
+        run = await self._run(input_ids, params, request.lora_path, prompt_start=start)
+        text = self._text(run.output_ids, run.finish, params)
         meta = MetaInfo(
-            id=request.rid or uuid.uuid4().hex, finish_reason=finish, prompt_tokens=len(input_ids),
-            completion_tokens=len(output_ids), cached_tokens=0, weight_version=version,
+            id=request.rid or uuid.uuid4().hex, finish_reason=run.finish, prompt_tokens=len(input_ids),
+            completion_tokens=len(run.output_ids), cached_tokens=0, weight_version=run.version,
             e2e_latency=time.perf_counter() - started)
-        if request.return_logprob:
-            meta.output_token_logprobs = [
-                (lp, tok, self.tokenizer.decode([tok]) if request.return_text_in_logprobs else None)
-                for lp, tok in zip(logprobs, output_ids, strict=True)]
-        return GenerateResponse(text=text, output_ids=output_ids, meta_info=meta)
+        if start is not None:
+            def entry(logprob: float | None, token: int) -> tuple[float | None, int, str | None]:
+                return logprob, token, self.tokenizer.decode([token]) if request.return_text_in_logprobs else None
+
+            meta.output_token_logprobs = [entry(lp, tok) for lp, tok in zip(run.logprobs, run.output_ids, strict=True)]
+            meta.input_token_logprobs = [entry(lp, tok) for lp, tok in
+                                         zip([None, *run.prompt_logprobs], input_ids[start:], strict=True)]
+        return GenerateResponse(text=text, output_ids=run.output_ids, meta_info=meta)
 
     async def health_generate(self) -> bool:
         """Generate one token (SGLang's ``/health_generate``); false when that fails or takes too long."""
@@ -246,28 +269,32 @@ class InferenceEngine:
         return RequestSampling(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
                                min_p=params.min_p, seed=params.sampling_seed, **penalties)
 
-    async def _run(self, input_ids: list[int], params: SamplingParams, adapter: str | None = None
-                   ) -> tuple[list[int], list[float], FinishReason, str]:
-        """Generate under an admission; return output ids, logprobs, finish reason and weight version."""
+    async def _run(self, input_ids: list[int], params: SamplingParams, adapter: str | None = None, *,
+                   prompt_start: int | None = None) -> _Run:
+        """Generate under an admission (and, from ``prompt_start`` on, score the prompt with the same weights)."""
         self._validate(input_ids, params)
         stop_ids = self._stop_token_ids(params)
         matcher = self._stop_string_matcher(params.stop_strings)
+        sampling = self._sampling(params)
         async with self.gate.admit():
             version = self.weight_version  # constant while admitted: updates wait for admitted requests
-            if params.max_new_tokens == 0:
-                return [], [], FinishReason(type="length", length=0), version
             self._use_adapter(adapter)
+            prompt: list[float] = []
             try:
+                if prompt_start is not None:
+                    prompt = await asyncio.to_thread(self.batcher.prompt_logprobs, input_ids, prompt_start,
+                                                     temperature=sampling.temperature, adapter=adapter)
+                if params.max_new_tokens == 0:
+                    return _Run([], [], FinishReason(type="length", length=0), version, prompt)
                 output = await self.batcher.generate(
-                    input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids,
-                    sampling=self._sampling(params), should_stop=(lambda ids: matcher(ids) is not None)
-                    if matcher else None, adapter=adapter)
+                    input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids, sampling=sampling,
+                    should_stop=(lambda ids: matcher(ids) is not None) if matcher else None, adapter=adapter)
             except GenerationAborted as error:  # SGLang answers an aborted request, it does not drop it
-                return [], [], FinishReason(type="abort", message=str(error)), version
+                return _Run([], [], FinishReason(type="abort", message=str(error)), version, prompt)
             finally:
                 self._release_adapter(adapter)
         tokens, logprobs = list(output.generated_tokens), list(output.logprobs)
-        return tokens, logprobs, self._finish_reason(tokens, params, stop_ids, matcher), version
+        return _Run(tokens, logprobs, self._finish_reason(tokens, params, stop_ids, matcher), version, prompt)
 
     def _stop_string_matcher(self, stops: list[str]) -> Callable[[list[int]], str | None] | None:
         """A function telling which stop string (if any) the end of the generated tokens contains."""
@@ -327,7 +354,8 @@ class InferenceEngine:
                  "stop_token_ids": request.stop_token_ids, "sampling_seed": request.seed,
                  "skip_special_tokens": request.skip_special_tokens}
         params = self.with_preferred(SamplingParams(**{k: v for k, v in given.items() if v is not None}))
-        output_ids, logprobs, finish, version = await self._run(input_ids, params)
+        run = await self._run(input_ids, params)
+        output_ids, logprobs, finish, version = run.output_ids, run.logprobs, run.finish, run.version
         choice: dict[str, Any] = {
             "index": 0,
             "message": {"role": "assistant", "content": self._text(output_ids, finish, params)},
@@ -375,7 +403,8 @@ class InferenceEngine:
         async with self._exclusive:
             held_before = self.gate.held
             async with self.gate.closed():  # running requests finish on the old weights; new ones wait
-                await asyncio.to_thread(self.batcher.load_state_dict, state_dict)
+                if not failpoint("engine.update_weights.swap"):
+                    await asyncio.to_thread(self.batcher.load_state_dict, state_dict)
                 await asyncio.to_thread(self.batcher.reset_prefix_cache)
                 self.weight_version = new_version
             paused = self.gate.held - held_before
@@ -383,6 +412,14 @@ class InferenceEngine:
                    f"{time.perf_counter() - started:.2f}s")
         logger.info(message)
         return UpdateWeightsFromDiskResponse(success=True, message=message, num_paused_requests=paused)
+
+    async def load_published(self, path: str, version: int) -> None:
+        """Serve the run's published weights at ``path`` as ``version`` (an engine joining a run under way);
+        raises :class:`RuntimeError` with the reason when they cannot be loaded."""
+        result = await self.update_weights_from_disk(
+            UpdateWeightsFromDiskRequest(model_path=path, weight_version=str(version)))
+        if not result.success:
+            raise RuntimeError(f"cannot serve the run's published policy version {version}: {result.message}")
 
     def _read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """Load a checkpoint's state dict on the host and check it matches the served model key for key."""
@@ -448,6 +485,8 @@ class InferenceEngine:
         started = time.perf_counter()
         try:
             adapter = await asyncio.to_thread(read_adapter, name, request.lora_path, self.model)
+            if failpoint("engine.load_lora_adapter.apply"):
+                adapter = dataclasses.replace(adapter, layers={})
         except AdapterError as error:
             return self._lora_result(f"Failed to load LoRA adapter {name}: {error}")
         except Exception as error:  # reported to the caller, who asked for this path

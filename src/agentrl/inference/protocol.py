@@ -17,7 +17,10 @@ Names, defaults and shapes follow SGLang's source (SGLang 0.5.23; the facts are 
   api_types.py`` rejects any other ``sampling_params`` key with a 400;
 * ``python/sglang/srt/managers/tokenizer_manager.py``: ``meta_info`` keys (``id``, ``finish_reason``,
   ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``, ``e2e_latency``,
-  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples). A server started with
+  ``output_token_logprobs`` as ``[logprob, token_id, text-or-null]`` triples; ``input_token_logprobs``, the same
+  triples for the prompt tokens from ``logprob_start_len`` on, the first one's logprob null: the scheduler's
+  ``_process_input_token_logprobs`` in ``scheduler_output_processor_mixin.py``; ``logprob_start_len`` -1 means the
+  last prompt token, and a start at or past the prompt's end is a 400). A server started with
   ``--preferred-sampling-params`` fills every parameter a request *omits* from those
   (``{**preferred_sampling_params, **obj.sampling_params}``), so clients send every parameter they rely on;
   ``weight_version`` is ``"default"`` until a weight update names one;
@@ -141,7 +144,9 @@ class GenerateRequest(_Request):
     input_ids: list[int] | None = None
     sampling_params: SamplingParams = Field(default_factory=SamplingParams)
     return_logprob: bool = False
-    logprob_start_len: int | None = Field(None, description="only -1 (output tokens only) is supported")
+    logprob_start_len: int | None = Field(
+        None, ge=-1, description="with return_logprob, the first prompt position whose token's logprob is returned in "
+        "input_token_logprobs (its own is null, as in SGLang); -1 (default): the last prompt token only")
     top_logprobs_num: int | None = Field(None, description="only 0 is supported")
     return_text_in_logprobs: bool = False
     stream: Literal[False] = False
@@ -156,8 +161,6 @@ class GenerateRequest(_Request):
             raise ValueError("input_ids is empty")
         if self.input_ids is not None and min(self.input_ids) < 0:
             raise ValueError(f"input_ids contains a negative token id ({min(self.input_ids)})")
-        if self.logprob_start_len not in (None, -1):
-            raise ValueError("logprob_start_len: only -1 (logprobs of the output tokens) is supported")
         if self.top_logprobs_num not in (None, 0):
             raise ValueError("top_logprobs_num: only 0 is supported")
         return self
@@ -191,6 +194,8 @@ class MetaInfo(BaseModel):
     weight_version: str | None = None
     e2e_latency: float | None = None
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
+    input_token_logprobs: list[tuple[float | None, int, str | None]] | None = Field(
+        None, description="[logprob, token id, text] of the prompt tokens from logprob_start_len on (the first: null)")
 
 
 class GenerateResponse(BaseModel):

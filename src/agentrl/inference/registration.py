@@ -1,13 +1,20 @@
 """Registration of a running engine in the ``InferenceService`` collection: register, heartbeat, mark down.
 
-Samplers pick services from that collection (DESIGN §3). The engine registers as UP on startup, refreshes its
-heartbeat (with its weight version and load) every few seconds, and marks itself DOWN when it shuts down
-(uvicorn turns SIGTERM/SIGINT into a graceful shutdown, which runs :meth:`ServiceRegistration.stop`). The weight
-version is stored as the run's policy version (:func:`~agentrl.inference.protocol.policy_version`: a non-numeric
+Samplers pick services from that collection (:mod:`agentrl.store.services`). The engine registers as UP on
+startup, refreshes its heartbeat (with its weight version and load) every few seconds, and marks itself DOWN when it
+shuts down (uvicorn turns SIGTERM/SIGINT into a graceful shutdown, which runs :meth:`ServiceRegistration.stop`). The
+weight version is stored as the run's policy version (:func:`~agentrl.inference.protocol.policy_version`: a non-numeric
 one, such as SGLang's ``"default"``, is the initial policy, 0), exactly as samplers stamp the tokens it generates.
 Registering at startup resets the service's load counters (nothing can be in flight on a process that just
 started; the samplers' releases of requests to a previous process then change nothing). A sampler that cannot
 connect to the service marks it DOWN; the next heartbeat marks it UP again.
+
+A service that joins a run already under way (``load_published``) registers as STARTING: samplers do not pick it,
+but weight publishes reach it (they wait in its listen queue until it answers). It is first given the run's
+published full weights (``Run.weights_path`` as version ``Run.policy_version``), reading the Run again after each
+load in case a version was published meanwhile, and only then marks itself UP: a restarted engine never serves its
+start-up weights to samplers. Runs that publish LoRA adapters need nothing here: samplers give a service the
+current adapter when it lacks it (:mod:`agentrl.rollout.inference_pool`).
 """
 
 from __future__ import annotations
@@ -15,16 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from agentrl.inference.protocol import policy_version
 from agentrl.log import redact
-from agentrl.store import Store
+from agentrl.store import ServiceStatus, Store
 
 logger = logging.getLogger(__name__)
 
 SERVER_SELECTION_TIMEOUT_MS = 5000
+
+LoadPublished = Callable[[str, int], Awaitable[None]]
+"""``load_published(weights_path, policy_version)``: make the service serve those weights as that version."""
 
 
 async def check_database(uri: str) -> None:
@@ -46,22 +56,50 @@ class ServiceRegistration:
         self.uri, self.base_url, self.kind, self.models = uri, base_url, kind, models
         self._status, self._weight_version = status, weight_version
         self.interval_s = interval_s
+        self.status = ServiceStatus.UP
         self._store: Store | None = None
         self._task: asyncio.Task | None = None
 
-    async def start(self) -> None:
-        """Register as UP (raises, naming the database, if it cannot be reached) and start heartbeating."""
+    async def start(self, load_published: LoadPublished | None = None) -> None:
+        """Register as UP (raises, naming the database, if it cannot be reached) and start heartbeating.
+
+        With ``load_published``, register as STARTING, have it load the run's published full weights (if the run
+        has any and serves a newer version than the service), then become UP. A load that fails marks the service
+        DOWN and raises: a service that cannot serve the run's policy must not serve its start-up weights."""
         self._store = Store(self.uri, serverSelectionTimeoutMS=SERVER_SELECTION_TIMEOUT_MS)
+        self.status = ServiceStatus.UP if load_published is None else ServiceStatus.STARTING
         try:
             await self._store.services.register(
                 self.base_url, kind=self.kind, models=self.models,
-                weight_version=policy_version(self._weight_version()), fresh_start=True)
+                weight_version=policy_version(self._weight_version()), fresh_start=True, status=self.status)
         except Exception as error:
             await self._store.close()
             raise RuntimeError(f"cannot register {self.base_url} in the database {redact(self.uri)}: "
                                f"{redact(str(error))}") from error
         self._task = asyncio.create_task(self._beat(), name="engine-heartbeat")
-        logger.info("registered %s in InferenceService", self.base_url)
+        logger.info("registered %s in InferenceService as %s", self.base_url, self.status)
+        if load_published is not None:
+            try:
+                await self._catch_up(load_published)
+            except BaseException:
+                await self.stop()
+                raise
+            self.status = ServiceStatus.UP
+            await self.heartbeat()
+            logger.info("%s is UP with weight_version %s", self.base_url, self._weight_version())
+
+    async def _catch_up(self, load_published: LoadPublished) -> None:
+        """Load the run's published full weights until the version served is the Run's."""
+        assert self._store is not None
+        while True:
+            run = await self._store.runs.get()
+            if run is None or run.lora_name or not run.weights_path or run.policy_version == 0:
+                return
+            if policy_version(self._weight_version()) >= run.policy_version:
+                return
+            logger.info("the run is at policy version %d: loading its weights from %s before serving",
+                        run.policy_version, run.weights_path)
+            await load_published(run.weights_path, run.policy_version)
 
     async def heartbeat(self) -> bool:
         """Report liveness, weight version and load now (re-registering if the document disappeared).
@@ -73,10 +111,10 @@ class ServiceRegistration:
         version = policy_version(self._weight_version())
         try:
             found = await self._store.services.heartbeat(self.base_url, weight_version=version,
-                                                         engine_load=self._status())
+                                                         engine_load=self._status(), status=self.status)
             if not found:
                 await self._store.services.register(self.base_url, kind=self.kind, models=self.models,
-                                                    weight_version=version)
+                                                    weight_version=version, status=self.status)
         except Exception as error:  # the database may come back; keep serving meanwhile
             logger.warning("heartbeat to %s failed: %s", redact(self.uri), redact(str(error)))
             return False

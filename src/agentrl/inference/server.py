@@ -6,6 +6,9 @@ request (validation error, unknown field, token id outside the vocabulary, over-
 num_paused_requests}`` with 200 or 400, ``/load_lora_adapter`` and ``/unload_lora_adapter`` ``{success,
 error_message, loaded_adapters}`` with 200 or 400; ``/health`` and ``/health_generate`` answer an empty 200 or 503.
 
+With an API key (``--api_key`` or ``$AGENTRL_INFERENCE_API_KEY``, SGLang's ``--api-key``) every request but the health
+checks must carry ``Authorization: Bearer KEY``, compared in constant time; others get a 401.
+
 On SIGTERM/SIGINT the running generations are aborted at once (each request is answered with finish reason
 ``abort``, requests arriving later get 503), then uvicorn shuts down gracefully: the process exits within seconds
 even with long generations in flight, with status 0.
@@ -14,6 +17,7 @@ even with long generations in flight, with status 0.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import socket
@@ -27,7 +31,7 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.inference.batching import EngineStopped
@@ -66,11 +70,29 @@ def _validation_message(error: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts)
 
 
+def require_api_key(app: FastAPI, api_key: str) -> None:
+    """Answer 401 to every request but the health checks (and CORS preflights) without ``Authorization: Bearer
+    <api_key>``, as SGLang's ``add_api_key_middleware``."""
+    expected = f"Bearer {api_key}".encode()
+
+    @app.middleware("http")
+    async def _authenticate(request: Request, call_next: Callable) -> Response:
+        if request.method == "OPTIONS" or request.url.path.startswith("/health"):
+            return await call_next(request)
+        if not hmac.compare_digest(request.headers.get("authorization", "").encode(), expected):
+            return error_response(HTTPStatus.UNAUTHORIZED, "Unauthorized: give the engine's API key as "
+                                  "'Authorization: Bearer KEY' (clients read $AGENTRL_INFERENCE_API_KEY)")
+        return await call_next(request)
+
+
 def create_app(engine: InferenceEngine, registration: ServiceRegistration | None = None,
-               on_ready: Callable[[], None] | None = None) -> FastAPI:
+               on_ready: Callable[[], None] | None = None, api_key: str | None = None) -> FastAPI:
     """The FastAPI application serving ``engine``; the generation loop runs for the app's lifetime.
 
-    With ``registration``, the engine registers itself on startup, heartbeats, and is marked down on shutdown.
+    With ``registration``, the engine registers itself on startup (loading the run's published weights before
+    samplers may pick it), heartbeats, and is marked down on shutdown. With ``api_key``, every request but
+    ``/health`` and ``/health_generate`` must carry ``Authorization: Bearer <api_key>`` (else 401), as SGLang's
+    ``--api-key``.
     """
 
     @asynccontextmanager
@@ -78,7 +100,7 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
         engine.start()
         try:
             if registration is not None:
-                await registration.start()
+                await registration.start(load_published=engine.load_published)
             if on_ready is not None:
                 on_ready()
             yield
@@ -88,6 +110,8 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
             await asyncio.to_thread(engine.stop)
 
     app = FastAPI(title="agentrl engine", lifespan=lifespan)
+    if api_key:
+        require_api_key(app, api_key)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -166,9 +190,10 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
 
 
 class ServerConfig(BaseModel):
-    """Where the engine listens and whom it tells."""
+    """Where the engine listens, whom it tells and whom it serves."""
 
     host: str = "127.0.0.1"
+    api_key: SecretStr | None = Field(None, description="requests must bring 'Authorization: Bearer KEY'")
     port: int = Field(30000, ge=0, le=65535, description="0 picks a free port")
     db_connection_string: str | None = None
     heartbeat_interval_s: float = Field(5.0, gt=0)
@@ -228,7 +253,8 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         print(f"agentrl engine ready at {url} serving {engine.model_name} ({engine.device}, {engine.dtype})",
               flush=True)
 
-    app = create_app(engine, registration, on_ready=announce)
+    app = create_app(engine, registration, on_ready=announce,
+                     api_key=server_config.api_key.get_secret_value() if server_config.api_key else None)
     server = EngineServer(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=30), engine)
     # uvicorn turns SIGINT/SIGTERM into a graceful shutdown, then re-raises the signal with the handlers it found
     # installed; these make that re-raise a no-op, so a graceful stop exits with status 0.

@@ -290,6 +290,21 @@ class DBRecordData(Document):
 class ServiceStatus(StrEnum):
     UP = "UP"
     DOWN = "DOWN"
+    STARTING = "STARTING"  # registered, loading the run's published weights: publishes reach it, samplers do not
+
+
+class PolicyProbe(BaseModel):
+    """The trainer's last check of the policy a service serves (``agentrl.training.policy_probe``): after
+    publishing ``version`` the service scored a fixed token sequence and its logprobs were compared with the
+    trainer's. A failed check keeps the service out of the samplers' choice until a later one passes or it
+    registers afresh (a restart)."""
+
+    version: int
+    ok: bool
+    mean_abs_diff: float | None = Field(None, description="mean |served − trainer| logprob over the sequence")
+    max_abs_diff: float | None = None
+    error: str | None = Field(None, description="why the check failed (mismatch, refusal, wrong weight_version)")
+    at: UTCDatetime = Field(default_factory=utcnow)
 
 
 class InferenceService(Document):
@@ -297,7 +312,8 @@ class InferenceService(Document):
 
     ``_id`` is the service's base URL. ``running_requests`` is the load counter samplers maintain: the sum of
     the shares in ``running_by`` (``{owner key: {"n": in-flight requests, "seen": epoch seconds}}``, see
-    :mod:`agentrl.store.services`). A service is live while ``status == UP`` and its ``heartbeat_at`` is recent.
+    :mod:`agentrl.store.services`). A service is live while ``status == UP``, its ``heartbeat_at`` is recent and
+    its last ``policy_probe`` did not fail (``probe_failed``, a field of its own: every registration sets it).
     """
 
     collection: ClassVar[str] = "InferenceService"
@@ -312,6 +328,8 @@ class InferenceService(Document):
         default_factory=dict, description="each owner's in-flight requests (n) and when it was last seen")
     total_requests: int = 0
     engine_load: dict[str, Any] = Field(default_factory=dict, description="load the server reports about itself")
+    policy_probe: PolicyProbe | None = None
+    probe_failed: bool = Field(False, description="the last policy probe failed: samplers keep off the service")
     heartbeat_at: UTCDatetime = Field(default_factory=utcnow)
     started_at: UTCDatetime = Field(default_factory=utcnow)
 

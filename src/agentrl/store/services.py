@@ -18,7 +18,7 @@ from pymongo import ReturnDocument
 from pymongo.asynchronous.database import AsyncDatabase
 
 from agentrl.store.clock import ServerClock
-from agentrl.store.models import InferenceService, ServiceStatus
+from agentrl.store.models import InferenceService, PolicyProbe, ServiceStatus
 from agentrl.store.outage import retry_on_reconnect
 
 logger = logging.getLogger(__name__)
@@ -41,20 +41,22 @@ class ServiceRegistry:
         self.clock = clock or ServerClock(db.client)  # heartbeats are judged on the database server's clock
 
     async def register(self, base_url: str, *, kind: str = "sglang", models: list[str] | None = None,
-                       weight_version: int | None = None, fresh_start: bool = False) -> InferenceService:
-        """Register (or re-register) a service as UP.
+                       weight_version: int | None = None, fresh_start: bool = False,
+                       status: ServiceStatus = ServiceStatus.UP) -> InferenceService:
+        """Register (or re-register) a service as UP (or ``status``: STARTING while it loads the run's weights).
 
         The descriptive fields are set (``models`` and ``weight_version`` only when given). The load counters are
         created at zero and otherwise kept: other samplers' in-flight requests stay counted until they release
         them. ``fresh_start`` (the engine registering itself as it starts: nothing is in flight on it) resets
         the total and every share together, so the owners' later releases of old requests find no share and
-        change nothing.
+        change nothing; it also forgets the last policy probe (a new process serves what it loaded itself).
         """
         service_id = base_url.rstrip("/")
         now = self.clock.now()
-        fields: dict[str, Any] = {"base_url": service_id, "kind": kind, "status": str(ServiceStatus.UP),
+        fields: dict[str, Any] = {"base_url": service_id, "kind": kind, "status": str(status),
                                   "heartbeat_at": now, "started_at": now}
-        counters: dict[str, Any] = {"running_requests": 0, "running_by": {}}
+        counters: dict[str, Any] = {"running_requests": 0, "running_by": {}, "policy_probe": None,
+                                    "probe_failed": False}
         on_insert: dict[str, Any] = {"total_requests": 0, "engine_load": {}}
         (fields if fresh_start else on_insert).update(counters)
         for name, value, default in (("models", models, []), ("weight_version", weight_version, 0)):
@@ -67,9 +69,9 @@ class ServiceRegistry:
         return InferenceService.from_mongo(await self.collection.find_one({"_id": service_id}))
 
     async def heartbeat(self, base_url: str, *, weight_version: int | None = None,
-                        engine_load: dict[str, Any] | None = None) -> bool:
+                        engine_load: dict[str, Any] | None = None, status: ServiceStatus = ServiceStatus.UP) -> bool:
         """Refresh the heartbeat (and report version/load); ``False`` if the service is not registered."""
-        fields: dict[str, Any] = {"heartbeat_at": self.clock.now(), "status": str(ServiceStatus.UP)}
+        fields: dict[str, Any] = {"heartbeat_at": self.clock.now(), "status": str(status)}
         if weight_version is not None:
             fields["weight_version"] = weight_version
         if engine_load is not None:
@@ -88,13 +90,28 @@ class ServiceRegistry:
         return self.clock.now().timestamp()
 
     def _live_query(self) -> dict[str, Any]:
-        return {"status": str(ServiceStatus.UP),
+        return {"status": str(ServiceStatus.UP), "probe_failed": {"$ne": True},
                 "heartbeat_at": {"$gt": self.clock.now() - timedelta(seconds=self.ttl_s)}}
 
     @retry_on_reconnect
     async def live(self) -> list[InferenceService]:
         cursor = self.collection.find(self._live_query(), sort=[("running_requests", 1)])
         return [InferenceService.from_mongo(doc) async for doc in cursor]
+
+    @retry_on_reconnect
+    async def serving(self) -> list[InferenceService]:
+        """The services a weight publish must reach: heartbeat fresh and UP or STARTING, whatever their last policy
+        probe said (a later publish may fix them)."""
+        query = {"$or": [{"status": str(ServiceStatus.UP)}, {"status": str(ServiceStatus.STARTING)}],
+                 "heartbeat_at": {"$gt": self.clock.now() - timedelta(seconds=self.ttl_s)}}
+        return [InferenceService.from_mongo(doc) async for doc in self.collection.find(query, sort=[("_id", 1)])]
+
+    @retry_on_reconnect
+    async def record_probe(self, base_url: str, probe: PolicyProbe) -> None:
+        """Store the trainer's check of the policy the service serves; a failed one keeps it out of :meth:`live`
+        (and :meth:`acquire`) until a later check passes or the service registers afresh."""
+        await self.collection.update_one({"_id": base_url.rstrip("/")}, {"$set": {
+            "policy_probe": probe.model_dump(mode="python"), "probe_failed": not probe.ok}})
 
     async def acquire(self, owner: str, exclude: list[str] | None = None, max_running: int | None = None
                       ) -> InferenceService | None:

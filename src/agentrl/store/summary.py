@@ -18,6 +18,7 @@ from agentrl.store.models import (
     RecordStatus,
     Run,
     SampleStatus,
+    ServiceStatus,
     Task,
     TaskStatus,
     utcnow,
@@ -63,6 +64,18 @@ def state_counts(db: Database) -> dict[str, dict[str, int]]:
     return counts
 
 
+def service_state(service: InferenceService, heartbeat_age_s: float) -> str:
+    """What a service's row shows: DOWN, stale (no recent heartbeat), probe-failed (kept off the samplers by the
+    trainer's policy probe), else its status (UP, STARTING)."""
+    if str(service.status) == str(ServiceStatus.DOWN):
+        return str(ServiceStatus.DOWN)
+    if heartbeat_age_s >= DEFAULT_HEARTBEAT_TTL_S:
+        return "stale"
+    if service.probe_failed:
+        return "probe-failed"
+    return str(service.status)
+
+
 def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
     """A JSON-able summary of the run stored in ``db``."""
     now = now or utcnow()
@@ -76,10 +89,13 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
     for doc in db[InferenceService.collection].find({}, sort=[("_id", 1)]):
         service = InferenceService.from_mongo(doc)
         age = (now - service.heartbeat_at).total_seconds()
-        live = str(service.status) == "UP" and age < DEFAULT_HEARTBEAT_TTL_S
+        probe = service.policy_probe
+        live = str(service.status) == "UP" and age < DEFAULT_HEARTBEAT_TTL_S and not service.probe_failed
         services.append({"id": service.id, "kind": service.kind, "status": str(service.status), "live": live,
+                         "state": service_state(service, age),
                          "heartbeat_age_s": round(age, 1), "weight_version": service.weight_version,
-                         "running_requests": service.running_requests, "total_requests": service.total_requests})
+                         "running_requests": service.running_requests, "total_requests": service.total_requests,
+                         "policy_probe": None if probe is None else probe.model_dump(mode="json")})
     run = Run.from_mongo(db[Run.collection].find_one({"_id": RUN_ID}))
     last_metric = db[Metric.collection].find_one({}, sort=[("step", -1)])
     pending_groups = count(db[Task.collection], {"remaining": 0, "group_stage_done": False})

@@ -182,6 +182,10 @@ class TrainConfig(BaseModel):
     sync_every: int = Field(1, ge=1, description="publish the weights every this many steps")
     keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
     publish_retries: int = Field(3, ge=0, description="extra attempts per inference service when publishing")
+    policy_probe_max_diff: float = Field(
+        0.1, ge=0.0, description="after each publish every service scores a fixed sequence; one whose mean "
+        "|logprob - trainer's| exceeds this is reported and kept off the samplers (measured: 1e-5 for fp32 serving, "
+        "0.04 for bf16; 0.1 fits both, 0.001 suits fp32 serving only; 0 turns the check off)")
 
     # ------------------------------------------------------------------------------------ precision, parallelism
     bf16: bool | None = Field(None, description="bf16 compute with fp32 master weights and an fp32 LM head "

@@ -12,6 +12,11 @@ live service gets ``POST /load_lora_adapter`` with the name ``policy-v<v>`` (a n
 the same version is unloaded and loaded again), and the bump records that name on the Run: samplers then name it
 in each request and stamp its tokens with ``v`` (SGLang's ``weight_version`` does not change with adapters). The
 adapters of pruned versions are unloaded in the background: unloading waits for the requests still using them.
+
+With a :class:`ProbeSettings`, every service that loaded the version is then checked before the bump
+(:mod:`agentrl.training.policy_probe`): it scores a fixed sequence, and one whose logprobs are not the trainer's is
+reported by name and kept off the samplers. Publishes reach the services that are UP or STARTING (an engine
+loading the run's weights as it joins), whatever their last check said.
 """
 
 from __future__ import annotations
@@ -30,8 +35,10 @@ from torch import nn
 from agentrl.failpoints import failpoint
 from agentrl.inference.protocol import policy_adapter_name
 from agentrl.store import Store, VersionConflict
+from agentrl.store.models import PolicyProbe
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
+from agentrl.training.policy_probe import check_service, trainer_logprobs
 from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)
@@ -41,12 +48,22 @@ class PublishError(RuntimeError):
     """The run's policy version moved under the trainer (another trainer publishes to the same run?)."""
 
 
+@dataclass(frozen=True)
+class ProbeSettings:
+    """The policy probe after each publish: the token ids every service scores and the largest mean |served −
+    trainer| logprob difference it may show."""
+
+    token_ids: list[int]
+    max_mean_abs_diff: float
+
+
 @dataclass
 class PublishResult:
     version: int
     path: Path
     services: int = 0
     failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
+    probes: dict[str, PolicyProbe] = field(default_factory=dict)  # service base URL -> its check (when probed)
     seconds: float = 0.0
 
 
@@ -54,11 +71,12 @@ class WeightPublisher:
     """Publishes versions of the trainer's weights (rank 0 talks to the store and services; all ranks export)."""
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, output_dir: Path, *, dtype: torch.dtype,
-                 tokenizer: Any | None, keep: int = 2, retries: int = 3, adapter: bool = False):
+                 tokenizer: Any | None, keep: int = 2, retries: int = 3, adapter: bool = False,
+                 probe: ProbeSettings | None = None):
         self.store, self.io, self.parallel = store, io, parallel
         self.root = output_dir / "weights"
         self.dtype, self.tokenizer, self.keep, self.retries = dtype, tokenizer, keep, retries
-        self.adapter = adapter
+        self.adapter, self.probe = adapter, probe
 
     def publish(self, model: nn.Module, version: int) -> PublishResult:
         """Publish ``model`` as ``version`` (every rank must call this; the result is complete on rank 0)."""
@@ -72,8 +90,9 @@ class WeightPublisher:
             export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
         result = PublishResult(version=version, path=path)
         failpoint("publish.after_export")
+        expected = None if self.probe is None else trainer_logprobs(model, self.probe.token_ids, self.parallel.device)
         if self.parallel.is_main:
-            self.io.run(self._announce(result))
+            self.io.run(self._announce(result, expected))
             pruned = self._prune(version)
             if self.adapter and pruned:
                 self.io.submit(self._unload([policy_adapter_name(v) for v in pruned]))
@@ -81,8 +100,8 @@ class WeightPublisher:
         self.parallel.barrier()
         return result
 
-    async def _announce(self, result: PublishResult) -> None:
-        services = await self.store.services.live()
+    async def _announce(self, result: PublishResult, expected: list[float] | None) -> None:
+        services = await self.store.services.serving()
         result.services = len(services)
         errors = await asyncio.gather(*(self._load_on(s.base_url, result) for s in services))
         for service, error in zip(services, errors):
@@ -90,6 +109,8 @@ class WeightPublisher:
                 result.failures[service.base_url] = error
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
                              result.version, service.base_url, error)
+        if expected is not None:
+            await self._probe([s.base_url for s in services if s.base_url not in result.failures], result, expected)
         failpoint("publish.before_bump")
         lora_name = policy_adapter_name(result.version) if self.adapter else None
         try:
@@ -123,11 +144,28 @@ class WeightPublisher:
                 return str(error)
         return None
 
+    async def _probe(self, urls: list[str], result: PublishResult, expected: list[float]) -> None:
+        """Check the policy each service in ``urls`` serves now; record every verdict, report the failures."""
+        assert self.probe is not None
+        adapter = policy_adapter_name(result.version) if self.adapter else None
+        verdicts = await asyncio.gather(*(check_service(
+            url, self.probe.token_ids, expected, version=result.version, adapter=adapter,
+            max_mean_abs_diff=self.probe.max_mean_abs_diff, retries=self.retries) for url in urls))
+        for url, probe in zip(urls, verdicts):
+            if probe is None:
+                continue
+            result.probes[url] = probe
+            await self.store.services.record_probe(url, probe)
+            if not probe.ok:
+                logger.error("policy probe after publishing weights version %d: inference service %s does not "
+                             "serve the trainer's policy (%s): samplers keep off it until it passes a later probe "
+                             "or restarts", result.version, url, probe.error)
+
     async def _unload(self, names: list[str]) -> None:
         """Unload adapters of pruned versions from the live services (each answers once no request uses them)."""
         from agentrl.inference.client import InferenceServiceError, SGLangClient
 
-        for service in await self.store.services.live():
+        for service in await self.store.services.serving():
             async with SGLangClient(service.base_url, max_retries=self.retries) as client:
                 for name in names:
                     try:

@@ -64,7 +64,8 @@ from agentrl.training.parallel import (
     init_parallel,
     shutdown_parallel,
 )
-from agentrl.training.publish import PublishError, WeightPublisher
+from agentrl.training.policy_probe import probe_metrics, probe_token_ids
+from agentrl.training.publish import ProbeSettings, PublishError, WeightPublisher
 from agentrl.training.weights import WeightsError, export_pretrained, load_sharded, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -179,13 +180,23 @@ class Trainer:
                                          dtype=torch.bfloat16 if self.bf16 else torch.float32,
                                          tokenizer=self.tokenizer, keep=cfg.keep_published_weights,
                                          retries=cfg.publish_retries,
-                                         adapter=cfg.use_peft and cfg.lora_publish == "adapter")
+                                         adapter=cfg.use_peft and cfg.lora_publish == "adapter",
+                                         probe=self._probe_settings())
         if cfg.enable_sampling and (resume is not None or self.version > 0):
             # the services may serve weights this trainer does not have (a later step, another run): align them
             self._publish()
         self.stream = SampleStream(self.store, self.io, parallel, split=cfg.split, batch_size=self.batch_size,
                                    staleness_bound=cfg.staleness_bound, offline=not cfg.enable_sampling,
                                    poll_interval_s=cfg.poll_interval_s, stop=self.stop)
+
+    def _probe_settings(self) -> ProbeSettings | None:
+        """What the policy probe after each publish checks (None: ``--policy_probe_max_diff 0``)."""
+        if not self.cfg.policy_probe_max_diff:
+            return None
+        positions = getattr(self.model.config, "max_position_embeddings", None)
+        ids = self.parallel.broadcast_from_main(
+            probe_token_ids(self.tokenizer, positions) if self.parallel.is_main else None)
+        return ProbeSettings(token_ids=ids, max_mean_abs_diff=self.cfg.policy_probe_max_diff)
 
     def _base_model_path(self) -> str:
         if self.cfg.model_name_or_path:
@@ -346,6 +357,8 @@ class Trainer:
             result = self._publish()
             values.update(publish_s=result.seconds, publish_failures=float(len(result.failures)),
                           policy_version=float(self.version))
+            if self.publisher.probe is not None:
+                values.update(probe_metrics(result.probes))
         if parallel.is_tp_leader:
             # Only now, with the new weights served, do the Records leave `ready`: the samplers' admission control
             # counts them until then, so what it admits next is sampled by the new policy.
