@@ -19,10 +19,21 @@ def test_the_zero_variance_warning_needs_enough_groups_mostly_dropped() -> None:
     assert Progress(groups_kept=2, groups_dropped=Counter({ZERO_VARIANCE: 4})).zero_variance_warning() is None
     failing = Progress(groups_kept=1, groups_dropped=Counter({ZERO_VARIANCE: 5}), zero_variance_solved=1)
     warning = failing.zero_variance_warning()
-    assert warning is not None and warning.startswith("5 of 6 groups were dropped for zero reward variance")
-    assert "never solved" in warning and "WARMUP" in warning  # says what to do about it
-    solved = Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 4}), zero_variance_solved=3)
-    assert "always solved: use harder tasks" in solved.zero_variance_warning()
+    assert warning is not None and warning.startswith(
+        "5 of 6 groups were dropped for zero reward variance (1 always solved, 4 never solved)")
+    # says what to do about each kind, the more frequent first
+    assert warning.index("never solved: give the model a warm start (WARMUP") < warning.index("use harder tasks")
+
+
+def test_the_zero_variance_warning_says_which_groups_were_dropped() -> None:
+    """Groups always solved (as after a warm-up) are never called never solved, not even when as many were."""
+    solved = Progress(groups_kept=1, groups_dropped=Counter({ZERO_VARIANCE: 4}), zero_variance_solved=4)
+    warning = solved.zero_variance_warning()
+    assert "(4 always solved, 0 never solved)" in warning and "use harder tasks" in warning
+    assert "never solved:" not in warning and "WARMUP" not in warning
+    even = Progress(groups_kept=0, groups_dropped=Counter({ZERO_VARIANCE: 4}), zero_variance_solved=2)
+    warning = even.zero_variance_warning()
+    assert "(2 always solved, 2 never solved)" in warning and "use harder tasks" in warning and "WARMUP" in warning
 
 
 def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(
@@ -35,7 +46,9 @@ def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(
     watch = subprocess.run(agentrl_cmd("watch", "--db_connection_string", db_uri, "--until_pid", "999999999"),
                            capture_output=True, text=True, env=run_env(), timeout=60)
     assert watch.returncode == 0, watch.stderr
-    assert "warning: 4 of 4 groups were dropped for zero reward variance" in watch.stdout
+    # what the group decisions show: the scripted model answers these four tasks right every time
+    assert "warning: 4 of 4 groups were dropped for zero reward variance (4 always solved, 0 never solved)" \
+        in watch.stdout
     assert "trajectories 8 done, 0 running" in watch.stdout
     assert "groups 0 kept, 4 dropped (4 zero variance)" in watch.stdout
 

@@ -18,7 +18,7 @@ from typing import Any
 
 def is_loopback(host: str) -> bool:
     """Whether ``host`` is reachable from this machine only (``localhost``, 127.0.0.0/8, ``::1``)."""
-    if host == "localhost":
+    if host.lower() == "localhost":
         return True
     try:
         return ipaddress.ip_address(host).is_loopback

@@ -7,6 +7,7 @@ import os
 import sys
 
 from agentrl.cli.options import add_db_option
+from agentrl.dashboard.hosts import allowed_names
 from agentrl.listen import is_loopback
 
 READY_LINE = "dashboard: {url} (runs on {where})"
@@ -25,6 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--auth_token_env", default=None, metavar="VAR",
                         help="environment variable holding a token that every request must bring (header "
                              "'Authorization: Bearer TOKEN', or open a page once with ?token=TOKEN)")
+    parser.add_argument("--allowed_hosts", default="", metavar="NAMES",
+                        help="without --auth_token_env, only requests naming the dashboard in their Host header are "
+                             "answered (against DNS rebinding): its address, and localhost, 127.0.0.1 and ::1 on "
+                             "loopback; add the comma-separated names it is also served under (a tunnel's, a proxy's)")
     parser.set_defaults(func=run)
 
 
@@ -48,6 +53,10 @@ def run(args: argparse.Namespace) -> int:
     elif not is_loopback(args.host):
         return fail(f"--host {args.host} is reachable from other machines: give a token with --auth_token_env VAR "
                     "(or keep the default 127.0.0.1 and tunnel to it)")
+    try:
+        hosts = None if token else allowed_names(args.host, args.allowed_hosts)
+    except ValueError as error:
+        return fail(str(error))
     uri = resolve_connection_string(args.db_connection_string)
     where = redact(uri)
     if not answers_ping(uri, timeout_s=5.0):
@@ -60,7 +69,8 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.dashboard.app import create_app
 
     client = sync_client(uri, serverSelectionTimeoutMS=5000)
-    app = create_app(client, default_database=database_name(uri, default="") or None, auth_token=token)
+    app = create_app(client, default_database=database_name(uri, default="") or None, auth_token=token,
+                     allowed_hosts=hosts)
     bound = sock.getsockname()[1]
     host = f"[{args.host}]" if ":" in args.host else args.host
     print(READY_LINE.format(url=f"http://{host}:{bound}/", where=where), flush=True)

@@ -4,7 +4,9 @@ Pages: ``/`` (runs), ``/runs/{run}`` (curves, states, reward per version, evalua
 ``/runs/{run}/records`` (filterable, paginated), ``/runs/{run}/records/{id}`` (turns and token view) and
 ``/runs/{run}/tasks/{id}`` (the group side by side). The API answers 404 for unknown runs, records and tasks and
 400 for bad filters. With an auth token, every request needs ``Authorization: Bearer TOKEN`` or the cookie that
-opening any page with ``?token=TOKEN`` sets.
+opening any page with ``?token=TOKEN`` sets (401 otherwise). Without one, only requests whose ``Host`` names the
+dashboard (``allowed_hosts``) are answered (403 otherwise): a page of another site that a DNS rebinding points at
+127.0.0.1 sends its own name, and reads nothing.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from pydantic import ValidationError
 from pymongo import MongoClient
 
 from agentrl.dashboard.charts import metric_charts
+from agentrl.dashboard.hosts import host_name
 from agentrl.dashboard.queries import NotFound, RecordFilters, RunReader
 from agentrl.dashboard.tokens import TokenTexts, calls_views, sample_view
 from agentrl.training.merge import PrefixError
@@ -56,6 +59,11 @@ def _json(data: Any, status_code: int = 200) -> JSONResponse:
     return JSONResponse(jsonable_encoder(data), status_code=status_code)
 
 
+def _token_matches(given: str, token: str) -> bool:
+    """Constant-time comparison of UTF-8 bytes (``hmac.compare_digest`` refuses non-ASCII ``str``)."""
+    return hmac.compare_digest(given.encode(), token.encode())
+
+
 def _warm_tokenizers(reader: RunReader, texts: TokenTexts) -> None:
     try:
         for run in reader.run_names():
@@ -64,9 +72,11 @@ def _warm_tokenizers(reader: RunReader, texts: TokenTexts) -> None:
         logger.debug("warming the tokenizers failed", exc_info=True)
 
 
-def create_app(client: MongoClient, *, default_database: str | None = None, auth_token: str | None = None) -> FastAPI:
+def create_app(client: MongoClient, *, default_database: str | None = None, auth_token: str | None = None,
+               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
     """The dashboard over the runs ``client`` sees (``default_database``: the one to show when the user may not list
-    databases)."""
+    databases). ``allowed_hosts``: the names a request's ``Host`` must give (``agentrl.dashboard.hosts``); ``None``
+    accepts any (only safe with ``auth_token``)."""
     reader = RunReader(client, default_database)
     texts = TokenTexts()
     # the first record page of a run would wait seconds for transformers and the tokenizer: load them now
@@ -81,17 +91,26 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
         if auth_token is None:
             return await call_next(request)
         offered = request.query_params.get("token")
-        if offered is not None and hmac.compare_digest(offered, auth_token) and request.method == "GET":
+        if offered is not None and _token_matches(offered, auth_token) and request.method == "GET":
             query = urlencode([(k, v) for k, v in request.query_params.multi_items() if k != "token"])
             response = RedirectResponse(request.url.path + (f"?{query}" if query else ""), status_code=303)
             response.set_cookie(TOKEN_COOKIE, auth_token, httponly=True, samesite="strict")
             return response
         header = request.headers.get("authorization", "")
         given = header[7:] if header.lower().startswith("bearer ") else request.cookies.get(TOKEN_COOKIE, "")
-        if not hmac.compare_digest(given.encode(), auth_token.encode()):
+        if not _token_matches(given, auth_token):
             return JSONResponse({"detail": "missing or wrong token: send 'Authorization: Bearer TOKEN' or open the "
                                            "page with ?token=TOKEN once"}, status_code=401)
         return await call_next(request)
+
+    @app.middleware("http")
+    async def check_host(request: Request, call_next):
+        if allowed_hosts is None or host_name(request.headers.get("host")) in allowed_hosts:
+            return await call_next(request)
+        return JSONResponse({"detail": f"this dashboard is not served under the name in the Host header "
+                                       f"({request.headers.get('host', 'none')!r}); it answers to "
+                                       f"{', '.join(sorted(allowed_hosts))} (add names with --allowed_hosts)"},
+                            status_code=403)
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, error: NotFound) -> Response:

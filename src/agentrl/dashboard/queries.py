@@ -86,8 +86,8 @@ class RecordFilters(BaseModel):
 
 
 def as_datetime(value: Any) -> datetime | None:
-    """A stored date as an aware UTC datetime (drivers return naive UTC; NX-27017 returns dates written by
-    ``$set`` as ISO strings)."""
+    """A stored date as an aware UTC datetime (drivers return naive UTC; databases written by NX-27017 without
+    ``agentrl.store.nx_server`` hold dates set by updates as ISO strings)."""
     if isinstance(value, str):
         try:
             value = datetime.fromisoformat(value)

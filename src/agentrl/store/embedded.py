@@ -2,13 +2,13 @@
 
 ``start`` launches it in its own session (it survives the command that started it), waits until it answers a
 ``ping`` and returns its connection string; the PID, log and SQLite files live in ``data_dir``, so data survives
-a restart. ``stop`` and ``status`` find the server through its PID file.
+a restart. ``stop`` and ``status`` find the server through its PID file. The server runs through
+``agentrl.store.nx_server``, which keeps the dates that updates write as BSON dates.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import socket
 import subprocess
@@ -82,9 +82,8 @@ class EmbeddedServer:
                 f"database of {self.data_dir}); pick another with --port"
             )
         self.data_dir.mkdir(parents=True, exist_ok=True)
-        executable = shutil.which("nx-27017", path=str(Path(sys.executable).parent)) or shutil.which("nx-27017")
-        command = [executable] if executable else [sys.executable, "-m", "nx_27017.nx_27017"]
-        command += [
+        command = [
+            sys.executable, "-m", "agentrl.store.nx_server",  # NX-27017 that keeps dates written by updates
             "--host", self.host, "--port", str(self.port), "--data-dir", str(self.data_dir / "data"),
             "--pid-file", str(self.pid_file), "--log-file", str(self.log_file),
         ]

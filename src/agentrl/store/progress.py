@@ -67,18 +67,21 @@ class Progress:
         return max(self.max_steps - self.step, 0) * self.step_seconds
 
     def zero_variance_warning(self) -> str | None:
-        """A warning when most groups so far were dropped because all their samples scored the same."""
+        """A warning when most groups so far were dropped because all their samples scored the same: how many of
+        those were always solved and how many never, with what to do about each."""
         dropped = self.groups_dropped.get(ZERO_VARIANCE_DECISION, 0)
         if self.groups_done < WARN_AFTER_GROUPS or dropped < WARN_DROPPED_FRACTION * self.groups_done:
             return None
-        head = (f"{dropped} of {self.groups_done} groups were dropped for zero reward variance: every sample of "
-                "those tasks got the same score, so they teach nothing. ")
-        if 2 * self.zero_variance_solved > dropped:
-            return head + ("Most of them were always solved: use harder tasks, more samples per task "
-                           "(NUM_GENERATIONS) or a higher TEMPERATURE.")
-        return head + ("Most of them were never solved: give the model a warm start (WARMUP=N in the example scripts, or `agentrl "
-                       "sft demos` + `agentrl sft upload`), use easier tasks or a shaped scorer "
-                       "(SCORER=math_format), more samples per task (NUM_GENERATIONS) or a higher TEMPERATURE.")
+        solved, failed = self.zero_variance_solved, max(dropped - self.zero_variance_solved, 0)
+        advice = sorted([(solved, "For the tasks always solved: use harder tasks."),
+                         (failed, "For the tasks never solved: give the model a warm start (WARMUP=N in the example "
+                                  "scripts, or `agentrl sft demos` + `agentrl sft upload`), use easier tasks or a "
+                                  "shaped scorer (SCORER=math_format).")], key=lambda item: -item[0])
+        return " ".join([f"{dropped} of {self.groups_done} groups were dropped for zero reward variance ({solved} "
+                         f"always solved, {failed} never solved): every sample of those tasks got the same score, so "
+                         "they teach nothing.", *(text for count, text in advice if count),
+                         "More samples per task (NUM_GENERATIONS) or a higher TEMPERATURE make scores vary more "
+                         "often."])
 
 
 def read_progress(db: Database, split: str = "train") -> Progress:
