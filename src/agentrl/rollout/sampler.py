@@ -217,25 +217,30 @@ class Sampler:
         self._leases.pop(task, None)
 
     async def _shutdown(self) -> None:
-        """Cancel the trajectories (each gives its slot back as ``cancelled``) and let the group stages already
-        running finish, for up to ``SHUTDOWN_GRACE_S`` (then they are cancelled too and give their lease back);
-        then mark ``interrupted`` the started Tasks nobody works on. What cannot reach the database in time is left
-        to lease expiry."""
+        """Within ``SHUTDOWN_GRACE_S`` in all: cancel the trajectories (each gives its slot back as ``cancelled``)
+        and let the group stages already running finish (those still running at the end are cancelled and give their
+        lease back); then mark ``interrupted`` the started Tasks nobody works on. What cannot reach the database in
+        time is left to lease expiry."""
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.5)
+
         leases = list(self._leases.values())
         for task in self._active - self._staging:
             task.cancel()
         if self._active:
-            await asyncio.wait(list(self._active), timeout=SHUTDOWN_GRACE_S)
+            await asyncio.wait(list(self._active), timeout=left())
         for task in list(self._active):  # group stages past the grace
             task.cancel()
         if self._active:
-            await asyncio.wait(list(self._active), timeout=SHUTDOWN_GRACE_S)
-        for lease in leases:  # a task cancelled before it ran never gave its slot back (a no-op for the others)
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self.res.store.slots.release(lease), SHUTDOWN_GRACE_S)
+            await asyncio.wait(list(self._active), timeout=left())
+        with contextlib.suppress(Exception):  # a task cancelled before it ran never gave its slot back (a no-op
+            # for the others)
+            await asyncio.wait_for(asyncio.gather(*(self.res.store.slots.release(lease) for lease in leases),
+                                                  return_exceptions=True), left())
         try:
-            interrupted = await asyncio.wait_for(self.res.store.slots.interrupt_idle(self.cfg.split),
-                                                 SHUTDOWN_GRACE_S)
+            interrupted = await asyncio.wait_for(self.res.store.slots.interrupt_idle(self.cfg.split), left())
         except (PyMongoError, asyncio.TimeoutError) as error:
             logger.warning("sampler %s: could not mark its idle Tasks interrupted (%s)", self.owner, error)
         else:
