@@ -120,6 +120,10 @@ def test_records_filter_and_paginate(run) -> None:
     for failure, n in info["failures"].items():  # the run page's per-class counts link to these lists
         listed = get(url, f"/api/runs/{RUN_NAME}/records", params={"failure_class": failure, "limit": 500}).json()
         assert listed["total"] == n and {r.get("failure_class") or "unknown" for r in listed["records"]} == {failure}
+    run_page = get(url, f"/runs/{RUN_NAME}")
+    assert run_page.status_code == 200 and "Not trained, by failure class" in run_page.text
+    page = get(url, f"/runs/{RUN_NAME}/records", params={"failure_class": "cancelled"})
+    assert page.status_code == 200 and '<select name="failure_class">' in page.text
 
     for query, field in (("colour=red", "colour: unknown filter"), ("min_score=high", "min_score"),
                          ("status=sleeping", "status"), ("failure_class=bad_luck", "failure_class"),
@@ -220,7 +224,8 @@ def test_every_page_in_a_headless_browser(run, tmp_path: Path) -> None:
     pages = {
         "runs": ("", [f'href="/runs/{RUN_NAME}"', "finished"]),
         "run": (f"runs/{RUN_NAME}", ["Learning curves", 'aria-label="reward"', 'aria-label="loss"',
-                                      "Mean score per policy version", f"{RUN_NAME} before", "DBRecordData"]),
+                                      "Mean score per policy version", f"{RUN_NAME} before", "DBRecordData",
+                                      "Not trained, by failure class"]),
         "records": (f"runs/{RUN_NAME}/records?split=train", [row["id"], "group decision", "of "]),
         "record": (f"runs/{RUN_NAME}/records/{row['id']}", ["Conversation", "What is 9 + 10?",
                                                             "trainer logprobs of policy v0"]),

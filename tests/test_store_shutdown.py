@@ -105,6 +105,21 @@ async def test_an_interrupted_task_with_unclaimed_slots_is_claimed_again(db_uri:
         assert (again.slot, again.attempt) == (1, 1) and (await _task(store)).status == TaskStatus.RUNNING
 
 
+async def test_a_claim_cut_off_in_an_interrupted_task_is_swept(db_uri: str) -> None:
+    """The sweep looks at interrupted Tasks too: a claim cut off before its Record (simulated: the crash window
+    of ``slots.claim.before_record``) in a Task whose samplers all stopped is recovered."""
+    async with Store(db_uri, lease_s=0.3) as store:
+        await insert_tasks(store, 1, num_generations=2)
+        await store.db.Task.update_one({"_id": "train:t0000"}, {"$inc": {"unclaimed": -1},
+                                                                 "$push": {"claim_ids": "lost"},
+                                                                 "$set": {"status": "running"}})
+        assert await store.slots.interrupt_idle("train") == ["train:t0000"]
+        await asyncio.sleep(0.3 + 1.1)  # older than a lease (NX-27017 compares dates at one-second resolution)
+        recovered = await store.slots.recover("train", "s1")
+        assert (recovered.task.id, recovered.slot, recovered.attempt) == ("train:t0000", 0, 1)
+        assert (await _task(store)).status == TaskStatus.RUNNING
+
+
 async def test_a_task_whose_group_stage_is_held_or_pending_is_handled(db_uri: str) -> None:
     """A Task whose group stage a live lease runs stays ``running``; one whose stage nobody holds is interrupted
     and its stage is still claimed (and closes the Task) afterwards."""
