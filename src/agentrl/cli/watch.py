@@ -1,9 +1,10 @@
 """`agentrl watch`: one live status line for a training run, read from its database.
 
 Trajectories done and running with their rate, the recent mean reward, groups kept and dropped (and why), the
-Records not trained per failure class, the sample queue, the trainer's step, loss and staleness, and the ETA. A line is printed above it for every trainer
-step, and a warning as soon as most groups are dropped for zero reward variance. On a terminal the line is live
-(rich); into a file or pipe it is printed every ``--log_every_s`` seconds instead.
+Records not trained per failure class, the sample queue, the trainer's step, loss and staleness, and the ETA. A
+line is printed above it for every trainer step, and a warning as soon as most groups are dropped for zero reward
+variance. On a terminal the line is live (rich); into a file or pipe it is printed every ``--log_every_s`` seconds
+instead.
 """
 
 from __future__ import annotations

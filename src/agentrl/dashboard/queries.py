@@ -89,8 +89,8 @@ class RecordFilters(BaseModel):
 
     def active(self) -> dict[str, Any]:
         """The filters that are set, without the page (for links and forms)."""
-        return {k: (str(v) if k in ("status", "failure_class") else v) for k, v in self.model_dump(exclude={"limit", "offset"}).items()
-                if v is not None}
+        return {k: (str(v) if k in ("status", "failure_class") else v)
+                for k, v in self.model_dump(exclude={"limit", "offset"}).items() if v is not None}
 
 
 def as_datetime(value: Any) -> datetime | None:

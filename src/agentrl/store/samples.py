@@ -55,7 +55,8 @@ class SampleQueue:
         except BulkWriteError as error:  # only samples another writer queued first may fail, by their _id
             errors = error.details.get("writeErrors", [])
             taken = [docs[e["index"]]["_id"] for e in errors if e.get("code") == DUPLICATE_KEY]
-            if len(taken) != len(errors) or await self.collection.count_documents({"_id": {"$in": taken}}) != len(taken):
+            if (len(taken) != len(errors)
+                    or await self.collection.count_documents({"_id": {"$in": taken}}) != len(taken)):
                 raise
             return len(docs) - len(taken)
         return len(docs)
