@@ -9,8 +9,10 @@ import asyncio
 
 import pytest
 
-from agentrl.store import LeaseLost, RecordStatus, Store, Task, TaskStatus
+from agentrl.dashboard.queries import RecordFilters
+from agentrl.store import LeaseLost, RecordStatus, Store, Task, TaskStatus, sync_client
 from agentrl.store.models import FailureClass
+from agentrl.store.summary import failure_counts
 from store_helpers import insert_tasks
 
 async def _task(store: Store, task_id: str = "train:t0000") -> Task:
@@ -155,6 +157,14 @@ async def test_old_documents_without_a_failure_class_read_as_unknown(db_uri: str
                                                                    "$unset": {"failure_class": "", "given_up": ""}})
         record = await store.records.get(lease.record_id)
         assert record.failure_class == FailureClass.UNKNOWN and not record.given_up
+        client = sync_client(db_uri)
+        try:  # counted (report, watch, status, dashboard) and listed (the dashboard's filter) as unknown
+            records = client.get_default_database().Record
+            assert failure_counts(records) == {"unknown": 1}
+            assert records.count_documents(RecordFilters(failure_class="unknown").query()) == 1
+            assert records.count_documents(RecordFilters(failure_class="cancelled").query()) == 0
+        finally:
+            client.close()
         await store.db.Record.update_one({"_id": lease.record_id}, {"$set": {"status": "scored"}})
         assert (await store.records.get(lease.record_id)).failure_class is None  # it may still train
 
