@@ -79,6 +79,8 @@ def test_the_api_lists_runs_and_describes_a_run(run) -> None:
     assert [e["name"] for e in info["evals"]] == [f"{RUN_NAME} {label}" for label in ("before", "warmup", "after")]
     assert info["evals"][0]["metrics"]["accuracy"] == 1.0
     assert info["reward_by_version"][0]["policy_version"] == 0
+    not_trained = sum(info["counts"]["Record"][state] for state in ("failed", "abandoned"))
+    assert sum(info["failures"].values()) == not_trained
     assert "train" in info["splits"] and any(s.startswith("eval:") for s in info["splits"])
 
     (step,) = get(url, f"/api/runs/{RUN_NAME}/metrics").json()["metrics"]
@@ -114,9 +116,18 @@ def test_records_filter_and_paginate(run) -> None:
     decision = trained["records"][0]["group_decision"]
     assert get(url, f"/api/runs/{RUN_NAME}/records", params={"group_decision": decision}).json()["total"] >= 1
     assert get(url, f"/api/runs/{RUN_NAME}/records?outcome=nothing-like-this").json()["total"] == 0
+    info = get(url, f"/api/runs/{RUN_NAME}").json()
+    for failure, n in info["failures"].items():  # the run page's per-class counts link to these lists
+        listed = get(url, f"/api/runs/{RUN_NAME}/records", params={"failure_class": failure, "limit": 500}).json()
+        assert listed["total"] == n and {r.get("failure_class") or "unknown" for r in listed["records"]} == {failure}
+    run_page = get(url, f"/runs/{RUN_NAME}")
+    assert run_page.status_code == 200 and "Not trained, by failure class" in run_page.text
+    page = get(url, f"/runs/{RUN_NAME}/records", params={"failure_class": "cancelled"})
+    assert page.status_code == 200 and '<select name="failure_class">' in page.text
 
     for query, field in (("colour=red", "colour: unknown filter"), ("min_score=high", "min_score"),
-                         ("status=sleeping", "status"), ("limit=0", "limit"), ("limit=100000", "limit"),
+                         ("status=sleeping", "status"), ("failure_class=bad_luck", "failure_class"),
+                         ("limit=0", "limit"), ("limit=100000", "limit"),
                          ("offset=-1", "offset"), ("policy_version=v2", "policy_version")):
         response = get(url, f"/api/runs/{RUN_NAME}/records?{query}")
         assert response.status_code == 400 and field in response.json()["detail"], (query, response.text)
@@ -213,7 +224,8 @@ def test_every_page_in_a_headless_browser(run, tmp_path: Path) -> None:
     pages = {
         "runs": ("", [f'href="/runs/{RUN_NAME}"', "finished"]),
         "run": (f"runs/{RUN_NAME}", ["Learning curves", 'aria-label="reward"', 'aria-label="loss"',
-                                      "Mean score per policy version", f"{RUN_NAME} before", "DBRecordData"]),
+                                      "Mean score per policy version", f"{RUN_NAME} before", "DBRecordData",
+                                      "Not trained, by failure class"]),
         "records": (f"runs/{RUN_NAME}/records?split=train", [row["id"], "group decision", "of "]),
         "record": (f"runs/{RUN_NAME}/records/{row['id']}", ["Conversation", "What is 9 + 10?",
                                                             "trainer logprobs of policy v0"]),

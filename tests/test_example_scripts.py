@@ -44,6 +44,9 @@ def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_exa
         (metric,) = documents(uri, "Metric")
         assert metric["step"] == 1
         assert {s["status"] for s in documents(uri, "DBRecordData")} >= {"trained"}
+        # the script stopped its sampler at the end of the run: nothing is left running
+        assert not [r["_id"] for r in documents(uri, "Record") if r["status"] == "running"]
+        assert not [t["_id"] for t in documents(uri, "Task") if t["status"] == "running"]
         services = documents(uri, "InferenceService")
         assert [s["status"] for s in services] == ["DOWN"]  # the engine it started marked itself down
         assert {e["name"] for e in documents(uri, "Eval")} == {f"ci_minirl {label}"

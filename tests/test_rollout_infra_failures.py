@@ -88,7 +88,8 @@ async def test_no_live_service_gives_the_slot_back_unscored_and_the_task_complet
             records = documents(db_uri, "Record")
             assert len(records) == 2, records
             for record in records:  # given back unscored: no failed_error, no score, no failed attempt
-                assert record["released"] and record["status"] == "running" and record["leased"], record
+                assert record["released"] and record["status"] == "failed" and record["leased"], record
+                assert record["failure_class"] == "inference_unavailable", record
                 assert record.get("outcome") is None and record.get("score") is None, record
                 assert "NoInferenceService" in record["error"], record
             calls = documents(db_uri, "DispatchedSamplingTask")
@@ -144,7 +145,7 @@ def judge_on(port: int) -> Iterator[None]:
 
 
 def start_sampler(db_uri: str, tmp_path: Path, tiny_model_dir: Path, standin: StandInProcess, judge_port: int,
-                  **judge_settings: Any) -> tuple[subprocess.Popen, Path]:
+                  *flags: str, **judge_settings: Any) -> tuple[subprocess.Popen, Path]:
     agent_config = tmp_path / "agent.yml"
     agent_config.write_text(json.dumps({"scorer_agent": {
         "models": [{"base_url": f"http://127.0.0.1:{judge_port}/v1", "model": "judge"}],
@@ -155,7 +156,7 @@ def start_sampler(db_uri: str, tmp_path: Path, tiny_model_dir: Path, standin: St
         sampler = subprocess.Popen(agentrl_cmd(
             "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(tiny_model_dir),
             "--inference_urls", standin.url, "--agent_config_path", str(agent_config), "--max_turns", "2",
-            "--max_new_tokens", "32", "--max_concurrent_samples_per_process", "2", "--exit_when_done", "true"),
+            "--max_new_tokens", "32", "--max_concurrent_samples_per_process", "2", "--exit_when_done", "true", *flags),
             stdout=out, stderr=subprocess.STDOUT, env=run_env())
     return sampler, log
 
@@ -206,3 +207,26 @@ def test_a_judge_down_past_its_bound_gives_the_slot_back_not_failed(db_uri: str,
     done = [r for r in records if r["status"] in FINISHED]
     assert len(done) == 2 and all(r["score"] == 1.0 and r["failures"] == 0 for r in done), records
     assert [t["status"] for t in documents(db_uri, "Task")] == ["completed"]
+
+
+def test_a_judge_that_stays_down_stops_the_sampler_after_its_failure_limit(db_uri: str, tmp_path: Path,
+                                                                          tiny_model_dir: Path,
+                                                                          standin: StandInProcess) -> None:
+    """Failures kept as data, not retried for ever: each trajectory the judge cannot score is given back as
+    ``judge_unavailable``; after ``--max_consecutive_failures`` in a row the sampler exits non-zero with a message
+    that names the failure class and the count, and leaves nothing ``running``."""
+    sampler, log = start_sampler(db_uri, tmp_path, tiny_model_dir, standin, free_port(),
+                                 "--max_consecutive_failures", "3", unavailable_retry_s=1)
+    try:
+        assert sampler.wait(180) == 1, log.read_text()
+    finally:
+        kill(sampler)
+    text = log.read_text()
+    assert "agentrl sample: error: sampler " in text, text[-3000:]
+    assert "3 trajectories in a row failed for infrastructure (3 judge_unavailable; last error: " in text
+    assert "--max_consecutive_failures 3 sets this limit" in text
+    records = documents(db_uri, "Record")
+    assert sum(r.get("failure_class") == "judge_unavailable" for r in records) >= 3, records
+    assert not [r for r in records if r["status"] == "running"], records
+    assert all(r.get("score") is None and r["failures"] == 0 for r in records), records
+    assert [t["status"] for t in documents(db_uri, "Task")] == ["interrupted"]

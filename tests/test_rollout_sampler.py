@@ -139,6 +139,41 @@ def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Pa
     assert {t["status"] for t in documents(db_uri, "Task")} == {"completed"}
 
 
+def test_a_stopped_sampler_leaves_nothing_running_and_the_next_one_resumes(
+        db_uri: str, tmp_path: Path, scripted_model_dir: Path, scripted_engine_url: str) -> None:
+    """SIGTERM mid-run (as the example scripts stop their samplers at the end of a run): the trajectories in flight
+    end ``failed`` as ``cancelled`` and their slots are given back, their Tasks become ``interrupted``; no Record
+    and no Task is left ``running``. The next sampler resumes them, and every slot is done exactly once."""
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "4")
+    mcp = write_mcp_config(tmp_path / "mcp.json")
+    common = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
+              "--lease_s", "30", "--max_concurrent_samples_per_process", "8")
+    stopped = subprocess.Popen(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common,
+                                           "--sampler_id", "stopped"),
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env())
+    deadline = time.monotonic() + 120
+    while not documents(db_uri, "DispatchedSamplingTask") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stopped.send_signal(signal.SIGTERM)
+    output, _ = stopped.communicate(timeout=60)
+    assert stopped.returncode == 0, output
+    records, tasks = documents(db_uri, "Record"), documents(db_uri, "Task")
+    assert not [r["_id"] for r in records if r["status"] == "running"], records
+    assert not [t["_id"] for t in tasks if t["status"] == "running"], tasks
+    cancelled = [r for r in records if r.get("failure_class") == "cancelled"]
+    assert cancelled, "the sampler was stopped after its last trajectory"
+    assert all(r["status"] == "failed" and r["released"] and r["error"] == "sampler shutting down" for r in cancelled)
+    assert "interrupted" in {t["status"] for t in tasks} and "left for a later sampler (interrupted)" in output
+
+    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common, "--sampler_id", "next"))
+    records = documents(db_uri, "Record")
+    assert not [r for r in records if r["status"] == "running" or r["leased"]]
+    finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)
+    assert sorted(finished.values()) == [1] * 8  # every slot done exactly once
+    assert all(r["failures"] == 0 for r in records)  # a slot given back is not a failed attempt
+    assert {t["status"] for t in documents(db_uri, "Task")} == {"completed"}
+
+
 CRASHING_SERVER = '''
 import os
 from typing import Annotated

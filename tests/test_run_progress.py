@@ -1,5 +1,6 @@
-"""Run progress from the database: `agentrl watch` (live line, zero-variance warning) and `agentrl report` (the
-summary of a run, and why a run trained nothing), on a real sampler's documents."""
+"""Run progress from the database: `agentrl watch` (live line, zero-variance warning, Records not trained per failure
+class) and `agentrl report` (the summary of a run, and why a run trained nothing), on a real sampler's
+documents."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from collections import Counter
 from pathlib import Path
 
 from agentrl.store.models import ZERO_VARIANCE_DECISION as ZERO_VARIANCE
+from agentrl.store.models import FailureClass
 from agentrl.store.progress import Progress
 from rollout_fixtures import agentrl_cmd, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from test_rollout_sampler import run_sampler
@@ -51,6 +53,7 @@ def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(
         in watch.stdout
     assert "trajectories 8 done, 0 running" in watch.stdout
     assert "groups 0 kept, 4 dropped (4 zero variance)" in watch.stdout
+    assert "| not trained 8 (" in watch.stdout  # every Record, per failure class
 
     eval_file = tmp_path / "eval-before.json"
     eval_file.write_text(json.dumps({"name": "before", "num_tasks": 4, "metrics": {
@@ -66,6 +69,8 @@ def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(
     summary = json.loads(out.read_text())
     assert (summary["steps"], summary["trajectories"], summary["wall_s"]) == (0, 8, 12)
     assert summary["groups_dropped"] == {ZERO_VARIANCE: 4}
+    assert sum(summary["failures"].values()) == 8 and set(summary["failures"]) <= {str(f) for f in FailureClass}
+    assert "8 records not trained, by failure class: " in report.stdout
     assert summary["eval"]["before"]["accuracy"] == 0.25 and summary["eval"]["before"]["num_tasks"] == 4
     assert [v["policy_version"] for v in summary["reward_by_version"]] == [0]
     assert summary["reward_by_version"][0]["records"] == 8

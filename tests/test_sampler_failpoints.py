@@ -27,7 +27,7 @@ COMMON = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_a
     ("sampler.sample.before_finish=exit@2",),  # a completed, unscored trajectory: retaken as a new attempt
     ("slots.finish.after_record=exit@2",),  # scored, unsettled: take-over completes the settlement
     ("slots.finish.after_settle=exit@4",),  # settled, lease and group stage left: recovered
-    ("group_stage.after_enqueue=exit@2",),  # the group stage cut mid-way: redone over the same group
+    ("group_stage.after_ready=exit@2",),  # the group stage cut mid-way: redone over the same group
     ("group_stage.before_complete=exit",),
     # a completed trajectory left leased, then the sampler taking it over dies between retiring it and inserting
     # its successor: sweep recovers the slot

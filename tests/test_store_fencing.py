@@ -6,21 +6,31 @@
 - A heartbeat that lands after a take-over saw the lease expired wins (compare-and-set on the stored expiry).
 - The group-stage lease is heartbeated and token-fenced: a stage taken over cannot close the Task.
 - A group stage that crashed after moving Records on (and after the trainer trained some of them) is redone over
-  the same group, with the same decisions and advantages, and queues nothing twice.
+  the same group, with the same decisions and advantages, and queues nothing twice; no Record is left ``ready``
+  once the trainer trained its samples; two overlapping runs of a stage queue each sample once; a sample too large
+  for the database drops its Record, not the stage.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
+from pathlib import Path
 
 import pytest
+from transformers import AutoTokenizer
 
 from agentrl import failpoints
 from agentrl.failpoints import FailpointHit
-from agentrl.rollout.config import GroupConfig
+from agentrl.rollout.agent import AgentResources
+from agentrl.rollout.config import GroupConfig, SamplerConfig
 from agentrl.rollout.group_stage import run_group_stage
+from agentrl.rollout.inference_pool import InferencePool
+from agentrl.rollout.sampler import Sampler
+from agentrl.rollout.tool_parsers import get_parser
 from agentrl.store import CallStatus, DispatchedSamplingTask, GroupLease, LeaseLost, Record, RecordStatus, Store
+from agentrl.store.models import FailureClass
 from agentrl.training.advantages import AdvantageConfig
 from agentrl.training.data import move_record
 from conftest import with_database
@@ -28,6 +38,8 @@ from store_helpers import insert_tasks
 
 SLACK_S = 1.1  # NX-27017 compares query dates at one-second resolution (see test_store_slots.py)
 LEASE_S = 0.5
+KEPT_RECORD_WINDOW = "group_stage.after_ready@2"
+"""The stage's crash window between a kept Record's two writes (its Record ``ready``, its samples queued)."""
 
 
 @pytest.fixture
@@ -137,7 +149,7 @@ async def _state(store: Store, task_id: str) -> tuple[dict, dict]:
     return records, samples
 
 
-@pytest.mark.parametrize("crash_at", ["group_stage.after_enqueue@2", "group_stage.before_complete"])
+@pytest.mark.parametrize("crash_at", ["group_stage.after_ready@2", "group_stage.before_complete"])
 async def test_a_group_stage_redone_after_a_crash_decides_the_same(db_uri: str, db_name: str, failpoint_env,
                                                                     crash_at: str) -> None:
     scores = [1.0, 0.0, 0.0, 0.0]  # a subset of the group (the Records left scored) would decide otherwise
@@ -167,6 +179,102 @@ async def test_a_group_stage_redone_after_a_crash_decides_the_same(db_uri: str, 
             assert task["group_stage_done"] and task["status"] == "completed"
         finally:
             await store.client.drop_database(store.db.name)
+
+
+async def _train_queued(store: Store, step: int) -> list[str]:
+    """What the trainer does with every queued sample: claim it for ``step``, train it, move its Record from
+    ``ready`` to ``trained`` (a Record in another state stays as it is), mark the claims trained."""
+    claimed = await store.samples.claim_batch(0, step, 1000)
+    for record_id in dict.fromkeys(sample.record_id for sample in claimed):
+        await move_record(store, record_id, RecordStatus.TRAINED)
+    await store.samples.mark_trained(0, step, [sample.id for sample in claimed])
+    return [sample.id for sample in claimed]
+
+
+async def test_samples_trained_while_a_cut_group_stage_waits_leave_no_record_ready(db_uri: str,
+                                                                                  failpoint_env) -> None:
+    """The stage dies between a kept Record's two writes and the trainer trains everything queued before the stage
+    is redone: no Record is left ``ready`` for ever (admission control would count it for the rest of the run)."""
+    async with Store(db_uri, lease_s=LEASE_S) as store:
+        doomed = await _scored_group(store, [1.0, 0.0, 0.0, 0.0])
+        failpoint_env(KEPT_RECORD_WINDOW)
+        with pytest.raises(FailpointHit):
+            await run_group_stage(store, doomed, GroupConfig(), AdvantageConfig())
+        failpoint_env("")
+        trained = await _train_queued(store, step=1)
+        await asyncio.sleep(LEASE_S + SLACK_S)
+        group = await store.slots.claim_group_stage(None, "rescuer", split="train")
+        outcome = await run_group_stage(store, group, GroupConfig(), AdvantageConfig())
+        trained += await _train_queued(store, step=2)
+        records = await store.records.for_task(doomed.task.id)
+        assert sorted(trained) == sorted(f"{r.id}#b0" for r in records) and len(outcome.kept) == 4
+        assert {r.status for r in records} == {RecordStatus.TRAINED}, [(r.id, r.status) for r in records]
+        assert (await store.slots.sampling_load("train")).pending == 0
+
+
+async def test_two_overlapping_runs_of_a_group_stage_queue_each_sample_once(db_uri: str) -> None:
+    """A stage that outlived its lease still runs while the sampler that took it over runs it too: they queue the
+    same samples at the same time; neither fails on the other's (a permanent duplicate-key error stopped the
+    sampler, and every sampler that claimed the stage next), and the stale one cannot close the Task."""
+    async with Store(db_uri, lease_s=LEASE_S) as store:
+        slow = await _scored_group(store, [1.0, 0.0, 1.0, 0.0])
+        await asyncio.sleep(LEASE_S + SLACK_S)
+        taker = await store.slots.claim_group_stage(None, "taker", split="train")
+        assert taker is not None
+        results = await asyncio.gather(*(run_group_stage(store, group, GroupConfig(), AdvantageConfig())
+                                         for group in (slow, taker)), return_exceptions=True)
+        assert isinstance(results[0], LeaseLost) and len(results[1].kept) == 4, results
+        samples = [doc["record_id"] async for doc in store.db.DBRecordData.find({"task_id": slow.task.id})]
+        assert sorted(samples) == sorted(results[1].kept)
+        assert {r.status for r in await store.records.for_task(slow.task.id)} == {RecordStatus.READY}
+        assert (await store.db.Task.find_one({"_id": slow.task.id}))["status"] == "completed"
+
+
+async def test_a_sample_over_the_document_limit_drops_its_record_not_the_stage(db_uri: str) -> None:
+    """A kept trajectory whose training sample exceeds MongoDB's 16 MiB document limit is abandoned with the
+    failure class ``sample_too_large``; the rest of its group is queued and the Task closes (the stage used to
+    fail on it every time it was redone)."""
+    async with Store(db_uri, lease_s=LEASE_S) as store:
+        group = await _scored_group(store, [1.0, 0.0, 1.0, 0.0])
+        huge = f"{group.task.id}/1/1#0"  # one LLM call of slot 1, with a prompt of 300k tokens: a ~20 MB sample
+        await store.db.DispatchedSamplingTask.update_one({"_id": huge}, {"$set": {"input_ids": [7] * 300_000}})
+        outcome = await run_group_stage(store, group, GroupConfig(), AdvantageConfig())
+        records = {r.slot: r for r in await store.records.for_task(group.task.id)}
+        assert records[1].status == RecordStatus.ABANDONED
+        assert records[1].failure_class == FailureClass.SAMPLE_TOO_LARGE and "bytes" in records[1].group_decision
+        assert [records[slot].status for slot in (0, 2, 3)] == [RecordStatus.READY] * 3
+        assert sorted(outcome.kept) == sorted(records[slot].id for slot in (0, 2, 3))
+        assert await store.db.DBRecordData.count_documents({"task_id": group.task.id}) == 3
+        assert (await store.db.Task.find_one({"_id": group.task.id}))["status"] == "completed"
+
+
+async def test_a_permanent_database_error_in_a_recovered_group_stage_does_not_stop_the_sampler(
+        db_uri: str, tiny_model_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A stage that fails on a permanent database error is logged and retried once its lease expires; the sampler
+    keeps running (it used to stop, and so did every sampler that claimed the stage next). The error comes from a
+    unique index the stage's samples violate (a permanent error that cannot be produced otherwise)."""
+    caplog.set_level(logging.INFO, logger="agentrl.rollout")
+    config = SamplerConfig(db_connection_string=db_uri, lease_s=1.0, exit_when_done=True)
+    async with Store(db_uri, lease_s=config.lease_s) as store:
+        await store.db.DBRecordData.create_index("task_id", unique=True)
+        await _scored_group(store, [1.0, 0.0, 1.0, 0.0])  # its stage is pending: "sampler" never ran it
+        pool = InferencePool(store)
+        resources = AgentResources(store=store, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
+                                   inference=pool, parser=get_parser(config.tool_call_parser), config=config)
+        sampler = Sampler(resources, owner=pool.owner)
+        run = asyncio.create_task(sampler.run())
+        try:
+            deadline = asyncio.get_running_loop().time() + 60
+            while caplog.text.count("another attempt follows when its lease expires") < 2:
+                assert not run.done(), run.exception() if not run.cancelled() else "cancelled"
+                assert asyncio.get_running_loop().time() < deadline, caplog.text[-3000:]
+                await asyncio.sleep(0.1)
+            assert "failed: BulkWriteError: batch op errors occurred" in caplog.text
+        finally:
+            sampler.stop()
+            stats = await asyncio.wait_for(run, 60)
+            await pool.close()
+        assert stats.group_stages == 0
 
 
 SKEWED_THIEF = """

@@ -7,7 +7,7 @@ import asyncio
 import pytest
 
 from agentrl.store import LeaseLost, RecordStatus, Store, Task, TaskStatus
-from agentrl.store.models import utcnow
+from agentrl.store.models import FailureClass, utcnow
 from store_helpers import insert_tasks
 
 # NX-27017 compares query dates at one-second resolution (the query side is truncated), so an expired lease
@@ -94,7 +94,9 @@ async def test_heartbeat_finish_and_release_need_the_lease(db_uri: str) -> None:
         with pytest.raises(LeaseLost):
             await store.slots.finish(lease, RecordStatus.SCORED, score=1.0)
         old = await store.records.get(lease.record_id)
-        assert old.status == RecordStatus.FAILED and "released" in old.error and old.score is None
+        assert old.status == RecordStatus.FAILED and old.released and old.score is None and not old.leased
+        assert old.failure_class == FailureClass.CANCELLED
+        assert old.error == "sampler shutting down; taken over by attempt 2"
         group = await store.slots.finish(retaken, RecordStatus.SCORED, score=1.0)
         assert group is not None and group.task.completed_slots == [0]
 

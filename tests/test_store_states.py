@@ -6,6 +6,7 @@ import asyncio
 from datetime import timedelta
 
 import pytest
+from pymongo.errors import BulkWriteError
 
 from agentrl.store import (
     CallStatus,
@@ -91,6 +92,22 @@ async def test_sample_queue_claims_are_exactly_once_and_resumable(db_uri: str) -
         leftover = await store.samples.claim_batch(2, 0, 10)
         assert len(leftover) == 4 and {s.id for s in leftover} >= {s.id for s in batches[2]}
         assert leftover[0].claimed_rank == 2 and leftover[0].input_ids == [1, 2, 3]
+
+
+async def test_the_same_samples_queued_twice_at_once_are_queued_once(db_uri: str) -> None:
+    """Two overlapping runs of one group stage queue the same samples concurrently: no duplicate-key error, each
+    sample once. A duplicate on another unique key is not swallowed."""
+    async with Store(db_uri) as store:
+        for attempt in range(5):
+            samples = [_sample(i).model_copy(update={"id": f"a{attempt}-s{i}"}) for i in range(8)]
+            queued = await asyncio.gather(store.samples.enqueue(samples), store.samples.enqueue(samples))
+            assert sum(queued) == 8, queued
+        assert await store.db.DBRecordData.count_documents({}) == 40
+        await store.db.DBRecordData.delete_many({})
+        await store.db.DBRecordData.create_index("task_id", unique=True)
+        assert await store.samples.enqueue([_sample(0)]) == 1
+        with pytest.raises(BulkWriteError):
+            await store.samples.enqueue([_sample(1)])
 
 
 async def test_trainers_claim_the_oldest_policy_version_first(db_uri: str) -> None:

@@ -1,18 +1,22 @@
 """The trainer killed at each failpoint of its step, checkpoint and claim protocol (``agentrl.failpoints``, a real
 process ending with ``os._exit``) and resumed: every sample is trained exactly once — checked by the step ledger
-(``Metric.sample_ids``) and the claims — and nothing is left claimed."""
+(``Metric.sample_ids``) and the claims — and nothing is left claimed; killed while skipping stale samples, it
+leaves no Record ``ready``."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+from trainer_fixtures import enqueue, make_samples, run_trainer, start_trainer, trainer_args
 
 from agentrl.failpoints import ENV, EXIT_CODE, FailpointHit, reset
-from agentrl.store import sync_client
+from agentrl.store import DBRecordData, Record, RecordStatus, sync_client
+from agentrl.store.models import EPOCH
 from agentrl.training.checkpoint import list_checkpoints
 from agentrl.training.weights import replace_dir
 
@@ -86,3 +90,52 @@ def test_a_directory_is_never_half_replaced(tmp_path: Path, monkeypatch: pytest.
     finally:
         reset()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2"]
+
+
+def _ready_records(db_uri: str, samples: Sequence[DBRecordData]) -> None:
+    """The samples queued with their Records ``ready``, as a group stage leaves them."""
+    asyncio.run(enqueue(db_uri, samples))
+    client = sync_client(db_uri)
+    try:
+        client.get_default_database().Record.insert_many([Record(
+            id=sample.record_id, task_id=sample.task_id, slot=int(sample.record_id.split("/")[1]), attempt=1,
+            lease_id="done", lease_owner="sampler", leased=False, lease_expires_at=EPOCH, status=RecordStatus.READY,
+        ).to_mongo() for sample in samples])
+    finally:
+        client.close()
+
+
+def test_a_crash_while_skipping_stale_samples_leaves_no_record_ready(db_uri: str, tiny_model_dir: Path,
+                                                                     tmp_path: Path) -> None:
+    """Killed between the two writes of the stale skip (the samples' Records and the samples themselves), then
+    resumed: the stale samples end ``skipped`` and their Records ``abandoned`` as ``stale``; none stays ``ready``
+    (the samplers' admission control would count it for the rest of the run)."""
+    _ready_records(db_uri, make_samples(tiny_model_dir, 1, prefix="first"))
+    out = tmp_path / "out"
+    flags = ("--sync_sampling", "true", "--train_batch_size", "4", "--max_steps", "2", "--save_steps", "1")
+    trainer = start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags),
+                            env={ENV: "trainer.skip.after_abandon=exit"})
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        deadline = time.monotonic() + 120
+        while db.Metric.count_documents({"step": 1}) == 0:  # step 1 trained: the policy is version 1 now
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0]
+            time.sleep(0.2)
+        _ready_records(db_uri, make_samples(tiny_model_dir, 1, prefix="late", weight_version=0))  # too stale
+        output, _ = trainer.communicate(timeout=120)
+        assert trainer.returncode == EXIT_CODE, output
+        assert {d["status"] for d in db.DBRecordData.find({"task_id": "late0"})} == {"claimed"}
+        # the resumed trainer publishes once more (version 2): fresh samples for its second step
+        _ready_records(db_uri, make_samples(tiny_model_dir, 1, prefix="fresh", weight_version=2))
+        resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest"))
+        assert resumed.returncode == 0, resumed.stdout
+        samples = {d["_id"]: d["status"] for d in db.DBRecordData.find()}
+        records = {d["_id"]: d for d in db.Record.find()}
+    finally:
+        client.close()
+    assert {status for sample_id, status in samples.items() if sample_id.startswith("late")} == {"skipped"}
+    assert {status for sample_id, status in samples.items() if not sample_id.startswith("late")} == {"trained"}
+    assert {(r["status"], r.get("failure_class")) for r in records.values() if r["_id"].startswith("late")} == {
+        ("abandoned", "stale")}
+    assert {r["status"] for r in records.values() if not r["_id"].startswith("late")} == {"trained"}

@@ -22,7 +22,7 @@ Points in the code:
 - ``sampler.sample.before_finish`` (a trajectory's Record ``completed``, not yet scored and settled);
 - ``episode.create.before_record`` (an environment instance created, its id not recorded on the Record),
   ``episode.close.before_mark`` (the instance closed, the Record still says it is open);
-- ``group_stage.after_enqueue`` (a kept trajectory's samples queued, its Record not ``ready``),
+- ``group_stage.after_ready`` (a kept trajectory's Record ``ready``, its samples not queued),
   ``group_stage.before_complete`` (every Record moved on, the Task not closed);
 - ``samples.claim.after_one`` (a trainer rank claimed one more sample of its step);
 - ``publish.after_export`` (new weights written, no service told), ``publish.before_bump`` (services loaded them,
@@ -32,7 +32,8 @@ Points in the code:
   (the new one in place, the old one not yet deleted), ``weights.replace.after_aside``/``after_rename`` (the same
   for exported weights);
 - ``trainer.checkpoint.before_mark_trained`` (a checkpoint is complete, its steps' claims are not yet ``trained``),
-  ``trainer.step.after_log`` (a step's update and ledger are written, the next step not started);
+  ``trainer.step.after_log`` (a step's update and ledger are written, the next step not started),
+  ``trainer.skip.after_abandon`` (stale samples' Records ``abandoned``, the samples still claimed, not ``skipped``);
 - "return" points of ``agentrl engine``: ``engine.update_weights.swap`` (a weight update reads the checkpoint and
   answers success with the new ``weight_version``, but the served weights stay as they were),
   ``engine.load_lora_adapter.apply`` (an adapter is listed as loaded under its name but changes no layer).

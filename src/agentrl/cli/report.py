@@ -1,6 +1,6 @@
-"""`agentrl report`: the summary of a training run — steps, trajectories, group decisions, stale samples, mean
-reward per policy version and held-out evaluations (before / after) — printed and written as JSON; for a run that
-trained nothing, why."""
+"""`agentrl report`: the summary of a training run — steps, trajectories, group decisions, stale samples, Records
+not trained per failure class, mean reward per policy version and held-out evaluations (before / after) — printed
+and written as JSON; for a run that trained nothing, why."""
 
 from __future__ import annotations
 
@@ -72,7 +72,7 @@ def _rate(value: float | None) -> str:
 
 def render(summary: dict[str, Any]) -> list[str]:
     """The summary in words (what the example scripts print at the end)."""
-    from agentrl.store.progress import reason_label
+    from agentrl.store.progress import failure_line, reason_label
 
     wall = f" in {summary['wall_s'] / 60:.1f} min" if summary.get("wall_s") else ""
     dropped = summary["groups_dropped"]
@@ -80,6 +80,9 @@ def render(summary: dict[str, Any]) -> list[str]:
     lines = [f"{summary['steps']} trainer steps{wall}: {summary['trajectories']} trajectories, "
              f"{summary['samples_trained']} samples trained, {summary['samples_skipped_stale']} skipped as stale; "
              f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}"]
+    failures = summary["failures"]
+    if failures:
+        lines.append(f"{sum(failures.values())} records not trained, by failure class: {failure_line(failures)}")
     versions = summary["reward_by_version"]
     if versions:
         lines.append("mean reward by policy version (trajectories): " + ", ".join(

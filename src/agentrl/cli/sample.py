@@ -73,6 +73,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--train_batch_size", type=int, default=16, help="samples per trainer step (admission control)")
     c.add_argument("--exit_when_done", type=bool_flag, default=False,
                    help="exit once the split has no open Task left")
+    c.add_argument("--max_consecutive_failures", type=int, default=None, metavar="N",
+                   help="exit with an error after N trajectories in a row failed for infrastructure (inference, "
+                        "environment, judge or database unavailable, aborted generation, environment error); "
+                        "default: 4 × --max_concurrent_samples_per_process; 0: never")
     r = p.add_argument_group("group stage and advantages")
     r.add_argument("--zero_variance_threshold", type=float, default=0.1)
     r.add_argument("--balance_sample", type=bool_flag, default=False)
@@ -124,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.envs.pool import parse_env_servers
     from agentrl.rollout.config import SamplingFlagsError
     from agentrl.rollout.process import run_sampler
+    from agentrl.rollout.sampler import SamplerHalted
     from agentrl.scoring import ScorerError
     from agentrl.scoring.agent_config import AgentConfigError
     from agentrl.tools.errors import ToolConfigError
@@ -143,6 +148,9 @@ def run(args: argparse.Namespace) -> int:
             FileNotFoundError, ValueError) as error:
         print(f"agentrl sample: error: {error}", file=sys.stderr)
         return 2
+    except SamplerHalted as error:
+        print(f"agentrl sample: error: {error}", file=sys.stderr)
+        return 1
     print(f"sampler done: {stats.trajectories} trajectories, {stats.scored} scored, {stats.score_errors} scoring "
           f"errors, {stats.group_stages} group stages, {stats.samples_queued} samples queued; outcomes "
           + (", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "none"))

@@ -41,6 +41,8 @@ def render(summary: dict[str, Any], where: str) -> None:
 
     import sys
 
+    from agentrl.store.progress import failure_line
+
     console = Console(width=None if sys.stdout.isatty() else 200)  # no wrapping when piped into a file or tool
     run = summary["run"]
     head = f"[bold]{summary['database']}[/bold] at {where}"
@@ -74,6 +76,8 @@ def render(summary: dict[str, Any], where: str) -> None:
         console.print(services)
     else:
         console.print("inference services: none registered")
+    if summary["failures"]:
+        console.print("records not trained, by failure class: " + failure_line(summary["failures"]))
     if summary["reward_by_version"]:
         shown = ", ".join(f"v{r['policy_version']} {r['mean_score']:.3f} ({r['records']})"
                           for r in summary["reward_by_version"])

@@ -1,9 +1,10 @@
 """`agentrl watch`: one live status line for a training run, read from its database.
 
 Trajectories done and running with their rate, the recent mean reward, groups kept and dropped (and why), the
-sample queue, the trainer's step, loss and staleness, and the ETA. A line is printed above it for every trainer
-step, and a warning as soon as most groups are dropped for zero reward variance. On a terminal the line is live
-(rich); into a file or pipe it is printed every ``--log_every_s`` seconds instead.
+Records not trained per failure class, the sample queue, the trainer's step, loss and staleness, and the ETA. A
+line is printed above it for every trainer step, and a warning as soon as most groups are dropped for zero reward
+variance. On a terminal the line is live (rich); into a file or pipe it is printed every ``--log_every_s`` seconds
+instead.
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def _duration(seconds: float) -> str:
 
 def status_line(progress: Progress, label: str, per_minute: float | None = None) -> str:
     """The one-line summary of a :class:`~agentrl.store.progress.Progress` (``per_minute``: trajectory rate)."""
-    from agentrl.store.progress import reason_label
+    from agentrl.store.progress import failure_line, reason_label
 
     parts = []
     total = f"/{progress.max_steps}" if progress.max_steps else ""
@@ -72,6 +73,8 @@ def status_line(progress: Progress, label: str, per_minute: float | None = None)
         groups += " (" + ", ".join(f"{n} {reason_label(reason)}"
                                    for reason, n in progress.groups_dropped.most_common()) + ")"
     parts.append(groups)
+    if progress.failures:
+        parts.append(f"not trained {sum(progress.failures.values())} ({failure_line(progress.failures)})")
     queue = f"queue {progress.samples_queued}"
     if progress.samples_skipped:
         queue += f", {progress.samples_skipped} skipped stale"

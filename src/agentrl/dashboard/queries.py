@@ -16,8 +16,10 @@ from pymongo.errors import OperationFailure
 
 from agentrl.store.models import (
     EPOCH,
+    NOT_TRAINED_STATES,
     DBRecordData,
     DispatchedSamplingTask,
+    FailureClass,
     Metric,
     Record,
     RecordStatus,
@@ -29,8 +31,8 @@ from agentrl.store.runs import RUN_ID
 from agentrl.store.summary import count, run_summary
 
 RECORD_FIELDS = ("task_id", "split", "slot", "attempt", "status", "outcome", "score", "score_error", "advantage",
-                 "group_decision", "policy_version", "num_turns", "final_answer", "error", "created_at",
-                 "finished_at")
+                 "group_decision", "policy_version", "num_turns", "final_answer", "error", "failure_class",
+                 "created_at", "finished_at")
 """The fields of a record in lists (no score details, meta or environment instance)."""
 EVAL_FIELDS = ("name", "status", "split", "model", "num_tasks", "num_samples_per_task", "repeats", "metrics",
                "started_at", "finished_at", "duration_s")
@@ -48,6 +50,7 @@ class RecordFilters(BaseModel):
 
     split: str | None = Field(None, description="train, or an evaluation's split (eval:...)")
     status: RecordStatus | None = None
+    failure_class: FailureClass | None = Field(None, description="why a failed or abandoned Record did not train")
     outcome: str | None = Field(None, description="answer, turns_limit_error, ...")
     min_score: float | None = None
     max_score: float | None = None
@@ -70,6 +73,11 @@ class RecordFilters(BaseModel):
                 query[name] = getattr(self, name)
         if self.status is not None:
             query["status"] = str(self.status)
+        if self.failure_class == FailureClass.UNKNOWN:  # stored before failure classes existed
+            query["status"] = query.get("status", {"$in": list(NOT_TRAINED_STATES)})
+            query["failure_class"] = None
+        elif self.failure_class is not None:
+            query["failure_class"] = str(self.failure_class)
         score: dict[str, float] = {}
         if self.min_score is not None:
             score["$gte"] = self.min_score
@@ -81,8 +89,8 @@ class RecordFilters(BaseModel):
 
     def active(self) -> dict[str, Any]:
         """The filters that are set, without the page (for links and forms)."""
-        return {k: (str(v) if k == "status" else v) for k, v in self.model_dump(exclude={"limit", "offset"}).items()
-                if v is not None}
+        return {k: (str(v) if k in ("status", "failure_class") else v)
+                for k, v in self.model_dump(exclude={"limit", "offset"}).items() if v is not None}
 
 
 def as_datetime(value: Any) -> datetime | None:
@@ -157,7 +165,8 @@ class RunReader:
         return sorted(rows, key=lambda r: r["created_at"] or EPOCH, reverse=True)
 
     def run(self, run: str) -> dict[str, Any]:
-        """A run: its document (config included), states, leases, services, reward per version, evaluations."""
+        """A run: its document (config included), states, leases, Records not trained per failure class, services,
+        reward per version, evaluations."""
         db = self.database(run)
         doc = plain(db[Run.collection].find_one({"_id": RUN_ID}))
         summary = run_summary(db)
@@ -165,6 +174,7 @@ class RunReader:
         return {"run": run, **doc, "counts": summary["counts"], "leases": summary["leases"],
                 "pending_group_stages": summary["pending_group_stages"], "services": summary["services"],
                 "reward_by_version": summary["reward_by_version"], "last_metric": summary["last_metric"],
+                "failures": summary["failures"],
                 "records_per_min": summary["recent_records_per_min"], "evals": evals,
                 "splits": sorted(s for s in db[Record.collection].distinct("split") if s)}
 
@@ -197,8 +207,9 @@ class RunReader:
     def filter_choices(self, run: str) -> dict[str, list[Any]]:
         """The values the record filters can take in this run (for the form's menus)."""
         records = self.database(run)[Record.collection]
-        return {name: sorted((v for v in records.distinct(name) if v is not None), key=str)
-                for name in ("split", "outcome", "group_decision", "policy_version")}
+        choices = {name: sorted((v for v in records.distinct(name) if v is not None), key=str)
+                   for name in ("split", "outcome", "group_decision", "policy_version")}
+        return {**choices, "failure_class": [str(failure) for failure in FailureClass]}
 
     def record(self, run: str, record_id: str) -> dict[str, Any]:
         """A record with its task, its LLM calls in turn order (token ids, logprobs, texts) and its training

@@ -54,8 +54,9 @@ from agentrl.eval.metrics import (
 )
 from agentrl.log import redact
 from agentrl.scoring.answers import ANSWER_SCHEMAS
-from agentrl.store import Record, RecordStatus, Store, Task, TaskStatus, resolve_connection_string
+from agentrl.store import Record, RecordStatus, Store, Task, resolve_connection_string
 from agentrl.store.evals import Eval, EvalStatus
+from agentrl.store.models import OPEN_TASK_STATES
 from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file
 
 logger = logging.getLogger(__name__)
@@ -288,8 +289,7 @@ async def collect_samples(store: Store, split: str) -> list[TaskSamples]:
 
 
 async def open_tasks(store: Store, split: str) -> int:
-    return await store.db[Task.collection].count_documents(
-        {"split": split, "status": {"$in": [str(TaskStatus.CREATED), str(TaskStatus.RUNNING)]}})
+    return await store.db[Task.collection].count_documents({"split": split, "status": {"$in": list(OPEN_TASK_STATES)}})
 
 
 # ------------------------------------------------------------------------------------------------------- job
@@ -403,7 +403,7 @@ async def _sample(cfg: EvalConfig, uri: str, split: str, model_dir: Path | None,
     """Roll out every open slot of ``split`` (starting and stopping an engine when no URL is given)."""
     from agentrl.eval.inference import DirectInferencePool
     from agentrl.rollout.process import sampler_resources
-    from agentrl.rollout.sampler import Sampler
+    from agentrl.rollout.sampler import Sampler, SamplerHalted
 
     engine: concurrent.futures.Future | None = None
     loop = asyncio.get_running_loop()
@@ -424,6 +424,8 @@ async def _sample(cfg: EvalConfig, uri: str, split: str, model_dir: Path | None,
                 sampler = Sampler(resources)
                 sampler.install_signal_handlers()
                 stats = await sampler.run()
+            except SamplerHalted as error:
+                raise EvalError(str(error)) from error
             finally:
                 loop.add_signal_handler(signal.SIGTERM, current.cancel)
                 loop.add_signal_handler(signal.SIGINT, current.cancel)

@@ -108,6 +108,9 @@ class SamplerConfig(BaseModel):
     max_staleness: int = 1
     train_batch_size: int = 16
     exit_when_done: bool = False
+    max_consecutive_failures: int | None = Field(
+        None, ge=0, description="stop (exit non-zero) after this many trajectories in a row failed for "
+                                "infrastructure; None: 4 × max_concurrent_samples_per_process; 0: never")
     group: GroupConfig = Field(default_factory=GroupConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
 
@@ -116,6 +119,14 @@ class SamplerConfig(BaseModel):
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": 1.0}
+
+    @property
+    def failure_limit(self) -> int:
+        """``max_consecutive_failures`` resolved (0: never stop). By default four times the concurrency: one outage
+        fails every trajectory in flight at once, so only four such waves in a row without a success stop it."""
+        if self.max_consecutive_failures is None:
+            return 4 * self.max_concurrent_samples_per_process
+        return self.max_consecutive_failures
 
     @property
     def penalised(self) -> bool:

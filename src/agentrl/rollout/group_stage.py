@@ -10,34 +10,55 @@ Run by exactly one sampler per Task (the store's group-stage lease). For the ``t
 3. ``efficient_rewarding`` shifts rewards by turn-count rank (shorter right and longer wrong samples gain, ±0.1);
 4. advantages are computed over the kept samples from the (shifted) rewards, so every decision above reaches
    the advantages the trainer uses (in the original they did not);
-5. kept Records become ``ready`` (with ``advantage`` and ``reward``), the others ``abandoned`` with the reason,
-   and each kept trajectory is merged into DBRecordData samples (one per branch) and queued for the trainer.
+5. each kept trajectory is merged into DBRecordData samples (one per branch); its Record becomes ``ready`` (with
+   ``advantage`` and ``reward``) and then its samples are queued for the trainer. The others become
+   ``abandoned`` with the reason and a failure class (how the trajectory ended, else ``filtered``; a kept one
+   without a trainable token or with a sample over the database's document size limit is dropped too).
 
 Other splits (evaluation) only mark their scored Records ``ready``. Redoing the stage after a crash is safe:
-the decisions are deterministic, queued samples have deterministic ids, and a Record already at or past the state
-the stage wants (``ready`` and since trained by the trainer, or abandoned as stale) is left as it is. Crash
-windows (failpoints): after a kept trajectory's samples are queued but before its Record is ``ready``
-(``group_stage.after_enqueue``), and after every Record moved but before the Task is closed
-(``group_stage.before_complete``); the trainer may train the queued samples in either window.
+the decisions are deterministic, queued samples have deterministic ids (queueing them twice, even from two
+overlapping runs of the stage, queues each once), and a Record already at or past the state the stage wants
+(``ready`` and since trained by the trainer, or abandoned as stale) is left as it is. A Record is ``ready`` before
+any of its samples is queued, so the trainer, which moves the Records of the samples it trained from ``ready`` to
+``trained``, always finds it ``ready``. Crash windows (failpoints): after a kept Record is ``ready`` but before its
+samples are queued (``group_stage.after_ready``; the redo queues them), and after every Record moved but before
+the Task is closed (``group_stage.before_complete``); the trainer may train the queued samples in either window.
 """
 
 from __future__ import annotations
 
 import logging
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import bson
 
 from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
-from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES
-from agentrl.store import DBRecordData, GroupLease, InvalidTransition, Record, RecordStatus, Store
-from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION
+from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
+from agentrl.store import (
+    DBRecordData,
+    DispatchedSamplingTask,
+    GroupLease,
+    InvalidTransition,
+    Record,
+    RecordStatus,
+    Store,
+)
+from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
 from agentrl.training.merge import CallTokens, merge_trajectory
 
 logger = logging.getLogger(__name__)
 
 CONTEXT_ERRORS = ("length_limit_error", "turns_limit_error")
+MAX_SAMPLE_BYTES = 16 * 1024 * 1024 - 64 * 1024
+"""MongoDB's document size limit (16 MiB), less room for the fields the queue adds to a sample."""
+_BYTES_PER_TOKEN = 80
+"""An upper bound of a sample's BSON bytes per token (5 arrays, each element at most 16 bytes below 10^6 tokens)."""
+_CALL_FAILURES = ((CallStatus.FORMATERROR, FailureClass.FORMAT_ERROR),
+                  (CallStatus.TOOLFAILED, FailureClass.TOOL_ERROR), (CallStatus.REPEATERROR, FailureClass.REPETITION))
 
 
 @dataclass
@@ -142,41 +163,61 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     kept, dropped, rewards = decide(scored, cfg)
     advantages = dict(zip(rewards, group_advantages(list(rewards.values()), adv_cfg)))
     for record in scored:
+        failure = OUTCOME_FAILURES.get(str(record.outcome), FailureClass.FILTERED)
         if record.id in kept:
-            samples = await _convert(store, record, advantages[record.id], rewards[record.id], adv_cfg, outcome)
-            failpoint("group_stage.after_enqueue")
-            if samples:
+            calls = await store.calls.for_record(record.id)
+            samples = _convert(record, calls, advantages[record.id], rewards[record.id], adv_cfg, outcome)
+            too_large = max((_oversize(sample) for sample in samples), default=0)
+            if samples and too_large <= MAX_SAMPLE_BYTES:
                 await _move(store, record, RecordStatus.READY, advantage=advantages[record.id],
                             group_decision=kept[record.id], meta={**record.meta, "reward": rewards[record.id]})
+                failpoint("group_stage.after_ready")
+                await store.samples.enqueue(samples)
+                outcome.samples_queued += len(samples)
                 outcome.kept[record.id] = kept[record.id]
                 outcome.advantages[record.id] = advantages[record.id]
                 continue
-            dropped[record.id] = "no trainable tokens (advantage dropped on every call)"
-        await _move(store, record, RecordStatus.ABANDONED, group_decision=dropped[record.id])
+            if samples:
+                dropped[record.id] = f"a training sample of {too_large} bytes exceeds the database's document limit"
+                failure = FailureClass.SAMPLE_TOO_LARGE
+            else:
+                dropped[record.id] = "no trainable tokens (advantage dropped on every call)"
+                failure = _untrainable(calls)
+        await _move(store, record, RecordStatus.ABANDONED, group_decision=dropped[record.id],
+                    failure_class=str(failure))
         outcome.dropped[record.id] = dropped[record.id]
     failpoint("group_stage.before_complete")
     await store.slots.complete_group(group)
     return outcome
 
 
-async def _convert(store: Store, record: Record, advantage: float, reward: float, adv_cfg: AdvantageConfig,
-                   outcome: GroupOutcome) -> int:
-    """Merge a kept trajectory into DBRecordData samples and queue them; returns how many."""
-    calls = await store.calls.for_record(record.id)
+def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float, reward: float,
+             adv_cfg: AdvantageConfig, outcome: GroupOutcome) -> list[DBRecordData]:
+    """Merge a kept trajectory into DBRecordData samples (one per branch)."""
     per_call = call_advantages(advantage, [str(c.status) for c in calls], adv_cfg)
     merged = merge_trajectory([CallTokens.from_document(c, a) for c, a in zip(calls, per_call)],
                               adv_cfg.trainable_statuses)
-    samples = [
+    outcome.tokens_forwarded += merged.tokens_forwarded
+    outcome.tokens_if_unmerged += merged.tokens_if_unmerged
+    return [
         DBRecordData(id=f"{record.id}#b{index}", record_id=record.id, task_id=record.task_id, split=record.split,
                      branch=index, seq=0, input_ids=s.input_ids, loss_mask=s.loss_mask, logprobs=s.logprobs,
                      versions=s.versions, advantages=s.advantages, reward=reward, turn_boundaries=s.turn_boundaries,
                      num_tokens=s.num_tokens)
         for index, s in enumerate(merged.samples)]
-    await store.samples.enqueue(samples)
-    outcome.samples_queued += len(samples)
-    outcome.tokens_forwarded += merged.tokens_forwarded
-    outcome.tokens_if_unmerged += merged.tokens_if_unmerged
-    return len(samples)
+
+
+def _oversize(sample: DBRecordData) -> int:
+    """0 for a sample certainly below ``MAX_SAMPLE_BYTES`` by the bound per token, else its size in BSON bytes."""
+    if len(sample.input_ids) * _BYTES_PER_TOKEN < MAX_SAMPLE_BYTES:
+        return 0
+    return len(bson.encode(sample.to_mongo()))
+
+
+def _untrainable(calls: Sequence[DispatchedSamplingTask]) -> FailureClass:
+    """Why a kept trajectory has no trainable token: its calls' worst error, else its advantage was dropped."""
+    statuses = {str(call.status) for call in calls}
+    return next((failure for status, failure in _CALL_FAILURES if str(status) in statuses), FailureClass.FILTERED)
 
 
 def reachable_from(state: RecordStatus) -> set[str]:

@@ -3,13 +3,18 @@
 Run as many as you like, anywhere (``agentrl sample``). Each claims sample slots as leases (heartbeated while it
 works), runs up to ``max_concurrent_samples_per_process`` trajectories on one asyncio loop, and settles each
 slot with its score; the sampler that settles a Task's last slot runs that Task's group stage. On SIGTERM/SIGINT
-it stops claiming, cancels its trajectories and releases their leases, so nothing is left ``running``.
+it stops claiming, cancels its trajectories (their Records end ``failed`` as ``cancelled`` and their slots are
+given back), lets group stages already running finish, and marks the started Tasks nobody works on any more
+``interrupted``, so nothing is left ``running``.
 
 Failures of the infrastructure are not the policy's: a trajectory cut off by no live inference service, an
 unreachable judge or environment server, or a database error gives its slot back unscored (``release``: not a
-failed attempt) to be retried. A database outage stalls the process instead of ending it
-(``agentrl.store.outage``): lease and group-stage heartbeats keep trying through errors, and the claim loop retries
-connection errors with backoff.
+failed attempt, the Record ``failed`` with its failure class) to be retried. A database outage stalls the process
+instead of ending it (``agentrl.store.outage``): lease and group-stage heartbeats keep trying through errors, and
+the claim loop retries connection errors with backoff. But ``max_consecutive_failures`` trajectories in a row that
+fail for infrastructure (given back, or ended without a verdict: aborted generation, environment error) stop the
+sampler with ``SamplerHalted``, which names the failure classes and the count; a trajectory with a verdict resets
+the count.
 
 Admission control (train split): a new group (Task) is started only while every slot of the groups being
 sampled plus the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started
@@ -28,10 +33,11 @@ import signal
 import socket
 import time
 import uuid
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from pymongo.errors import PyMongoError
+from pymongo.errors import ConnectionFailure, PyMongoError
 
 from agentrl.envs.client import EnvUnavailable
 from agentrl.failpoints import failpoint
@@ -39,9 +45,10 @@ from agentrl.rollout.agent import ANSWER, AgentResources, TrajectoryResult, run_
 from agentrl.rollout.episode import episode_of, run_episode
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import NoInferenceService
-from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES
+from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
 from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
+from agentrl.store.models import FailureClass
 from agentrl.store.outage import is_transient
 
 logger = logging.getLogger(__name__)
@@ -51,6 +58,47 @@ SHUTDOWN_GRACE_S = 15.0
 ENV_RETRY_PAUSE_S = 5.0
 """How long a trajectory slot waits after its environment server could not be reached (so a sampler whose
 environment server is down does not spin claiming and giving back)."""
+INFRASTRUCTURE_ERRORS: tuple[tuple[type[Exception], FailureClass], ...] = (
+    (NoInferenceService, FailureClass.INFERENCE_UNAVAILABLE), (ScorerUnavailable, FailureClass.JUDGE_UNAVAILABLE),
+    (EnvUnavailable, FailureClass.ENVIRONMENT_UNAVAILABLE), (PyMongoError, FailureClass.DATABASE_UNAVAILABLE))
+"""Errors that give a trajectory's slot back unscored, and the failure class each gives its Record."""
+
+
+class SamplerHalted(RuntimeError):
+    """The sampler stopped itself after ``max_consecutive_failures`` infrastructure failures in a row."""
+
+
+def infrastructure_failure(error: BaseException) -> FailureClass:
+    return next(failure for kind, failure in INFRASTRUCTURE_ERRORS if isinstance(error, kind))
+
+
+@dataclass
+class FailureStreak:
+    """Trajectories in a row that failed for infrastructure, by failure class (one with a verdict resets it)."""
+
+    limit: int
+    classes: Counter[str] = field(default_factory=Counter)
+    last_error: str = ""
+
+    def failed(self, failure: FailureClass, error: str) -> bool:
+        """Count one failure; ``True`` once ``limit`` (> 0) failures are in a row."""
+        self.classes[str(failure)] += 1
+        self.last_error = error
+        return 0 < self.limit <= self.total
+
+    def succeeded(self) -> None:
+        self.classes.clear()
+
+    @property
+    def total(self) -> int:
+        return sum(self.classes.values())
+
+    def message(self, owner: str) -> str:
+        counts = ", ".join(f"{n} {name}" for name, n in self.classes.most_common())
+        return (f"sampler {owner} stopped: {self.total} trajectories in a row failed for infrastructure ({counts}; "
+                f"last error: {self.last_error}). Fix what they need (inference services, environment servers, "
+                f"judge, database) and start it again; --max_consecutive_failures {self.limit} sets this limit "
+                f"(0: never stop)")
 
 
 @dataclass
@@ -78,8 +126,12 @@ class Sampler:
         self.cfg = resources.config
         self.owner = owner or self.cfg.sampler_id or f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:6]}"
         self.stats = SamplerStats()
+        self.streak = FailureStreak(self.cfg.failure_limit)
+        self._halted: str | None = None
         self._stop = asyncio.Event()
         self._active: set[asyncio.Task] = set()
+        self._staging: set[asyncio.Task] = set()  # trajectory tasks that went on to their group stage
+        self._leases: dict[asyncio.Task, SlotLease] = {}
 
     def stop(self) -> None:
         """Ask the loop to stop: no new claims; running trajectories are cancelled and their slots released."""
@@ -91,7 +143,8 @@ class Sampler:
             loop.add_signal_handler(sig, self.stop)
 
     async def run(self) -> SamplerStats:
-        """Sample until stopped (or, with ``exit_when_done``, until the split has no open Task left)."""
+        """Sample until stopped (or, with ``exit_when_done``, until the split has no open Task left); raises
+        ``SamplerHalted`` after ``max_consecutive_failures`` infrastructure failures in a row."""
         started = last_status = time.monotonic()
         next_group_probe = next_slot_recovery = 0.0
         backoff = 0.5
@@ -121,7 +174,8 @@ class Sampler:
                         if lease is not None:
                             task = asyncio.create_task(self._sample(lease), name=lease.record_id)
                             self._active.add(task)
-                            task.add_done_callback(self._active.discard)
+                            self._leases[task] = lease
+                            task.add_done_callback(self._forget)
                             claimed = True
                     if claimed:
                         continue
@@ -147,6 +201,8 @@ class Sampler:
             await self._shutdown()
             logger.info("sampler %s stopped: %s", self.owner,
                         self.stats.line(time.monotonic() - started, len(self._active)))
+        if self._halted is not None:
+            raise SamplerHalted(self._halted)
         return self.stats
 
     async def _wait(self, timeout: float) -> None:
@@ -155,13 +211,42 @@ class Sampler:
         done, _ = await asyncio.wait(waiters, timeout=timeout, return_when=asyncio.FIRST_COMPLETED)
         waiters[0].cancel()
 
+    def _forget(self, task: asyncio.Task) -> None:
+        self._active.discard(task)
+        self._staging.discard(task)
+        self._leases.pop(task, None)
+
     async def _shutdown(self) -> None:
-        """Cancel the trajectories (each releases its slot); a release that cannot reach the database within
-        ``SHUTDOWN_GRACE_S`` is left to lease expiry."""
-        for task in list(self._active):
+        """Within ``SHUTDOWN_GRACE_S`` in all: cancel the trajectories (each gives its slot back as ``cancelled``)
+        and let the group stages already running finish (those still running at the end are cancelled and give their
+        lease back); then mark ``interrupted`` the started Tasks nobody works on. What cannot reach the database in
+        time is left to lease expiry."""
+        deadline = time.monotonic() + SHUTDOWN_GRACE_S
+
+        def left() -> float:
+            return max(deadline - time.monotonic(), 0.5)
+
+        leases = list(self._leases.values())
+        for task in self._active - self._staging:
             task.cancel()
         if self._active:
-            await asyncio.wait(list(self._active), timeout=SHUTDOWN_GRACE_S)
+            await asyncio.wait(list(self._active), timeout=left())
+        for task in list(self._active):  # group stages past the grace
+            task.cancel()
+        if self._active:
+            await asyncio.wait(list(self._active), timeout=left())
+        with contextlib.suppress(Exception):  # a task cancelled before it ran never gave its slot back (a no-op
+            # for the others)
+            await asyncio.wait_for(asyncio.gather(*(self.res.store.slots.release(lease) for lease in leases),
+                                                  return_exceptions=True), left())
+        try:
+            interrupted = await asyncio.wait_for(self.res.store.slots.interrupt_idle(self.cfg.split), left())
+        except (PyMongoError, asyncio.TimeoutError) as error:
+            logger.warning("sampler %s: could not mark its idle Tasks interrupted (%s)", self.owner, error)
+        else:
+            if interrupted:
+                logger.info("sampler %s: %d started Tasks left for a later sampler (interrupted)", self.owner,
+                            len(interrupted))
 
     async def _admit(self) -> bool:
         if self.cfg.split != "train":
@@ -176,9 +261,14 @@ class Sampler:
         while (group := await self.res.store.slots.claim_group_stage(None, self.owner, split=self.cfg.split)):
             try:
                 await self._group_stage(group)
-            except PyMongoError:
-                raise  # the run loop rides out connection errors
-            except Exception:  # noqa: BLE001 - a stage that fails must not stop the sampler; its lease expires
+            except ConnectionFailure:
+                raise  # the run loop rides out (or stops on) an unreachable database
+            # A stage that fails must not stop the sampler (nor every sampler that takes it over next): its lease
+            # expires and it is retried.
+            except PyMongoError as error:  # permanent (its message may quote whole samples: cut short)
+                logger.error("group stage of Task %s failed: %s: %.500s; another attempt follows when its lease "
+                             "expires", group.task.id, type(error).__name__, error)
+            except Exception:  # noqa: BLE001
                 logger.exception("group stage of Task %s failed; another attempt follows when its lease expires",
                                  group.task.id)
 
@@ -193,6 +283,8 @@ class Sampler:
             current = asyncio.current_task()
             if stage.cancelled() and not (current is not None and current.cancelling()):
                 return  # the lease was lost: the sampler that took the stage over completes it
+            with contextlib.suppress(Exception):  # shutdown: another sampler takes the stage over at once
+                await asyncio.shield(self.res.store.slots.release_group(group))
             raise
         finally:
             beat.cancel()
@@ -245,9 +337,11 @@ class Sampler:
             else:
                 self.stats.score_errors += 1
                 group = await store.slots.finish(lease, RecordStatus.FAILED, score_error=score_error,
-                                                 score_details=details)
+                                                 score_details=details, failure_class=str(FailureClass.SCORE_ERROR))
             beat.cancel()
+            self._count(result)
             if group is not None:
+                self._staging.add(worker)  # a shutdown lets the stage finish
                 await self._group_stage(group)
         except LeaseLost as error:
             self.stats.lost_leases += 1
@@ -262,8 +356,10 @@ class Sampler:
             logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
                            "; pausing until an inference service is live" if isinstance(error, NoInferenceService)
                            else f"; pausing {ENV_RETRY_PAUSE_S:.0f} s" if isinstance(error, EnvUnavailable) else "")
+            failure, reason = infrastructure_failure(error), f"{type(error).__name__}: {error}"
             with contextlib.suppress(Exception):
-                await store.slots.release(lease, f"{type(error).__name__}: {error}")
+                await store.slots.release(lease, reason, failure)
+            self._failed(failure, reason)
         except asyncio.CancelledError:
             with contextlib.suppress(Exception):
                 await asyncio.shield(store.slots.release(lease))
@@ -279,6 +375,21 @@ class Sampler:
             await self.res.inference.wait_until_live()
         elif isinstance(given_back, EnvUnavailable):
             await asyncio.sleep(ENV_RETRY_PAUSE_S)
+
+    def _count(self, result: TrajectoryResult) -> None:
+        """Feed the failure streak with a finished trajectory: no verdict (aborted generation, environment error)
+        is an infrastructure failure, one with a verdict ends the streak."""
+        failure = OUTCOME_FAILURES.get(result.outcome) if result.outcome in NO_VERDICT_OUTCOMES else None
+        if failure is not None:
+            self._failed(failure, result.error or str(result.outcome))
+        else:
+            self.streak.succeeded()
+
+    def _failed(self, failure: FailureClass, error: str) -> None:
+        if self.streak.failed(failure, error) and self._halted is None:
+            self._halted = self.streak.message(self.owner)
+            logger.error("%s", self._halted)
+            self.stop()
 
     async def _score(self, lease: SlotLease, result: TrajectoryResult) -> tuple[float, str | None, dict]:
         """``(score, error, details)``; no answer scores 0 without asking the scorer.

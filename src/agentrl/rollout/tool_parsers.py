@@ -33,7 +33,7 @@ from typing import Any, Protocol
 
 from pydantic import BaseModel, Field
 
-from agentrl.store.models import CallStatus
+from agentrl.store.models import CallStatus, FailureClass
 
 # ------------------------------------------------------------------------------------------------ error taxonomy
 
@@ -70,6 +70,17 @@ class TrajectoryOutcome(StrEnum):
 NO_VERDICT_OUTCOMES: frozenset[str] = frozenset({TrajectoryOutcome.FAILED_ERROR, TrajectoryOutcome.ENV_START_ERROR,
                                                  TrajectoryOutcome.ENV_ERROR})
 """Outcomes that say nothing about the policy (infrastructure failed): never trained, errors in evaluations."""
+
+OUTCOME_FAILURES: dict[str, FailureClass] = {
+    TrajectoryOutcome.FAILED_ERROR: FailureClass.ABORTED_GENERATION,
+    TrajectoryOutcome.ENV_START_ERROR: FailureClass.ENVIRONMENT_ERROR,
+    TrajectoryOutcome.ENV_ERROR: FailureClass.ENVIRONMENT_ERROR,
+    TrajectoryOutcome.LENGTH_LIMIT_ERROR: FailureClass.CONTEXT_LIMIT,
+    TrajectoryOutcome.TURNS_LIMIT_ERROR: FailureClass.TURN_LIMIT,
+    TrajectoryOutcome.REPETITION_ERROR: FailureClass.REPETITION,
+}
+"""The failure class of a Record not trained because of how its trajectory ended (outcomes not listed: its group
+stage decision says why)."""
 
 
 # ------------------------------------------------------------------------------------------------ parse results

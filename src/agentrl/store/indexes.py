@@ -17,7 +17,7 @@ INDEXES: dict[str, list[IndexModel]] = {
         _index("split", "status", "unclaimed", "order", name="claim_free_slot"),
         # group-stage (re)claim: {split, remaining 0, group_stage_done false, group_lease_expires_at $lt}
         _index("split", "remaining", "group_stage_done", "group_lease_expires_at", name="claim_group_stage"),
-        # orphan sweep: {split, status running, updated_at $lt} sorted by updated_at (least recently touched first)
+        # orphan sweep: {split, status running | interrupted (a query each), updated_at $lt} sorted by updated_at
         _index("split", "status", "updated_at", name="sweep_stale"),
     ],
     "Record": [

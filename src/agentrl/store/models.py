@@ -11,7 +11,7 @@ from datetime import datetime, timezone
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 
 def utcnow() -> datetime:
@@ -58,8 +58,17 @@ class Document(BaseModel):
 class TaskStatus(StrEnum):
     CREATED = "created"
     RUNNING = "running"
+    INTERRUPTED = "interrupted"
+    """Started, then every sampler working on it stopped (shutdown): its given-back slots wait for the next
+    sampler, which resumes it (``running`` again)."""
     COMPLETED = "completed"
     FAILED = "failed"
+
+
+OPEN_TASK_STATES: tuple[str, ...] = (str(TaskStatus.CREATED), str(TaskStatus.RUNNING), str(TaskStatus.INTERRUPTED))
+"""Task states of a Task not yet done (slots to sample or a group stage to run)."""
+STARTED_TASK_STATES: tuple[str, ...] = (str(TaskStatus.RUNNING), str(TaskStatus.INTERRUPTED))
+"""Task states of a started, unfinished group (what admission control and recovery look at)."""
 
 
 class Task(Document):
@@ -127,6 +136,57 @@ RECORD_TRANSITIONS: dict[RecordStatus, frozenset[RecordStatus]] = {
 """Allowed Record transitions (DESIGN §3: running → completed | failed → scored → ready | abandoned → trained)."""
 
 
+class FailureClass(StrEnum):
+    """Why a Record did not train (``Record.failure_class``, set on every ``failed`` or ``abandoned`` Record)."""
+
+    INFERENCE_UNAVAILABLE = "inference_unavailable"
+    """No live inference service answered (infrastructure: the attempt is given back and its slot retried)."""
+    ENVIRONMENT_UNAVAILABLE = "environment_unavailable"
+    """The environment server could not be reached (infrastructure: given back and retried)."""
+    JUDGE_UNAVAILABLE = "judge_unavailable"
+    """The scorer (e.g. an LLM judge) stayed unreachable past its bound (infrastructure: given back and retried)."""
+    DATABASE_UNAVAILABLE = "database_unavailable"
+    """A database error cut the trajectory off (infrastructure: given back and retried)."""
+    ABORTED_GENERATION = "aborted_generation"
+    """Inference failed or was aborted mid-trajectory (outcome ``failed_error``): no verdict on the policy."""
+    ENVIRONMENT_ERROR = "environment_error"
+    """The environment failed to start or during the episode (``env_start_error``, ``env_error``)."""
+    TOOL_ERROR = "tool_error"
+    """No trainable token is left: the trajectory's calls failed in their tools."""
+    FORMAT_ERROR = "format_error"
+    """No trainable token is left: the trajectory's calls could not be parsed as tool calls."""
+    CONTEXT_LIMIT = "context_limit"
+    """The context outgrew ``--max_prompt_tokens`` (``length_limit_error``), not kept by the group stage."""
+    TURN_LIMIT = "turn_limit"
+    """``--max_turns`` turns without an answer (``turns_limit_error``), not kept by the group stage."""
+    REPETITION = "repetition"
+    """The model repeated itself (``repetition_error``), not kept by the group stage."""
+    SCORE_ERROR = "score_error"
+    """The scorer could not score the answer (``score_error``): the slot is settled as failed."""
+    LEASE_LOST = "lease_lost"
+    """Its sampler died or stalled: the lease expired and another sampler took the slot over."""
+    CANCELLED = "cancelled"
+    """Cancelled at shutdown: its sampler stopped and gave the slot back (retried, not a failed attempt)."""
+    SAMPLER_ERROR = "sampler_error"
+    """An unexpected error in the sampler (see its log); counts as a failed attempt."""
+    FILTERED = "filtered"
+    """Dropped by the group stage: zero reward variance, balancing, ``min_turns``, no trainable token."""
+    STALE = "stale"
+    """Its samples were too many policy versions old when the trainer claimed them (skipped)."""
+    SAMPLE_TOO_LARGE = "sample_too_large"
+    """A training sample of it exceeds the database's document size limit."""
+    UNKNOWN = "unknown"
+    """Stored before failure classes existed (never written: a failed or abandoned Record without the field)."""
+
+
+INFRASTRUCTURE_FAILURES: frozenset[FailureClass] = frozenset({
+    FailureClass.INFERENCE_UNAVAILABLE, FailureClass.ENVIRONMENT_UNAVAILABLE, FailureClass.JUDGE_UNAVAILABLE,
+    FailureClass.DATABASE_UNAVAILABLE, FailureClass.ABORTED_GENERATION, FailureClass.ENVIRONMENT_ERROR})
+"""Failures of the infrastructure, not the policy: what ``agentrl sample --max_consecutive_failures`` counts."""
+NOT_TRAINED_STATES: tuple[str, ...] = (str(RecordStatus.FAILED), str(RecordStatus.ABANDONED))
+"""Record states that end without training (each such Record has a ``failure_class``)."""
+
+
 SUCCESS_SCORE = 0.5
 """A trajectory scoring at least this is a success: right for the group stage, correct for evaluations."""
 ZERO_VARIANCE_DECISION = "zero variance in the group"
@@ -155,6 +215,8 @@ class Record(Document):
     leased: bool = True
     lease_expires_at: UTCDatetime
     released: bool = False
+    given_up: bool = Field(False, description="its holder ended it (``release``, ``abandon``): its slot is retaken "
+                                              "as the next attempt, not settled with this one")
     status: RecordStatus = RecordStatus.RUNNING
     num_turns: int = 0
     outcome: str | None = Field(None, description="answer | turns_limit_error | length_limit_error | ...")
@@ -166,6 +228,7 @@ class Record(Document):
     group_decision: str | None = Field(None, description="why the group stage kept or dropped this sample")
     policy_version: int | None = Field(None, description="policy version at the first LLM call")
     error: str | None = None
+    failure_class: FailureClass | None = Field(None, description="why it did not train (failed or abandoned)")
     env_instance: dict[str, Any] | None = Field(
         None, description="an environment episode's instance {name, url, id}: recorded before the first step, so "
                           "an attempt that dies is closed by the next attempt of its slot; the field env_open "
@@ -174,6 +237,13 @@ class Record(Document):
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
     finished_at: UTCDatetime | None = None
+
+    @model_validator(mode="after")
+    def _unknown_failure(self) -> Record:
+        """A failed or abandoned Record stored before failure classes existed reads as ``unknown``."""
+        if self.failure_class is None and str(self.status) in NOT_TRAINED_STATES:
+            self.failure_class = FailureClass.UNKNOWN
+        return self
 
 
 # -------------------------------------------------------------------------------------------- DispatchedSamplingTask

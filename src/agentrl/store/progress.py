@@ -1,6 +1,6 @@
 """How far a training run has come, read from its database: the numbers of the live status line and of the run
-summary (trajectories and their rate, rewards, group decisions, the sample queue, trainer steps and ETA), and the
-diagnosis of a run that trains nothing."""
+summary (trajectories and their rate, rewards, group decisions, Records not trained per failure class, the sample
+queue, trainer steps and ETA), and the diagnosis of a run that trains nothing."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from agentrl.store.models import (
     SampleStatus,
 )
 from agentrl.store.runs import RUN_ID
+from agentrl.store.summary import failure_counts
 
 FINISHED = [str(s) for s in (RecordStatus.SCORED, RecordStatus.READY, RecordStatus.ABANDONED, RecordStatus.TRAINED)]
 KEPT = [str(s) for s in (RecordStatus.READY, RecordStatus.TRAINED)]
@@ -43,6 +44,8 @@ class Progress:
     groups_dropped: Counter[str] = field(default_factory=Counter)
     zero_variance_solved: int = 0
     """of the groups dropped for zero variance, those whose samples all succeeded (the others all failed)"""
+    failures: dict[str, int] = field(default_factory=dict)
+    """Records that did not train, per failure class (most first)"""
     samples_queued: int = 0
     samples_skipped: int = 0
     samples_trained: int = 0
@@ -115,6 +118,7 @@ def read_progress(db: Database, split: str = "train") -> Progress:
     for task_id, reasons in decisions.items():
         if task_id not in kept_groups:
             progress.groups_dropped[ZERO_VARIANCE_DECISION if ZERO_VARIANCE_DECISION in reasons else sorted(reasons)[0]] += 1
+    progress.failures = failure_counts(records, split)
     samples = db[DBRecordData.collection]
     for row in samples.aggregate([{"$match": {"split": split}}, {"$group": {"_id": "$status", "n": {"$sum": 1}}}]):
         if row["_id"] == str(SampleStatus.QUEUED):
@@ -139,6 +143,11 @@ def read_progress(db: Database, split: str = "train") -> Progress:
         progress.max_steps = max(int(config.get("max_steps") or 0), 0)
         progress.time_limit_s = float(config.get("max_train_time_s") or 0.0)
     return progress
+
+
+def failure_line(failures: dict[str, int]) -> str:
+    """Records not trained per failure class, as the status line, the summary and ``agentrl status`` show them."""
+    return ", ".join(f"{n} {name.replace('_', ' ')}" for name, n in failures.items())
 
 
 def reason_label(reason: str) -> str:
@@ -177,5 +186,6 @@ def progress_fields(progress: Progress) -> dict[str, Any]:
     """The JSON form used by run summaries."""
     return {"trajectories": progress.trajectories, "groups_kept": progress.groups_kept,
             "groups_dropped": dict(progress.groups_dropped), "samples_trained": progress.samples_trained,
-            "samples_skipped_stale": progress.samples_skipped, "steps": progress.step,
+            "samples_skipped_stale": progress.samples_skipped, "failures": dict(progress.failures),
+            "steps": progress.step,
             "policy_version": progress.policy_version, "reward_mean": progress.reward_mean}

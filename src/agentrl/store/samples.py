@@ -14,11 +14,14 @@ from typing import Any
 
 from pymongo import ReturnDocument, UpdateOne
 from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import BulkWriteError
 
 from agentrl.failpoints import failpoint
 from agentrl.store.errors import StoreError
 from agentrl.store.models import DBRecordData, SampleStatus, utcnow
 from agentrl.store.outage import retry_on_reconnect
+
+DUPLICATE_KEY = 11000
 
 
 class SampleQueue:
@@ -30,7 +33,8 @@ class SampleQueue:
         """Insert samples (``seq`` is assigned in enqueue order when left at 0). Returns how many were queued.
 
         Idempotent: samples whose ``_id`` is already stored are skipped (a group stage redone after a crash
-        enqueues nothing twice).
+        enqueues nothing twice), also when two runs of the same group stage (one that outlived its lease and the
+        one that took it over) queue them at the same time: the duplicate keys are ignored.
         """
         existing = {doc["_id"] async for doc in self.collection.find(
             {"_id": {"$in": [sample.id for sample in samples]}}, {"_id": 1})} if samples else set()
@@ -46,7 +50,15 @@ class SampleQueue:
             if not doc.get("seq"):
                 doc["seq"] = base + i
             docs.append(doc)
-        await self.collection.insert_many(docs, ordered=True)
+        try:
+            await self.collection.insert_many(docs, ordered=False)
+        except BulkWriteError as error:  # only samples another writer queued first may fail, by their _id
+            errors = error.details.get("writeErrors", [])
+            taken = [docs[e["index"]]["_id"] for e in errors if e.get("code") == DUPLICATE_KEY]
+            if (len(taken) != len(errors)
+                    or await self.collection.count_documents({"_id": {"$in": taken}}) != len(taken)):
+                raise
+            return len(docs) - len(taken)
         return len(docs)
 
     @retry_on_reconnect

@@ -9,9 +9,11 @@ A Task wants ``num_generations`` samples. ``claim`` hands a sampler one slot:
 
 Every path ends with inserting the slot's Record ``{task_id}/{slot}/{attempt}``; its unique ``_id`` is what makes
 a claim exactly-once across processes. The lease lives on that Record (``lease_id``, ``lease_owner``,
-``lease_expires_at``); ``heartbeat`` extends it, ``finish`` settles the slot, ``release`` gives it back early.
-The caller whose settlement completes a Task's group gets the group-stage lease (exactly one caller; if it dies,
-``claim_group_stage`` hands the stage to another sampler after the lease expires).
+``lease_expires_at``); ``heartbeat`` extends it, ``finish`` settles the slot, ``release`` (infrastructure
+failure, shutdown) and ``abandon`` (an error of the sampler) give it up early: the Record ends ``failed`` with its
+``failure_class`` at once, keeps its lease (expired, ``given_up``) so that another sampler retakes the slot as the
+next attempt at once. The caller whose settlement completes a Task's group gets the group-stage lease (exactly one
+caller; if it dies, ``claim_group_stage`` hands the stage to another sampler after the lease expires).
 
 Crash safety: a slot not yet settled on its Task always has a Record holding a lease (live or expired), except
 in the two crash windows that ``sweep`` repairs (a claim cut off before its Record was inserted; an attempt
@@ -26,6 +28,12 @@ heartbeat wins) *before* inserting the next attempt; every write of a holder fil
 ``leased``, so once retired, a dead attempt's heartbeat, outcome and transitions are refused (``LeaseLost``). The
 agent heartbeats before each LLM and tool call (the fence): its side effects happen while the lease holds.
 The group-stage lease is fenced the same way (a token, heartbeats, and ``complete_group`` refused once expired).
+
+Shutdown: a sampler that stops gives its slots back (``release``) and then marks ``interrupted`` every started
+Task that no live lease works on (``interrupt_idle``), so a finished run leaves nothing ``running``. Such a Task is
+open like a running one (claims, take-over, sweep, admission control) and is ``running`` again as soon as a Record
+of it is inserted. Both sides write before they look (the interrupter checks for live leases after marking the
+Task; a claimer marks the Task after inserting its Record), so a Task being sampled never stays ``interrupted``.
 
 All lease times are the database server's (``ServerClock``), so machines with skewed clocks do not steal each
 other's leases. Operations marked ``retry_on_reconnect`` are idempotent and re-run after a broken connection.
@@ -46,7 +54,16 @@ from pymongo.errors import DuplicateKeyError
 from agentrl.failpoints import failpoint
 from agentrl.store.clock import ServerClock
 from agentrl.store.errors import LeaseLost
-from agentrl.store.models import EPOCH, Record, RecordStatus, Task, TaskStatus
+from agentrl.store.models import (
+    EPOCH,
+    OPEN_TASK_STATES,
+    STARTED_TASK_STATES,
+    FailureClass,
+    Record,
+    RecordStatus,
+    Task,
+    TaskStatus,
+)
 from agentrl.store.outage import retry_on_reconnect
 
 DEFAULT_LEASE_S = 60.0
@@ -143,8 +160,7 @@ class SlotLeases:
     async def _claim_unclaimed(self, split: str, owner: str) -> SlotLease | None:
         lease_id = uuid.uuid4().hex
         doc = await self.tasks.find_one_and_update(
-            {"split": split, "status": {"$in": [str(TaskStatus.CREATED), str(TaskStatus.RUNNING)]},
-             "unclaimed": {"$gt": 0}},
+            {"split": split, "status": {"$in": list(OPEN_TASK_STATES)}, "unclaimed": {"$gt": 0}},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
              "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now()}},
             sort=[("order", 1)],
@@ -171,6 +187,7 @@ class SlotLeases:
             await self.records.insert_one(record.to_mongo())
         except DuplicateKeyError:
             return None
+        await self._resume_task(task.id)
         return SlotLease(task=task, slot=slot, attempt=attempt, lease_id=lease_id, owner=owner, record_id=record.id)
 
     async def _take_over(self, expired: Record, owner: str, seen_expiry: Any) -> SlotLease | None:
@@ -179,24 +196,21 @@ class SlotLeases:
         ``seen_expiry`` is the ``lease_expires_at`` value (as stored) that was seen expired: the retirement happens
         only if it is unchanged, so a holder whose heartbeat landed meanwhile keeps its lease. An attempt whose
         holder already wrote its outcome (``finish`` cut off before settling the slot) is not retried: its
-        settlement is completed instead."""
-        if expired.status not in (RecordStatus.RUNNING, RecordStatus.COMPLETED):
+        settlement is completed instead; one its holder gave up (``release``, ``abandon``) is retried."""
+        if expired.status not in (RecordStatus.RUNNING, RecordStatus.COMPLETED) and not expired.given_up:
             await self._complete_settlement(expired)
             return None
         task = Task.from_mongo(await self.tasks.find_one({"_id": expired.task_id}))
         failures = expired.failures + (0 if expired.released else 1)
-        reason = "released by its sampler" if expired.released else (
-            f"lease of sampler {expired.lease_owner} expired without heartbeat")
         if task is None or failures >= task.max_attempts:
-            retired = await self._retire(expired, seen_expiry,
-                                         f"{reason}; slot given up after {failures} failed attempts")
+            retired = await self._retire(expired, seen_expiry, f"slot given up after {failures} failed attempts")
             if retired and task is not None:
                 await self.settle(task.id, expired.slot, failed=True)
             return None
         # Fencing: the old attempt is retired before its successor exists, so from here on every write of the old
         # holder (heartbeat, outcome, transition) is refused. A crash between the two writes leaves a retired
         # attempt without successor, which ``sweep`` recovers.
-        if not await self._retire(expired, seen_expiry, f"{reason}; taken over by attempt {expired.attempt + 1}"):
+        if not await self._retire(expired, seen_expiry, f"taken over by attempt {expired.attempt + 1}"):
             return None  # its holder heartbeated in time, or another claimer took it over first
         failpoint("slots.take_over.between_writes")
         return await self._insert_record(task, expired.slot, attempt=expired.attempt + 1, failures=failures,
@@ -213,15 +227,24 @@ class SlotLeases:
         await self.records.update_one({"_id": rid, "lease_id": lease_id, "leased": True},
                                       {"$set": {"leased": False}})
 
-    async def _retire(self, record: Record, seen_expiry: Any, reason: str) -> bool:
+    async def _retire(self, record: Record, seen_expiry: Any, what_next: str) -> bool:
         """End an attempt whose lease was seen expired, if that lease is unchanged (compare-and-set on the stored
-        expiry: a heartbeat landed meanwhile wins); ``True`` if this call retired it."""
-        result = await self.records.update_one(
-            {"_id": record.id, "lease_id": record.lease_id, "leased": True, "status": {"$in": _LIVE},
-             "lease_expires_at": seen_expiry},
-            {"$set": {"leased": False, "status": str(RecordStatus.FAILED), "error": reason,
-                      "updated_at": self.now(), "finished_at": self.now()}},
-        )
+        expiry: a heartbeat landed meanwhile wins); ``True`` if this call retired it. An attempt its holder gave up
+        keeps its failure; one whose holder vanished fails as ``lease_lost``."""
+        held = {"_id": record.id, "lease_id": record.lease_id, "leased": True, "lease_expires_at": seen_expiry}
+        now = self.now()
+        if record.given_up:
+            query = {**held, "given_up": True}
+            update = {"leased": False, "error": f"{record.error}; {what_next}", "updated_at": now}
+        else:
+            why = "released by its sampler" if record.released else (
+                f"lease of sampler {record.lease_owner} expired without heartbeat")
+            query = {**held, "status": {"$in": _LIVE}}
+            update = {"leased": False, "status": str(RecordStatus.FAILED), "error": f"{why}; {what_next}",
+                      "updated_at": now, "finished_at": now}
+            if not record.released:  # (one released by a version without failure classes: its cause is unknown)
+                update["failure_class"] = str(FailureClass.LEASE_LOST)
+        result = await self.records.update_one(query, {"$set": update})
         return result.modified_count == 1
 
     async def sweep(self, split: str, owner: str, *, max_tasks: int = 256) -> SlotLease | None:
@@ -234,11 +257,14 @@ class SlotLeases:
         per claimed, unsettled slot, so one query counting the leases of those Tasks singles out the ones that
         need recovery; Tasks whose long trajectories are merely still running cannot crowd them out.
         """
-        stale = [doc async for doc in self.tasks.find(
-            {"split": split, "status": str(TaskStatus.RUNNING), "updated_at": {"$lt": self.now() - self._ttl()}},
-            {"remaining": 1, "unclaimed": 1}, sort=[("updated_at", 1)], limit=max_tasks)]
+        stale = []
+        for status in STARTED_TASK_STATES:  # one query per state: NX-27017 drops date ranges next to an ``$in``
+            stale += [doc async for doc in self.tasks.find(
+                {"split": split, "status": status, "updated_at": {"$lt": self.now() - self._ttl()}},
+                {"remaining": 1, "unclaimed": 1, "updated_at": 1}, sort=[("updated_at", 1)], limit=max_tasks)]
         if not stale:
             return None
+        stale = sorted(stale, key=lambda doc: str(doc["updated_at"]))[:max_tasks]  # datetimes or ISO strings
         leases: dict[str, int] = {}
         async for rec in self.records.find({"task_id": {"$in": [doc["_id"] for doc in stale]}, "leased": True},
                                            {"task_id": 1}):
@@ -253,11 +279,11 @@ class SlotLeases:
 
     async def _recover_task(self, task_id: str, owner: str) -> SlotLease | None:
         task = Task.from_mongo(await self.tasks.find_one({"_id": task_id}))
-        if task is None or task.status != TaskStatus.RUNNING:
+        if task is None or str(task.status) not in STARTED_TASK_STATES:
             return None
         latest: dict[int, dict[str, Any]] = {}
         async for rec in self.records.find({"task_id": task.id}, {"slot": 1, "attempt": 1, "status": 1,
-                                                                   "failures": 1, "leased": 1}):
+                                                                   "failures": 1, "leased": 1, "released": 1}):
             if rec["slot"] not in latest or rec["attempt"] > latest[rec["slot"]]["attempt"]:
                 latest[rec["slot"]] = rec
         for slot in range(len(task.claim_ids)):
@@ -269,7 +295,7 @@ class SlotLeases:
             elif rec["leased"]:
                 continue  # live, or expired and left to take-over
             elif rec["status"] == str(RecordStatus.FAILED):
-                failures = rec.get("failures", 0) + 1
+                failures = rec.get("failures", 0) + (0 if rec.get("released") else 1)
                 if failures >= task.max_attempts:
                     await self.settle(task.id, slot, failed=True)
                     continue
@@ -287,7 +313,7 @@ class SlotLeases:
     async def sampling_load(self, split: str) -> SamplingLoad:
         """What admission control weighs: the slots of started groups and the ready Records not yet trained."""
         group_slots = unclaimed = 0
-        async for doc in self.tasks.find({"split": split, "status": str(TaskStatus.RUNNING)},
+        async for doc in self.tasks.find({"split": split, "status": {"$in": list(STARTED_TASK_STATES)}},
                                          {"num_generations": 1, "unclaimed": 1}):
             group_slots += doc["num_generations"]
             unclaimed += doc["unclaimed"]
@@ -298,9 +324,41 @@ class SlotLeases:
         """Whether ``split`` has Tasks and every one of them is done (all slots settled, group stage run)."""
         if await self.tasks.count_documents({"split": split}, limit=1) == 0:
             return False
-        open_tasks = await self.tasks.count_documents(
-            {"split": split, "status": {"$in": [str(TaskStatus.CREATED), str(TaskStatus.RUNNING)]}}, limit=1)
+        open_tasks = await self.tasks.count_documents({"split": split, "status": {"$in": list(OPEN_TASK_STATES)}},
+                                                      limit=1)
         return open_tasks == 0
+
+    async def interrupt_idle(self, split: str) -> list[str]:
+        """Mark ``interrupted`` the started Tasks of ``split`` that no live lease (slot or group stage) works on —
+        what a stopping sampler calls after giving its slots back. Returns their ids."""
+        interrupted = []
+        async for doc in self.tasks.find({"split": split, "status": str(TaskStatus.RUNNING)}, {"_id": 1}):
+            if await self._busy(doc["_id"]):
+                continue
+            result = await self.tasks.update_one({"_id": doc["_id"], "status": str(TaskStatus.RUNNING)},
+                                                 {"$set": {"status": str(TaskStatus.INTERRUPTED)}})
+            if result.modified_count != 1:
+                continue
+            if await self._busy(doc["_id"]):  # a claim landed meanwhile: it is being sampled after all
+                await self._resume_task(doc["_id"])
+            else:
+                interrupted.append(doc["_id"])
+        return interrupted
+
+    async def _busy(self, task_id: str) -> bool:
+        """Whether a live lease works on ``task_id``: a slot's (not given up) or its group stage's."""
+        now = self.now()  # (find_one, not count_documents: NX-27017's aggregation misreads dates set by $set)
+        if await self.records.find_one({"task_id": task_id, "leased": True, "given_up": {"$ne": True},
+                                        "lease_expires_at": {"$gt": now}}, {"_id": 1}) is not None:
+            return True
+        return await self.tasks.find_one({"_id": task_id, "group_stage_done": False,
+                                          "group_lease_expires_at": {"$gt": now}}, {"_id": 1}) is not None
+
+    @retry_on_reconnect
+    async def _resume_task(self, task_id: str) -> None:
+        """An interrupted Task gets a Record again: it is ``running``."""
+        await self.tasks.update_one({"_id": task_id, "status": str(TaskStatus.INTERRUPTED)},
+                                    {"$set": {"status": str(TaskStatus.RUNNING)}})
 
     # --------------------------------------------------------------------------------------------- lease holder
 
@@ -311,7 +369,7 @@ class SlotLeases:
         Also the fence before a side effect (an LLM call, a tool call): after it, the lease holds for ``lease_s``,
         and no take-over can happen before it expires."""
         result = await self.records.update_one(
-            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
+            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True, "given_up": {"$ne": True}},
             {"$set": {"lease_expires_at": self.now() + self._ttl()}},
         )
         if result.matched_count != 1:
@@ -346,21 +404,38 @@ class SlotLeases:
         if result.modified_count != 1 and await self.records.count_documents({**held, "status": str(status)}) != 1:
             raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
 
-    @retry_on_reconnect
-    async def abandon(self, lease: SlotLease, reason: str) -> None:
-        """Give the slot up after a failure: another sampler retakes it at once, as a failed attempt."""
-        await self.records.update_one(
-            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
-            {"$set": {"lease_expires_at": EPOCH, "error": reason, "updated_at": self.now()}},
-        )
+    async def abandon(self, lease: SlotLease, reason: str,
+                      failure_class: FailureClass = FailureClass.SAMPLER_ERROR) -> None:
+        """Give the slot up after a failure: the Record ends ``failed``; another sampler retakes the slot at once,
+        as the next attempt (this one counts as failed)."""
+        await self._give_up(lease, released=False, failure_class=failure_class, reason=reason)
+
+    async def release(self, lease: SlotLease, reason: str = "sampler shutting down",
+                      failure_class: FailureClass = FailureClass.CANCELLED) -> None:
+        """Give the slot back now (shutdown, an infrastructure failure): a running attempt ends ``failed`` with
+        ``failure_class`` and another sampler retakes the slot at once (not counted as a failed attempt); one whose
+        outcome is already written (``finish`` cut off) has its settlement completed."""
+        if await self._give_up(lease, released=True, failure_class=failure_class, reason=reason):
+            return
+        doc = await self.records.find_one({"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True,
+                                           "given_up": {"$ne": True}})
+        record = Record.from_mongo(doc)
+        if record is not None and record.status in (RecordStatus.SCORED, RecordStatus.FAILED):
+            await self._complete_settlement(record)
 
     @retry_on_reconnect
-    async def release(self, lease: SlotLease, reason: str = "sampler shutting down") -> None:
-        """Give the slot back now (e.g. on shutdown): another sampler retakes it at once; no failed attempt."""
-        await self.records.update_one(
-            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True},
-            {"$set": {"lease_expires_at": EPOCH, "released": True, "error": reason, "updated_at": self.now()}},
+    async def _give_up(self, lease: SlotLease, *, released: bool, failure_class: FailureClass, reason: str
+                       ) -> bool:
+        """End a running attempt as ``failed`` with its lease expired at once (``given_up``: the slot is retaken,
+        not settled); ``True`` if this call did."""
+        now = self.now()
+        result = await self.records.update_one(
+            {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True, "status": {"$in": _LIVE}},
+            {"$set": {"status": str(RecordStatus.FAILED), "failure_class": str(failure_class), "given_up": True,
+                      "released": released, "error": reason, "lease_expires_at": EPOCH, "updated_at": now,
+                      "finished_at": now}},
         )
+        return result.modified_count == 1
 
     # ------------------------------------------------------------------------------------------------ group stage
 
@@ -412,6 +487,11 @@ class SlotLeases:
                                              {"$set": {"group_lease_expires_at": self.now() + self._ttl()}})
         if result.matched_count != 1:
             raise LeaseLost(f"group stage of Task {group.task.id} is no longer held by {group.owner}")
+
+    @retry_on_reconnect
+    async def release_group(self, group: GroupLease) -> None:
+        """Give the group-stage lease back now (shutdown): another sampler takes the stage over at once."""
+        await self.tasks.update_one(self._group_held(group), {"$set": {"group_lease_expires_at": EPOCH}})
 
     @retry_on_reconnect
     async def complete_group(self, group: GroupLease, **fields: Any) -> Task:

@@ -9,9 +9,11 @@ from pymongo.collection import Collection
 from pymongo.database import Database
 
 from agentrl.store.models import (
+    NOT_TRAINED_STATES,
     CallStatus,
     DBRecordData,
     DispatchedSamplingTask,
+    FailureClass,
     InferenceService,
     Metric,
     Record,
@@ -51,6 +53,17 @@ def reward_by_version(records: Collection, split: str | None = None) -> list[dic
         n, total = sums.get(row["_id"] or 0, (0, 0.0))  # no version and version 0 are one row
         sums[row["_id"] or 0] = (n + row["n"], total + float(row["total"]))
     return [{"policy_version": v, "records": n, "mean_score": total / n} for v, (n, total) in sorted(sums.items())]
+
+
+def failure_counts(records: Collection, split: str | None = None) -> dict[str, int]:
+    """Records that did not train (``failed``, ``abandoned``; of ``split``, or all) per failure class, most first
+    (Records stored before failure classes existed count as ``unknown``)."""
+    query: dict[str, Any] = {"status": {"$in": list(NOT_TRAINED_STATES)}} | ({"split": split} if split else {})
+    counts: dict[str, int] = {}
+    for row in records.aggregate([{"$match": query}, {"$group": {"_id": "$failure_class", "n": {"$sum": 1}}}]):
+        name = str(row["_id"] or FailureClass.UNKNOWN)
+        counts[name] = counts.get(name, 0) + int(row["n"])
+    return dict(sorted(counts.items(), key=lambda item: (-item[1], item[0])))
 
 
 def state_counts(db: Database) -> dict[str, dict[str, int]]:
@@ -110,5 +123,6 @@ def run_summary(db: Database, now: datetime | None = None) -> dict[str, Any]:
         "last_metric": None if last_metric is None else {"step": last_metric["step"],
                                                          "values": last_metric.get("values", {})},
         "reward_by_version": reward_by_version(records, (run.config.get("split") if run else None) or "train"),
+        "failures": failure_counts(records),
         "recent_records_per_min": count(records, {"finished_at": {"$gt": now - timedelta(minutes=1)}}),
     }

@@ -5,7 +5,10 @@ first, without waiting for any particular group; tensor-parallel peers receive t
 by (rank, step), so a trainer resumed from a checkpoint gets back exactly the samples it had claimed for the
 steps after that checkpoint. Samples more than ``staleness_bound`` policy versions old (0 under
 ``--sync_sampling``) are claimed and then marked ``skipped`` with the reason, counted, never trained; their
-Records leave the ``ready`` state so the samplers' admission control does not wait for them.
+Records leave the ``ready`` state first (``abandoned``, failure class ``stale``), so the samplers' admission
+control does not wait for them. A crash between the two writes (failpoint ``trainer.skip.after_abandon``) leaves
+the samples claimed: the next trainer claims them again (claims held for a step are checked for staleness like new
+ones; the policy version only grows) and skips them.
 
 While a share is incomplete every rank polls with a growing pause (up to ``poll_interval_s``) and joins one small
 all-reduce per poll, so no rank blocks long inside a collective and all ranks agree on when to start, stop or
@@ -21,7 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from agentrl.failpoints import failpoint
 from agentrl.store import DBRecordData, InvalidTransition, NotFound, RecordStatus, Store
+from agentrl.store.models import FailureClass
 from agentrl.training.aio import LoopThread
 from agentrl.training.merge import MergedSample
 from agentrl.training.parallel import ParallelState
@@ -105,7 +110,8 @@ class SampleStream:
         skipped = 0
         exhausted = False
         if self.parallel.is_tp_leader:  # claims this rank already holds for the step (a resumed run) come first
-            samples = self.io.run(self.store.samples.claim_batch(self.parallel.dp_rank, step, 0, self.split))
+            held = self.io.run(self.store.samples.claim_batch(self.parallel.dp_rank, step, 0, self.split))
+            samples, skipped = self._sort_out(step, held, current_version)
         pause, last_status = FIRST_POLL_S, started
         while True:
             if self.parallel.is_tp_leader and len(samples) < self.share:
@@ -148,26 +154,33 @@ class SampleStream:
     def _claim_more(self, step: int, have: list[DBRecordData], current_version: int
                     ) -> tuple[list[DBRecordData], int, bool]:
         """Top the step's claims up; returns (new fresh samples, how many new ones were skipped, queue empty)."""
-        rank = self.parallel.dp_rank
-        batch = self.io.run(self.store.samples.claim_batch(rank, step, self.share, self.split))
+        batch = self.io.run(self.store.samples.claim_batch(self.parallel.dp_rank, step, self.share, self.split))
         known = {s.id for s in have}
-        new = [s for s in batch if s.id not in known]
+        fresh, stale = self._sort_out(step, [s for s in batch if s.id not in known], current_version)
+        return fresh, stale, len(batch) < self.share
+
+    def _sort_out(self, step: int, claimed: list[DBRecordData], current_version: int
+                  ) -> tuple[list[DBRecordData], int]:
+        """Skip the stale ones of ``claimed``; returns (the fresh ones, how many were skipped)."""
         fresh, stale = [], []
-        for sample in new:
+        for sample in claimed:
             lag = sample_staleness(sample, current_version)
             (stale if self.staleness_bound is not None and lag > self.staleness_bound else fresh).append(sample)
         if stale:
             reason = (f"stale: sampled more than {self.staleness_bound} policy versions before version "
                       f"{current_version}")
-            self.io.run(self._skip(rank, step, stale, reason))
+            self.io.run(self._skip(self.parallel.dp_rank, step, stale, reason))
             logger.info("step %d: skipped %d stale samples (%s)", step, len(stale), reason)
-        return fresh, len(stale), len(batch) < self.share
+        return fresh, len(stale)
 
     async def _skip(self, rank: int, step: int, samples: Sequence[DBRecordData], reason: str) -> None:
-        await self.store.samples.skip(rank, step, [s.id for s in samples], reason)
+        """Abandon the samples' Records, then mark the samples skipped (see the module docstring)."""
         for record_id in dict.fromkeys(s.record_id for s in samples):
             await move_record(self.store, record_id, RecordStatus.ABANDONED,
-                              group_decision=f"skipped by the trainer: {reason}")
+                              group_decision=f"skipped by the trainer: {reason}",
+                              failure_class=str(FailureClass.STALE))
+        failpoint("trainer.skip.after_abandon")
+        await self.store.samples.skip(rank, step, [s.id for s in samples], reason)
 
     def _give_back(self, step: int) -> None:
         if self.parallel.is_tp_leader:
