@@ -17,10 +17,53 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-
 from agentrl.bench.grading import GradingState
 from bench_fixtures import MARKER, needs_containment, reachable_text, run_bench, start_server, write_scenario
+from rollout_fixtures import agentrl_cmd, run_env
+
+
+def _check_scenario_api(http: httpx.Client, ws: Path, model_dir: Path) -> None:
+    root = http.get("/").json()
+    assert root["name"] == "AutoRL-Bench" and {"gsm8k", "arith", "humaneval", "textcraft",
+                                                "scripted"} <= set(root["scenarios"])
+    assert "/submit" in root["endpoints"] and "/scenarios/{scenario_id}" in root["endpoints"]
+    listed = {s["id"]: s for s in http.get("/scenarios").json()["scenarios"]}
+    assert listed["scripted"] == {"id": "scripted", "name": "Scripted calculator", "type": "offline",
+                                  "base_model": str(model_dir), "baseline_score": 50.0, "metric": "accuracy"}
+    detail = http.get("/scenarios/scripted").json()  # the graded task: the workspace's copies
+    assert detail["train_data"] == detail["train_data_path"] == str(ws / "data" / "train.jsonl")
+    assert detail["test_data_path"] is None and detail["test_data"] == {"num_items": 2, "hidden": True}
+    assert detail["base_model_path"] == str(ws / "models" / model_dir.name) and detail["baseline_score"] == 50.0
+    other = http.get("/scenarios/arith").json()  # another scenario: no paths while grading a task
+    assert other["train_data"] is None and other["base_model_path"] is None
+    missing = http.get("/scenarios/nope")
+    assert missing.status_code == 404 and "scripted" in missing.json()["available"]
+
+
+def _check_foreign_requests_are_refused(http: httpx.Client) -> None:
+    """A browser's cross-site form post (text/plain), a cross-origin JSON post, DNS rebinding."""
+    plain = http.post("/set_baseline", content=b'{"score": 1}', headers={"Content-Type": "text/plain"})
+    assert plain.status_code == 415
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Host": "evil.example:5000"}):
+        assert http.post("/set_baseline", json={"score": 1}, headers=headers).status_code == 403, headers
+    assert http.get("/history", headers={"Host": "rebound.example"}).status_code == 403
+
+
+def _check_interact(http: httpx.Client) -> None:
+    """/interact: environment sessions on training goals only."""
+    from agentrl.envs.registry import get_spec
+
+    started = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": 0}).json()
+    assert "Goal" in started["observation"] and started["done"] is False
+    step = http.post("/interact", json={"scenario_id": "textcraft", "session_id": started["session_id"],
+                                        "action": "inventory"}).json()
+    assert step["session_id"] == started["session_id"] and "Inventory" in step["observation"]
+    held_out = next(iter(get_spec("textcraft").split("test")))
+    refused = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": held_out})
+    assert refused.status_code == 400 and "training split" in refused.json()["detail"]
+    assert http.post("/interact", json={"scenario_id": "scripted"}).status_code == 400
+
 
 def test_grading_and_scenario_apis(tmp_path: Path, db_uri: str, scripted_model_dir: Path) -> None:
     ws = tmp_path / "ws"
@@ -30,38 +73,14 @@ def test_grading_and_scenario_apis(tmp_path: Path, db_uri: str, scripted_model_d
     process, url = start_server(tmp_path, db_uri, write_scenario(tmp_path, scripted_model_dir))
     try:
         with httpx.Client(base_url=url, timeout=300) as http:
-            root = http.get("/").json()
-            assert root["name"] == "AutoRL-Bench" and {"gsm8k", "arith", "humaneval", "textcraft",
-                                                        "scripted"} <= set(root["scenarios"])
-            assert "/submit" in root["endpoints"] and "/scenarios/{scenario_id}" in root["endpoints"]
-            listed = {s["id"]: s for s in http.get("/scenarios").json()["scenarios"]}
-            assert listed["scripted"] == {"id": "scripted", "name": "Scripted calculator", "type": "offline",
-                                          "base_model": str(scripted_model_dir), "baseline_score": 50.0,
-                                          "metric": "accuracy"}
-            detail = http.get("/scenarios/scripted").json()  # the graded task: the workspace's copies
-            assert detail["train_data"] == detail["train_data_path"] == str(ws / "data" / "train.jsonl")
-            assert detail["test_data_path"] is None and detail["test_data"] == {"num_items": 2, "hidden": True}
-            assert detail["base_model_path"] == str(ws / "models" / scripted_model_dir.name)
-            assert detail["baseline_score"] == 50.0
-            other = http.get("/scenarios/arith").json()  # another scenario: no paths while grading a task
-            assert other["train_data"] is None and other["base_model_path"] is None
-            missing = http.get("/scenarios/nope")
-            assert missing.status_code == 404 and "scripted" in missing.json()["available"]
-
+            _check_scenario_api(http, ws, scripted_model_dir)
             health = http.get("/health").json()
             assert health["status"] == "ok" and health["task"] == "scripted" and health["workspace"] == str(ws)
             assert health["available_gpus"] == [] and health["pending_evaluations"] == 0
             assert http.get("/best").status_code == 404 and http.get("/best").json() == {"error": "No submissions"}
             assert http.get("/history").json() == []
             assert http.post("/set_baseline", json={}).status_code == 400
-            # A browser's cross-site form post (text/plain), a cross-origin JSON post, DNS rebinding: refused.
-            plain = http.post("/set_baseline", content=b'{"score": 1}', headers={"Content-Type": "text/plain"})
-            assert plain.status_code == 415
-            for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
-                            {"Host": "evil.example:5000"}):
-                refused = http.post("/set_baseline", json={"score": 1}, headers=headers)
-                assert refused.status_code == 403, headers
-            assert http.get("/history", headers={"Host": "rebound.example"}).status_code == 403
+            _check_foreign_requests_are_refused(http)
             assert http.post("/set_baseline", json={"score": 25}).json() == {"baseline_score": 25.0, "status": "set"}
             time_info = http.get("/time").json()
             assert time_info["timeout_s"] is None and time_info["remaining"] is None and time_info["now"] > 0
@@ -116,18 +135,7 @@ def test_grading_and_scenario_apis(tmp_path: Path, db_uri: str, scripted_model_d
                                                 "model_path": str(tmp_path / "no-model")}).status_code == 400
             assert [e["via"] for e in http.get("/history").json()] == ["submit"] * 3 + ["evaluate"]
 
-            # /interact: environment sessions on training goals only.
-            started = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": 0}).json()
-            assert "Goal" in started["observation"] and started["done"] is False
-            step = http.post("/interact", json={"scenario_id": "textcraft", "session_id": started["session_id"],
-                                                "action": "inventory"}).json()
-            assert step["session_id"] == started["session_id"] and "Inventory" in step["observation"]
-            from agentrl.envs.registry import get_spec
-
-            held_out = next(iter(get_spec("textcraft").split("test")))
-            refused = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": held_out})
-            assert refused.status_code == 400 and "training split" in refused.json()["detail"]
-            assert http.post("/interact", json={"scenario_id": "scripted"}).status_code == 400
+            _check_interact(http)
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
@@ -157,7 +165,8 @@ def test_run_with_the_template_agent(tmp_path: Path, db_uri: str, scripted_model
     assert result["best"]["model_path"] == str(Path(result["workspace"]) / "output" / "v1")
     # best_model is the grading server's copy of what it graded, not the agent's directory
     best_model = (result_file.parent / "best_model").resolve()
-    assert best_model == Path(result["best_model"]) and best_model.parent == result_file.parent / "evaluations" / "models"
+    assert best_model == Path(result["best_model"])
+    assert best_model.parent == result_file.parent / "evaluations" / "models"
     assert sorted(p.name for p in best_model.iterdir()) == sorted(p.name for p in scripted_model_dir.iterdir())
     assert json.loads((result_file.parent / "scores.json").read_text())[0]["score"] == 100.0
     rows = (tmp_path / "results" / "results.csv").read_text().splitlines()

@@ -12,6 +12,7 @@ import os
 import shutil
 import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -46,7 +47,7 @@ def test_a_snooping_agent_finds_and_changes_nothing(tmp_path: Path, db_uri: str,
     targets = {"files": [str(tmp_path / "scenario-data" / "test.jsonl"), builtin_test, str(other_run / "notes.txt")],
                "dirs": [str(tmp_path / "results"), str(tmp_path / "workspace"), str(bench_home()), str(tmp_path),
                         str(Path.home() / ".agentrl")],
-               "database": f"{host}:{port}"}
+               "database": f"{host}:{port}", "stamp": f"snoop-was-here-{uuid.uuid4().hex}"}
     done = run_bench(tmp_path, db_uri, scenario, "snoop", 300, "--agents_dir", str(AGENTS), "--max_evaluations", "4",
                      "--agent_env", "SNOOP_TARGETS", env={**run_env(), "SNOOP_TARGETS": json.dumps(targets)})
     assert done.returncode == 0, done.stdout + done.stderr
@@ -82,13 +83,15 @@ def test_a_snooping_agent_finds_and_changes_nothing(tmp_path: Path, db_uri: str,
     assert {name: reply["status"] for name, reply in report["set_baseline"].items()} == {
         "json": 403, "guessed_token": 403, "cross_site_plain": 403}
     for root in targets["dirs"]:
-        assert not (Path(root) / "snoop-was-here.txt").exists()
+        assert not (Path(root) / targets["stamp"]).exists()
 
     # Every grading recorded and counted, failed ones too; the budget holds; nothing graded off the record.
     assert report["evaluate"]["test_file"]["status"] == 400
     assert report["evaluate"]["other_scenario"]["status"] == 403
     honest = json.loads(report["evaluate"]["honest"]["body"])
     assert honest["score"] == 100.0 and honest["details"]["submission_id"] == 1
+    assert "is not a regular file" in json.loads(report["validate"]["linked"]["body"])["error"]
+    assert report["validate"]["elsewhere"]["status"] == 400
     submits = report["submit"]
     for name in ("linked", "fifo"):
         assert "is not a regular file" in json.loads(submits[name]["body"])["error"]
@@ -160,8 +163,8 @@ def test_no_containment_no_run(tmp_path: Path, scripted_model_dir: Path) -> None
         agentrl_cmd("bench", "run", "--agent", "template", "--task", "scripted", "--scenario", str(scenario),
                     "--workspace_root", str(tmp_path / "workspace"), "--results_dir", str(tmp_path / "results")),
         capture_output=True, text=True, env={**run_env(), "PATH": str(empty)}, timeout=120)
-    assert done.returncode == 2
-    assert "cannot be contained" in done.stderr and "not found on PATH" in done.stderr and "--uncontained" in done.stderr
+    assert done.returncode == 2 and "cannot be contained" in done.stderr and "not found on PATH" in done.stderr
+    assert "--uncontained" in done.stderr
     assert not (tmp_path / "workspace").exists() and not (tmp_path / "results").exists()
 
 

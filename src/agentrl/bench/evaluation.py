@@ -57,7 +57,11 @@ def model_problem(path: Path, shown: str | Path | None = None) -> str | None:
     shown = shown or path
     if not path.is_dir():
         return f"{shown} is not a directory"
-    files = sorted(p.name for p in path.iterdir())
+    return files_problem([p.name for p in path.iterdir()], shown)
+
+
+def files_problem(files: list[str], shown: str | Path) -> str | None:
+    """Why a directory ``shown`` holding ``files`` is not a model (``None`` when it is)."""
     if not any(marker in files for marker in MODEL_MARKERS):
         return f"{shown} holds none of {', '.join(MODEL_MARKERS)}"
     if "adapter_config.json" in files and "config.json" not in files:

@@ -30,9 +30,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agentrl.bench.evaluation import EvaluationResult, Evaluator, model_problem
+from agentrl.bench.evaluation import EvaluationResult, Evaluator, files_problem, model_problem
 from agentrl.bench.scenarios import Scenario
-from agentrl.bench.snapshots import SnapshotError, SnapshotStore
+from agentrl.bench.snapshots import SnapshotError, SnapshotStore, model_files
 from agentrl.failpoints import failpoint
 
 logger = logging.getLogger(__name__)
@@ -209,11 +209,16 @@ class GradingRun:
         return path
 
     def validate(self, raw: Any) -> dict[str, Any]:
+        """Whether the model would be accepted, judged as a grading would (without following links)."""
         path = self.resolve_model_path(raw)
-        problem = model_problem(path)
+        try:
+            files = model_files(self.workspace, path)
+        except SnapshotError as error:
+            return {"valid": False, "model_path": str(path), "error": str(error)}
+        problem = files_problem(files, path)
         if problem:
             return {"valid": False, "model_path": str(path), "error": problem}
-        return {"valid": True, "model_path": str(path), "files": sorted(p.name for p in path.iterdir())}
+        return {"valid": True, "model_path": str(path), "files": files}
 
     def enqueue(self, raw: Any, via: str = "submit") -> Job:
         """Queue a grading of the submitted model; the job records the submission when it ends, however it ends."""

@@ -29,7 +29,6 @@
 from __future__ import annotations
 
 import csv
-import json
 import os
 import re
 import secrets

@@ -63,6 +63,15 @@ def _model_files(directory: int, shown: Path) -> list[tuple[str, int]]:
     return sorted(files)
 
 
+def model_files(workspace: Path, model: Path) -> list[str]:
+    """The names of the regular files at the top of ``model``, found as :meth:`SnapshotStore.take` finds them."""
+    directory = _open_dir(workspace, model)
+    try:
+        return [name for name, _ in _model_files(directory, model)]
+    finally:
+        os.close(directory)
+
+
 def _copy(directory: int, name: str, size: int, target: Path, shown: Path) -> str:
     """Copy the first ``size`` bytes (its size when listed) of the regular file ``name`` of ``directory`` to
     ``target``; returns their SHA-256."""
