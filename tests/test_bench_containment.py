@@ -205,3 +205,28 @@ def test_snapshots_refuse_links_and_fifos_and_share_equal_models(tmp_path: Path)
     store.prune(keep={copy})  # `copy` is also still in use; `other` is neither
     assert copy.is_dir() and not other.exists()
     assert [p for p in store.root.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+def test_sigterm_during_the_baseline_stops_the_server_and_its_evaluation(tmp_path: Path, db_uri: str,
+                                                                        scripted_model_dir: Path) -> None:
+    scenario = write_scenario(tmp_path, scripted_model_dir)
+    process = subprocess.Popen(
+        agentrl_cmd("bench", "run", "--agent", "template", "--task", "scripted", "--scenario", str(scenario),
+                    "--port", "0", "--workspace_root", str(tmp_path / "workspace"), "--results_dir",
+                    str(tmp_path / "results"), "--db_connection_string", db_uri, "--engine_args", ENGINE_ARGS,
+                    "--uncontained"),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env())
+    assert process.stdout is not None
+    for line in process.stdout:
+        if "baseline: evaluating" in line:
+            break
+    deadline = time.monotonic() + 60  # until the evaluation runs
+    while not _processes_with(f"{tmp_path}/results") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert len(_processes_with(f"{tmp_path}/results")) >= 2  # the grading server and agentrl eval
+    process.terminate()
+    assert process.wait(timeout=60) == 130
+    deadline = time.monotonic() + 30
+    while (_processes_with(str(tmp_path)) or _processes_with(str(scripted_model_dir))) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert _processes_with(str(tmp_path)) == [] and _processes_with(str(scripted_model_dir)) == []

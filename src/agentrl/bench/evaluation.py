@@ -91,6 +91,7 @@ class Evaluator:
         self.env_servers = env_servers or []
         self.concurrency = concurrency
         self._lock = asyncio.Lock()
+        self._running: set[asyncio.subprocess.Process] = set()
         self._count = 0
         (state_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -154,6 +155,7 @@ class Evaluator:
             process = await asyncio.create_subprocess_exec(
                 *self.command(scenario, model, label, output), stdout=log, stderr=asyncio.subprocess.STDOUT,
                 stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env={**os.environ, ENV_VAR: self.db})
+            self._running.add(process)
             try:
                 code = await asyncio.wait_for(process.wait(), self.timeout_s)
             except TimeoutError:
@@ -164,6 +166,8 @@ class Evaluator:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGTERM)
                 raise
+            finally:
+                self._running.discard(process)
         if code != 0 or not output.is_file():
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
             return EvaluationResult(error=f"agentrl eval exited with status {code}",
@@ -180,6 +184,12 @@ class Evaluator:
             return EvaluationResult(metrics=details, reused=bool(data.get("reused")), detail=f"log {log_path}",
                                     error="no sample of the evaluation had a verdict (every one failed)")
         return EvaluationResult(score=round(100.0 * accuracy, 2), metrics=details, reused=bool(data.get("reused")))
+
+    def stop_all(self) -> None:
+        """SIGTERM to every running evaluation's process group (the server is stopping)."""
+        for process in self._running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
 
     async def _load_into_services(self, model: Path) -> str | None:
         from agentrl.inference.client import SGLangClient

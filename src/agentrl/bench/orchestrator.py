@@ -49,7 +49,8 @@ import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.bench import containment
-from agentrl.bench.agent import REPO_AGENTS, AgentError, agent_environment, find_agent, start_agent, supervise
+from agentrl.bench.agent import (
+    REPO_AGENTS, AgentConfig, AgentError, agent_environment, find_agent, start_agent, supervise)
 from agentrl.bench.containment import AgentSandbox, ContainmentUnavailable, Network
 from agentrl.bench.grading import GradingState, GradingStateError, write_json_atomic
 from agentrl.bench.scenarios import Scenario, ScenarioSet, bench_home
@@ -322,6 +323,7 @@ def _finish_gradings(server: GradingServer, say: Any, stall_s: float) -> None:
 
 def _sandbox(options: RunOptions, scenarios: ScenarioSet, scenario: Scenario, agent_dir: Path, workspace: Path,
              result_dir: Path, socket: Path, port: int) -> AgentSandbox:
+    """Where the contained agent runs: its uid, what it sees and hides, its network."""
     return AgentSandbox(workspace=workspace, agent_dir=agent_dir, base_model=Path(scenario.base_model()).resolve(),
                         uid=containment.agent_uid(), checkout=CHECKOUT,
                         masked=masked_paths(options, scenarios, result_dir), network=options.agent_network,
@@ -346,8 +348,21 @@ def _baseline(server: GradingServer, scenario: Scenario, log_dir: Path, say: Any
     return baseline
 
 
+def _interrupt(signum: int, _frame: Any) -> None:
+    raise KeyboardInterrupt(f"stopped by {signal.Signals(signum).name}")
+
+
 def run(options: RunOptions, say: Any = print) -> int:
-    """The whole run (see the module docstring); returns the agent's exit status (1 if it was stopped)."""
+    """The whole run (see the module docstring); returns the agent's exit status (1 if it was stopped). SIGTERM
+    stops it as Ctrl-C does: the grading server and its evaluations are stopped too."""
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        return _run(options, say)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _run(options: RunOptions, say: Any) -> int:
     try:
         agent_dir, agent = find_agent(options.agent, options.agents_dir)
         scenarios = ScenarioSet(options.scenario)
@@ -391,7 +406,7 @@ def run(options: RunOptions, say: Any = print) -> int:
     return _report(options, scenario, state, baseline, status, how, started, workspace, result_dir, run_id, say)
 
 
-def _run_agent(options: RunOptions, agent_dir: Path, agent: Any, scenario: Scenario, workspace: Path,
+def _run_agent(options: RunOptions, agent_dir: Path, agent: AgentConfig, scenario: Scenario, workspace: Path,
                server: GradingServer, sandbox: AgentSandbox | None, say: Any) -> tuple[int | None, str, float]:
     """Baseline, then the agent from start to end: ``(exit status, how it ended, baseline)``."""
     state_dir = server.state_dir

@@ -220,8 +220,9 @@ def create_app(config: BenchServerConfig, db_uri: str, admin_token: str | None =
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):  # noqa: ANN202 - FastAPI's signature
         yield
-        # Stop what is still running: queued and running evaluations (their agentrl eval process groups are
-        # killed, and each is recorded as failed), environment sessions.
+        # Stop what is still running: evaluations (their agentrl eval process groups are killed; each grading is
+        # recorded as failed), environment sessions.
+        service.evaluator.stop_all()
         if service.grading is not None:
             tasks = [job.task for job in service.grading.jobs.values() if job.task is not None and not job.task.done()]
             for task in tasks:
@@ -239,6 +240,7 @@ def create_app(config: BenchServerConfig, db_uri: str, admin_token: str | None =
 
 
 def _add_middleware(app: FastAPI, service: BenchService) -> None:
+    """Refusal of foreign requests, the interaction log, and the grading API's error replies."""
     loopback_only = _is_loopback(service.config.host)
 
     @app.middleware("http")
@@ -286,6 +288,7 @@ def _evaluate_reply(result: EvaluationResult, baseline: float | None, **details:
 
 
 def _add_scenario_api(app: FastAPI, service: BenchService) -> None:
+    """Seed 000's endpoints."""
     config = service.config
 
     @app.get("/")
@@ -355,6 +358,7 @@ def _add_scenario_api(app: FastAPI, service: BenchService) -> None:
 
 
 def _add_grading_api(app: FastAPI, service: BenchService) -> None:
+    """Seed 001's endpoints (with ``--task``)."""
     config = service.config
 
     def grading() -> GradingRun:
