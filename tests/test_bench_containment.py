@@ -75,11 +75,11 @@ def test_a_snooping_agent_finds_and_changes_nothing(tmp_path: Path, db_uri: str,
     fds = {target for target in report["fds"].values() if not target.startswith("/proc/")}
     assert fds <= {"/dev/null", str(workspace / "agent.log")}, report["fds"]
 
-    # Changed nothing: forged records are ignored (the workspace's top is read-only), the baseline stays.
+    # Changed nothing: forged records are ignored (what the orchestrator wrote is read-only), the baseline stays.
     forged = report["forge"]
-    assert forged[str(workspace / "scores.json")].startswith("ERROR")
     assert forged[str(workspace / "run_meta.json")].startswith("ERROR")
     assert forged[str(workspace / "output" / "scores.json")] == "written"
+    assert report["hard_link"] == "linked"  # the writable directories are one file system, as uncontained
     assert {name: reply["status"] for name, reply in report["set_baseline"].items()} == {
         "json": 403, "guessed_token": 403, "cross_site_plain": 403}
     for root in targets["dirs"]:
@@ -230,3 +230,17 @@ def test_sigterm_during_the_baseline_stops_the_server_and_its_evaluation(tmp_pat
     while (_processes_with(str(tmp_path)) or _processes_with(str(scripted_model_dir))) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert _processes_with(str(tmp_path)) == [] and _processes_with(str(scripted_model_dir)) == []
+
+
+def test_the_best_of_equal_scores_is_a_graded_submission() -> None:
+    """A failed grading scores 0; a model graded 0 beats it (its copy becomes best_model), then the earliest."""
+    def entry(number: int, score: float, error: str | None) -> dict:
+        return {"submission_id": number, "timestamp": "t", "model_path": "m", "score": score, "baseline_score": 0.0,
+                "improvement": score, "elapsed_seconds": 1.0, "metrics": {}, "error": error}
+
+    state = GradingState.model_validate({"submissions": [entry(1, 0.0, "copy refused"), entry(2, 0.0, None),
+                                                         entry(3, 0.0, None)]})
+    assert state.best().submission_id == 2
+    state.submissions.append(GradingState.model_validate({"submissions": [entry(4, 5.0, None)]}).submissions[0])
+    assert state.best().submission_id == 4
+    assert GradingState().best() is None

@@ -7,8 +7,9 @@ workspace, the software it trains with and the grading API, and nothing of the t
   prefixes (the virtual environment and its base Python), the AgentRL checkout the built-in agents live in, the
   agent's own directory, and the base model at the workspace's ``models/<name>`` (mounted; a read-only copy where
   the agent's uid could not read it);
-- the workspace: read-only at its top (``instructions.md``, ``scenario.json``, ``run_meta.json``, ``data/``),
-  writable in ``output/``, ``code/``, ``reports/`` and ``home/`` (``$HOME``);
+- the workspace, writable, except for the files at its top (``instructions.md``, ``scenario.json``,
+  ``run_meta.json``, ...), ``data/`` and ``models/<name>``, which are read-only; run as root, the agent's uid owns
+  ``output/``, ``code/``, ``reports/`` and ``home/`` (``$HOME``) only, so it creates nothing else;
 - a private ``/tmp``, a minimal ``/dev`` (null, zero, random, urandom, tty, shm; the GPUs' ``/dev/nvidia*``), a
   fresh ``/proc``;
 - hidden (an empty tmpfs over a directory, ``/dev/null`` over a file) wherever they lie under a visible directory:
@@ -54,7 +55,7 @@ from agentrl.tools.sandbox import (
 
 Network = Literal["isolated", "host"]
 WRITABLE = ("output", "code", "reports", "home")
-"""The workspace's subdirectories the agent may write; the rest of it is read-only."""
+"""The workspace's subdirectories the agent writes in."""
 SOCKET_INSIDE = "/run/agentrl/grading.sock"
 _PROBE_TIMEOUT_S = 60.0
 
@@ -144,10 +145,13 @@ class AgentSandbox:
         for path in map(str, self.masked):
             if os.path.exists(path) and any(_under(path, target) for _, target in visible):
                 argv += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
+        # One writable mount (hard links between its directories work), with read-only ones over what the
+        # orchestrator wrote: the files at its top and data/.
         workspace = str(self.workspace)
-        argv += [*parents(workspace), "--ro-bind", workspace, workspace]
-        for name in WRITABLE:
-            argv += ["--bind", f"{workspace}/{name}", f"{workspace}/{name}"]
+        argv += [*parents(workspace), "--bind", workspace, workspace]
+        for path in sorted(self.workspace.iterdir()):
+            if path.name == "data" or path.is_file():
+                argv += ["--ro-bind", str(path), str(path)]
         if not any(self.model_mount.iterdir()):  # else prepare() copied it there
             argv += ["--ro-bind", str(self.base_model), str(self.model_mount)]
         if self.network == "isolated":

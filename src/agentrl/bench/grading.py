@@ -8,7 +8,7 @@ the agent can write): ``grading.json`` (:class:`GradingState`: the baseline and 
 
 A submission names a model directory inside the workspace (relative paths resolve against it; the default is the
 workspace's ``output`` directory); a path outside it is refused (:class:`GradingRequestError`, HTTP 400). The
-model is copied when it is submitted and the copy is evaluated, through the
+model is copied before the submission is answered, and the copy is evaluated, through the
 :class:`~agentrl.bench.evaluation.Evaluator` (queued, one at a time). Every grading ends as a recorded
 :class:`Submission`, also one that fails (score 0 and its error: a model that cannot be copied or loaded, an
 evaluation that crashes or times out, an error in this module, a server that stops). With ``max_evaluations``,
@@ -109,8 +109,11 @@ class GradingState(BaseModel):
             raise GradingStateError(f"{path}: the grading record cannot be read: {error}") from None
 
     def best(self) -> Submission | None:
-        """The submission with the highest score (the earliest of equal ones); None without submissions."""
-        return max(self.submissions, key=lambda s: (s.score, -s.submission_id)) if self.submissions else None
+        """The submission with the highest score (of equal ones, a graded one before a failed one, then the
+        earliest); None without submissions."""
+        if not self.submissions:
+            return None
+        return max(self.submissions, key=lambda s: (s.score, s.error is None, -s.submission_id))
 
 
 @dataclass
@@ -220,8 +223,9 @@ class GradingRun:
             return {"valid": False, "model_path": str(path), "error": problem}
         return {"valid": True, "model_path": str(path), "files": files}
 
-    def enqueue(self, raw: Any, via: str = "submit") -> Job:
-        """Queue a grading of the submitted model; the job records the submission when it ends, however it ends."""
+    async def enqueue(self, raw: Any, via: str = "submit") -> Job:
+        """Queue a grading of the submitted model and return once the model is copied (or found unfit); the job
+        records the submission when it ends, however it ends."""
         path = self.resolve_model_path(raw)
         if self.evaluations_left() == 0:
             raise GradingRequestError(f"no evaluations left: this run allows {self.max_evaluations} and every one "
@@ -229,13 +233,20 @@ class GradingRun:
         job = Job(id=uuid.uuid4().hex[:12], model_path=str(path))
         self.jobs[job.id] = job
         self.last_submit_time = time.time()
-        job.task = asyncio.create_task(self._grade(job, path, via), name=f"grade-{job.id}")
+        copied = asyncio.Event()
+        job.task = asyncio.create_task(self._grade(job, path, via, copied), name=f"grade-{job.id}")
+        waiter = asyncio.ensure_future(copied.wait())
+        await asyncio.wait({job.task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
         return job
 
-    async def _grade(self, job: Job, path: Path, via: str) -> dict[str, Any]:
+    async def _grade(self, job: Job, path: Path, via: str, copied: asyncio.Event) -> dict[str, Any]:
         snapshot: Path | None = None
         try:
-            snapshot = await asyncio.to_thread(self.snapshots.take, self.workspace, path)
+            try:
+                snapshot = await asyncio.to_thread(self.snapshots.take, self.workspace, path)
+            finally:
+                copied.set()
             problem = model_problem(snapshot, shown=path)
             if problem:
                 result = EvaluationResult(error=problem)

@@ -24,7 +24,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -94,4 +93,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    os._exit(main())  # at once: the relay's thread and connections end with the process, without teardown noise

@@ -321,7 +321,7 @@ def _add_scenario_api(app: FastAPI, service: BenchService) -> None:
             run = service.grading
             if body.scenario_id != run.scenario.id:
                 return JSONResponse({"detail": f"this server grades {run.scenario.id!r} only"}, status_code=403)
-            result = await run.enqueue(body.model_path, via="evaluate").task
+            result = await (await run.enqueue(body.model_path, via="evaluate")).task
             graded = EvaluationResult(score=None if result.get("error") else result["score"],
                                       metrics=result["metrics"], error=result.get("error"),
                                       elapsed_seconds=result["elapsed_seconds"],
@@ -388,7 +388,7 @@ def _add_grading_api(app: FastAPI, service: BenchService) -> None:
             if not set(wanted) <= set(available_gpus()):
                 raise GradingRequestError(f"gpu {gpu!r} is not among the available GPUs",
                                           available_gpus=available_gpus())
-        job = run.enqueue(body.get("model_path"))
+        job = await run.enqueue(body.get("model_path"))
         if body.get("async"):
             return JSONResponse(job.public(), status_code=202)
         return await job.task

@@ -131,6 +131,11 @@ def main() -> None:
         "cross_site_plain": call("/set_baseline", raw=b'{"score": -1000}',
                                  headers={"Content-Type": "text/plain", "Origin": "http://evil.example"}),
     }
+    try:
+        os.link(WORKSPACE / "code" / "scores.json", OUTPUT / "scores-link.json")
+        report["hard_link"] = "linked"
+    except OSError as error:
+        report["hard_link"] = f"ERROR {error.__class__.__name__}"
     report["writes_outside"] = {root: write(Path(root) / TARGETS["stamp"], "x") for root in TARGETS["dirs"]}
     save()
 
