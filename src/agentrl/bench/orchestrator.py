@@ -5,9 +5,9 @@
    (:mod:`agentrl.bench.containment`) is tried first and the run refuses to start where it cannot work.
 2. **Workspace** ``<workspace_root>/<task>/<run_id>_<agent>/`` (new for every run): ``data/train.jsonl`` (a
    read-only copy of the training data: the only data there), ``models/<name>`` (the base model: mounted read-only
-   when contained, else a symbolic link), ``output/`` (where the agent saves models), ``code/`` (its working
-   directory), ``reports/``, ``home/``, ``instructions.md``, ``description.md``, ``scenario.json`` (the evaluation
-   protocol, without the test file) and ``run_meta.json``.
+   when contained, or copied where the agent's uid could not read it; else a symbolic link), ``output/`` (where the
+   agent saves models), ``code/`` (its working directory), ``reports/``, ``home/``, ``instructions.md``,
+   ``description.md``, ``scenario.json`` (the evaluation protocol, without the test file) and ``run_meta.json``.
 3. **Grading server**: ``agentrl bench serve --task T --workspace W`` as a child process, health-checked, with its
    state (grading record, model copies, evaluation results and logs) in the result directory's ``evaluations/``,
    the database's connection string and the operator's token in its environment (never on a command line the
@@ -15,7 +15,8 @@
 4. **Baseline**: the base model evaluated by the same server with the operator's token (unrecorded; ``agentrl
    eval`` reuses the stored result for the same model, tasks and settings), then ``POST /set_baseline``.
 5. **Agent**: its start script in ``code/`` under ``--timeout`` with ``TASK, BASE_MODEL, WORKSPACE, MODEL_PATH,
-   DATA_PATH, OUTPUT_DIR, GRADING_SERVER_URL``, output to ``agent.log``; stopped on timeout, Ctrl-C or SIGTERM.
+   DATA_PATH, OUTPUT_DIR, GRADING_SERVER_URL``, output to ``agent.log``; stopped on timeout, Ctrl-C or SIGTERM
+   (which, at any step, also stops the grading server and its evaluations).
 6. **Collect**: gradings still queued are finished (a grading ends within the evaluation timeout, so this wait
    ends; should none end for longer than that, the run stops waiting), the server is stopped, and the results are
    read from **its record** (never from the workspace): ``results/<time>_<task>_<agent>/result.json`` (``success,
