@@ -97,6 +97,8 @@ class SnapshotStore:
     def __init__(self, root: Path):
         self.root = root
         self.root.mkdir(parents=True, exist_ok=True)
+        for partial in self.root.glob(".tmp-*"):  # copies a killed server left half made
+            shutil.rmtree(partial, ignore_errors=True)
         self._lock = threading.Lock()
         self._in_use: Counter[Path] = Counter()
 
