@@ -1,14 +1,15 @@
 """AutoRL-Bench end to end: a real `agentrl bench serve` process grading the scripted tiny model through real
 `agentrl eval` runs (engine, calculator MCP server over stdio, database), checked against seed 001's and seed
-000's endpoint tables; `agentrl bench run` with the template agent (workspace isolation: no held-out data
-reachable from the workspace) and with an agent that outlives its timeout (its whole process group is killed).
-"""
+000's endpoint tables; `agentrl bench run` with the template agent (contained: no held-out data reachable from the
+workspace; results from the grading server's record) and with an agent that outlives its timeout, contained and
+uncontained (every process it started is killed). tests/test_bench_containment.py attacks the containment."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
+import signal
 import stat
 import subprocess
 import time
@@ -16,76 +17,70 @@ from pathlib import Path
 
 import httpx
 import pytest
-import yaml
-
+from agentrl.bench.grading import GradingState
+from bench_fixtures import MARKER, needs_containment, reachable_text, run_bench, start_server, write_scenario
 from rollout_fixtures import agentrl_cmd, run_env
-from scripted_model import SCRIPTS
-
-ENGINE_ARGS = "--num_threads 1 --max_total_tokens 8192"
-MARKER = "HELD-OUT-MARKER-7f3a"
 
 
-def write_scenario(tmp_path: Path, model_dir: Path, scenario_id: str = "scripted", baseline: float | None = 50.0
-                   ) -> Path:
-    """A scenario whose test set the scripted model solves (add, mul) and a training file of its own."""
-    data = tmp_path / "scenario-data"
-    data.mkdir()
-    scripts = {s.task_id: s for s in SCRIPTS}
-    (data / "test.jsonl").write_text("".join(
-        json.dumps({"id": t, "question": scripts[t].question, "answer": scripts[t].answer, "secret": MARKER}) + "\n"
-        for t in ("add", "mul")))
-    (data / "train.jsonl").write_text(json.dumps({"id": "coin", "question": scripts["coin"].question,
-                                                  "answer": scripts["coin"].answer}) + "\n")
-    spec = {"id": scenario_id, "name": "Scripted calculator", "description": "two sums", "base_model": str(model_dir),
-            "train_data": "scenario-data/train.jsonl", "test_data": "scenario-data/test.jsonl",
-            "baseline_score": baseline, "metric": "accuracy",
-            "eval": {"scorer": "math", "answer_schema": "boxed", "max_turns": 3, "max_new_tokens": 40,
-                     "tools": ["calculator"]}}
-    path = tmp_path / "scenario.yaml"
-    path.write_text(yaml.safe_dump(spec))
-    return path
+def _check_scenario_api(http: httpx.Client, ws: Path, model_dir: Path) -> None:
+    root = http.get("/").json()
+    assert root["name"] == "AutoRL-Bench" and {"gsm8k", "arith", "humaneval", "textcraft",
+                                                "scripted"} <= set(root["scenarios"])
+    assert "/submit" in root["endpoints"] and "/scenarios/{scenario_id}" in root["endpoints"]
+    listed = {s["id"]: s for s in http.get("/scenarios").json()["scenarios"]}
+    assert listed["scripted"] == {"id": "scripted", "name": "Scripted calculator", "type": "offline",
+                                  "base_model": str(model_dir), "baseline_score": 50.0, "metric": "accuracy"}
+    detail = http.get("/scenarios/scripted").json()  # the graded task: the workspace's copies
+    assert detail["train_data"] == detail["train_data_path"] == str(ws / "data" / "train.jsonl")
+    assert detail["test_data_path"] is None and detail["test_data"] == {"num_items": 2, "hidden": True}
+    assert detail["base_model_path"] == str(ws / "models" / model_dir.name) and detail["baseline_score"] == 50.0
+    other = http.get("/scenarios/arith").json()  # another scenario: no paths while grading a task
+    assert other["train_data"] is None and other["base_model_path"] is None
+    missing = http.get("/scenarios/nope")
+    assert missing.status_code == 404 and "scripted" in missing.json()["available"]
 
 
-def start_server(tmp_path: Path, db_uri: str, scenario: Path, *extra: str) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen(
-        agentrl_cmd("bench", "serve", "--task", "scripted", "--scenario", str(scenario), "--workspace",
-                    str(tmp_path / "ws"), "--port", "0", "--db_connection_string", db_uri, "--engine_args",
-                    ENGINE_ARGS, "--state_dir", str(tmp_path / "state"), *extra),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env())
-    assert process.stdout is not None
-    for line in process.stdout:
-        if line.startswith("agentrl bench: serving at "):
-            return process, line.strip().removeprefix("agentrl bench: serving at ")
-    process.wait()
-    raise AssertionError(f"the bench server did not start (exit {process.returncode})")
+def _check_foreign_requests_are_refused(http: httpx.Client) -> None:
+    """A browser's cross-site form post (text/plain), a cross-origin JSON post, DNS rebinding."""
+    plain = http.post("/set_baseline", content=b'{"score": 1}', headers={"Content-Type": "text/plain"})
+    assert plain.status_code == 415
+    for headers in ({"Origin": "http://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
+                    {"Host": "evil.example:5000"}):
+        assert http.post("/set_baseline", json={"score": 1}, headers=headers).status_code == 403, headers
+    assert http.get("/history", headers={"Host": "rebound.example"}).status_code == 403
+
+
+def _check_interact(http: httpx.Client) -> None:
+    """/interact: environment sessions on training goals only."""
+    from agentrl.envs.registry import get_spec
+
+    started = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": 0}).json()
+    assert "Goal" in started["observation"] and started["done"] is False
+    step = http.post("/interact", json={"scenario_id": "textcraft", "session_id": started["session_id"],
+                                        "action": "inventory"}).json()
+    assert step["session_id"] == started["session_id"] and "Inventory" in step["observation"]
+    held_out = next(iter(get_spec("textcraft").split("test")))
+    refused = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": held_out})
+    assert refused.status_code == 400 and "training split" in refused.json()["detail"]
+    assert http.post("/interact", json={"scenario_id": "scripted"}).status_code == 400
 
 
 def test_grading_and_scenario_apis(tmp_path: Path, db_uri: str, scripted_model_dir: Path) -> None:
-    process, url = start_server(tmp_path, db_uri, write_scenario(tmp_path, scripted_model_dir))
     ws = tmp_path / "ws"
+    (ws / "data").mkdir(parents=True)
+    (ws / "data" / "train.jsonl").write_text("{}\n")
+    (ws / "models" / scripted_model_dir.name).mkdir(parents=True)
+    process, url = start_server(tmp_path, db_uri, write_scenario(tmp_path, scripted_model_dir))
     try:
         with httpx.Client(base_url=url, timeout=300) as http:
-            root = http.get("/").json()
-            assert root["name"] == "AutoRL-Bench" and {"gsm8k", "arith", "humaneval", "textcraft",
-                                                        "scripted"} <= set(root["scenarios"])
-            assert "/submit" in root["endpoints"] and "/scenarios/{scenario_id}" in root["endpoints"]
-            listed = {s["id"]: s for s in http.get("/scenarios").json()["scenarios"]}
-            assert listed["scripted"] == {"id": "scripted", "name": "Scripted calculator", "type": "offline",
-                                          "base_model": str(scripted_model_dir), "baseline_score": 50.0,
-                                          "metric": "accuracy"}
-            detail = http.get("/scenarios/scripted").json()
-            assert detail["train_data"] == detail["train_data_path"] and detail["train_data"].endswith("train.jsonl")
-            assert detail["test_data_path"] is None and detail["test_data"] == {"num_items": 2, "hidden": True}
-            assert detail["base_model_path"] == str(scripted_model_dir) and detail["baseline_score"] == 50.0
-            missing = http.get("/scenarios/nope")
-            assert missing.status_code == 404 and "scripted" in missing.json()["available"]
-
+            _check_scenario_api(http, ws, scripted_model_dir)
             health = http.get("/health").json()
             assert health["status"] == "ok" and health["task"] == "scripted" and health["workspace"] == str(ws)
             assert health["available_gpus"] == [] and health["pending_evaluations"] == 0
             assert http.get("/best").status_code == 404 and http.get("/best").json() == {"error": "No submissions"}
             assert http.get("/history").json() == []
             assert http.post("/set_baseline", json={}).status_code == 400
+            _check_foreign_requests_are_refused(http)
             assert http.post("/set_baseline", json={"score": 25}).json() == {"baseline_score": 25.0, "status": "set"}
             time_info = http.get("/time").json()
             assert time_info["timeout_s"] is None and time_info["remaining"] is None and time_info["now"] > 0
@@ -128,70 +123,52 @@ def test_grading_and_scenario_apis(tmp_path: Path, db_uri: str, scripted_model_d
             assert best["best"]["submission_id"] == 1 and best["total_submissions"] == 3
             history = http.get("/history").json()
             assert [e["submission_id"] for e in history] == [1, 2, 3]
-            assert json.loads((ws / "scores.json").read_text()) == history
+            assert not any("snapshot" in e or "detail" in e or "database" in e["metrics"] for e in history)
 
-            # Scenario API (seed 000).
+            # Scenario API (seed 000): on a server grading a task, /evaluate is a recorded grading of the task.
             evaluated = http.post("/evaluate", json={"scenario_id": "scripted", "model_path": str(v1)}).json()
-            assert evaluated["score"] == 100.0 and evaluated["baseline"] == 50.0 and evaluated["improvement"] == 50.0
-            assert evaluated["improvement_pct"] == "+100.00%" and evaluated["details"]["correct"] == 2
-            assert http.post("/evaluate", json={"scenario_id": "nope", "model_path": str(v1)}).status_code == 404
+            assert evaluated["score"] == 100.0 and evaluated["baseline"] == 25.0 and evaluated["improvement"] == 75.0
+            assert evaluated["improvement_pct"] == "+300.00%" and evaluated["details"]["correct"] == 2
+            assert evaluated["details"]["submission_id"] == 4 and "database" not in evaluated["details"]
+            assert http.post("/evaluate", json={"scenario_id": "arith", "model_path": str(v1)}).status_code == 403
             assert http.post("/evaluate", json={"scenario_id": "scripted",
-                                                "model_path": str(tmp_path / "no-model")}).status_code == 404
+                                                "model_path": str(tmp_path / "no-model")}).status_code == 400
+            assert [e["via"] for e in http.get("/history").json()] == ["submit"] * 3 + ["evaluate"]
 
-            # /interact: environment sessions on training goals only.
-            started = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": 0}).json()
-            assert "Goal" in started["observation"] and started["done"] is False
-            step = http.post("/interact", json={"scenario_id": "textcraft", "session_id": started["session_id"],
-                                                "action": "inventory"}).json()
-            assert step["session_id"] == started["session_id"] and "Inventory" in step["observation"]
-            from agentrl.envs.registry import get_spec
-
-            held_out = next(iter(get_spec("textcraft").split("test")))
-            refused = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": held_out})
-            assert refused.status_code == 400 and "training split" in refused.json()["detail"]
-            assert http.post("/interact", json={"scenario_id": "scripted"}).status_code == 400
+            _check_interact(http)
     finally:
         process.terminate()
         assert process.wait(timeout=30) == 0
 
-    calls = [json.loads(line) for line in (ws / "interactions.jsonl").read_text().splitlines()]
+    # The record is the server's, in its state directory: nothing in the workspace.
+    record = GradingState.load(tmp_path / "state" / "grading.json")
+    assert [s.public() for s in record.submissions[:3]] == history
+    assert record.baseline_score == 25.0 and record.submissions[0].snapshot.startswith(str(tmp_path / "state"))
+    assert sorted(p.name for p in ws.iterdir()) == ["data", "models", "output"]
+    calls = [json.loads(line) for line in (tmp_path / "state" / "interactions.jsonl").read_text().splitlines()]
     submits = [c for c in calls if c["endpoint"] == "/submit"]
     assert [c["status"] for c in submits] == [400, 200, 200, 202]
     assert submits[1]["request"] == {"model_path": "output/v1"} and submits[1]["response"]["score"] == 100.0
     assert all({"timestamp", "method", "elapsed_seconds"} <= set(c) for c in calls)
-    assert MARKER not in (ws / "interactions.jsonl").read_text()
-
-
-def reachable_text(root: Path) -> str:
-    """Every file reachable from ``root``, following symbolic links, as one text."""
-    parts = []
-    for dirpath, _, files in os.walk(root, followlinks=True):
-        for name in files:
-            path = Path(dirpath) / name
-            parts.append(str(path))
-            parts.append(path.read_bytes().decode("utf-8", "replace"))
-    return "\n".join(parts)
-
-
-def run_bench(tmp_path: Path, db_uri: str, scenario: Path, agent: str, timeout: float, *extra: str
-              ) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        agentrl_cmd("bench", "run", "--agent", agent, "--task", "scripted", "--scenario", str(scenario),
-                    "--timeout", str(timeout), "--port", "0", "--workspace_root", str(tmp_path / "workspace"),
-                    "--results_dir", str(tmp_path / "results"), "--db_connection_string", db_uri,
-                    "--engine_args", ENGINE_ARGS, *extra),
-        capture_output=True, text=True, env=run_env(), timeout=600)
+    assert MARKER not in (tmp_path / "state" / "interactions.jsonl").read_text()
 
 
 def test_run_with_the_template_agent(tmp_path: Path, db_uri: str, scripted_model_dir: Path) -> None:
+    needs_containment()
     scenario = write_scenario(tmp_path, scripted_model_dir)
     done = run_bench(tmp_path, db_uri, scenario, "template", 300)
     assert done.returncode == 0, done.stdout + done.stderr
     [result_file] = (tmp_path / "results").glob("*_scripted_template/result.json")
     result = json.loads(result_file.read_text())
     assert result["success"] is True and result["baseline"] == 100.0 and result["total_submissions"] == 1
-    assert result["best"]["score"] == 100.0 and result["improvement"] == 0.0
-    assert (result_file.parent / "best_model").resolve() == Path(result["workspace"]) / "output" / "v1"
+    assert result["best"]["score"] == 100.0 and result["improvement"] == 0.0 and result["contained"] is True
+    assert result["best"]["model_path"] == str(Path(result["workspace"]) / "output" / "v1")
+    # best_model is the grading server's copy of what it graded, not the agent's directory
+    best_model = (result_file.parent / "best_model").resolve()
+    assert best_model == Path(result["best_model"])
+    assert best_model.parent == result_file.parent / "evaluations" / "models"
+    assert sorted(p.name for p in best_model.iterdir()) == sorted(p.name for p in scripted_model_dir.iterdir())
+    assert json.loads((result_file.parent / "scores.json").read_text())[0]["score"] == 100.0
     rows = (tmp_path / "results" / "results.csv").read_text().splitlines()
     assert rows[0].startswith("run_id,") and ",scripted,template," in rows[1]
 
@@ -207,28 +184,49 @@ def test_run_with_the_template_agent(tmp_path: Path, db_uri: str, scripted_model
     assert "submit:" in log and str(workspace / "models") in log  # MODEL_PATH was set
 
 
-def test_timeout_kills_the_agents_process_group(tmp_path: Path, db_uri: str, scripted_model_dir: Path) -> None:
+def _processes_with(marker: str) -> list[int]:
+    """PIDs of this machine's processes whose command line holds ``marker``."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("mode", ["contained", "uncontained"])
+def test_timeout_kills_everything_the_agent_started(tmp_path: Path, db_uri: str, scripted_model_dir: Path,
+                                                    mode: str) -> None:
+    if mode == "contained":
+        needs_containment()
     agents = tmp_path / "agents" / "sleeper"
     agents.mkdir(parents=True)
     (agents / "config.yaml").write_text("name: sleeper\nenv_vars:\n  GREETING: hello\n")
-    pid_file = tmp_path / "child.pid"
+    marker = f"1000.{os.getpid()}{int(time.time())}"  # a sleep no other process runs
     (agents / "start.sh").write_text(
         f'echo "$GREETING $TASK $GRADING_SERVER_URL"\n'
-        f"sleep 1000 &\necho $! > {pid_file}\n"
+        f"sleep {marker} &\n"
+        f"setsid sleep {marker} &\n"  # a new session: no longer in the agent's process group
         "trap '' TERM\n"  # the leader ignores SIGTERM: SIGKILL must follow
         "while true; do sleep 1; done\n")
     scenario = write_scenario(tmp_path, scripted_model_dir)
     started = time.monotonic()
-    done = run_bench(tmp_path, db_uri, scenario, "sleeper", 5, "--agents_dir", str(tmp_path / "agents"))
+    flags = ["--uncontained"] if mode == "uncontained" else []
+    done = run_bench(tmp_path, db_uri, scenario, "sleeper", 5, "--agents_dir", str(tmp_path / "agents"), *flags)
     assert done.returncode == 1, done.stdout + done.stderr
     assert "timed out after 5 s" in done.stdout and time.monotonic() - started < 240
-    child = int(pid_file.read_text())
-    with pytest.raises(ProcessLookupError):
-        os.kill(child, 0)
+    left = _processes_with(marker)
+    if mode == "uncontained":  # a process that left the agent's session outlives it there
+        assert len(left) == 1
+        os.kill(left[0], signal.SIGKILL)
+    else:
+        assert left == []
     [result_file] = (tmp_path / "results").glob("*_scripted_sleeper/result.json")
     result = json.loads(result_file.read_text())
     assert result["success"] is False and result["best"] is None and result["total_submissions"] == 0
-    assert result["how_it_ended"] == "timed out after 5 s"
+    assert result["how_it_ended"] == "timed out after 5 s" and result["contained"] is (mode == "contained")
     assert "hello scripted http://127.0.0.1:" in (Path(result["workspace"]) / "agent.log").read_text()
 
 

@@ -38,7 +38,7 @@ def main() -> None:
         "NUM_EVAL_TASKS": 0,  # the grading server evaluates; no held-out evaluation of our own
         "TRAIN_STEPS": os.environ.get("AGENT_TRAIN_STEPS", "400"),
         "SAVE_STEPS": 8,
-        "EXTRA_TRAIN_FLAGS": "--save_total_limit 2",  # 1.6 GB a checkpoint; submissions are hard-linked snapshots
+        "EXTRA_TRAIN_FLAGS": "--save_total_limit 2",  # 1.6 GB a checkpoint; the grading server copies submissions
         "TEMPERATURE": 1.0,
     }
     if env:

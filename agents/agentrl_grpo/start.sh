@@ -16,16 +16,12 @@ say "task $TASK: warm-up ${WARMUP:-oracle} demonstrations, then MINIRL for up to
 
 submitted="$WORKSPACE/code/submitted.txt"
 touch "$submitted"
-submit() {  # submit MODEL_DIR without waiting for its grade, once per directory
-  local dir=$1 snapshot
+submit() {  # submit MODEL_DIR without waiting for its grade, once per directory (the server copies it at once)
+  local dir=$1
   grep -qxF "$dir" "$submitted" && return 0
   echo "$dir" >>"$submitted"
-  # A snapshot of the model files (hard links: no copy) that outlives the trainer's checkpoint rotation.
-  snapshot="$OUTPUT_DIR/submitted/$(basename "$(dirname "$dir")")-$(basename "$dir")"
-  mkdir -p "$snapshot"
-  find "$dir" -maxdepth 1 -type f -exec ln -f {} "$snapshot/" \;
-  say "submit $snapshot: $(curl -s -X POST "$GRADING_SERVER_URL/submit" -H 'Content-Type: application/json' \
-    -d "{\"model_path\": \"$snapshot\", \"async\": true}" | head -c 400)"
+  say "submit $dir: $(curl -s -X POST "$GRADING_SERVER_URL/submit" -H 'Content-Type: application/json' \
+    -d "{\"model_path\": \"$dir\", \"async\": true}" | head -c 400)"
 }
 pending() { curl -s "$GRADING_SERVER_URL/health" | "$ROOT/.venv/bin/python" -c \
   'import json, sys; print(json.load(sys.stdin).get("pending_evaluations", 0))' 2>/dev/null || echo 1; }

@@ -4,10 +4,13 @@ Each evaluation is an ``agentrl eval`` child process (greedy, one sample per tas
 scenario's test file, so it uses the same rollout, tools, scorers and environment code as training and scales the
 same way: an ``agentrl engine`` started on the model (``engine_args``, e.g. ``--device cuda``), or live SGLang /
 engine services (``inference_urls``) that are first told to load the model (``update_weights_from_disk``).
-Evaluations are **serialised** (a FIFO lock): two never share a device. Result files and logs go to
-``state_dir``, which must lie outside any agent's workspace (they name the test file). ``agentrl eval`` stores every result in the
-run database keyed by model identity (path, weight files' sizes and mtimes), tasks and settings, so evaluating an
-unchanged model again reuses the stored result (``reused``) instead of recomputing it.
+Evaluations are **serialised** (a FIFO lock): two never share a device. An evaluation that runs longer than
+``timeout_s`` is stopped (its process group gets SIGTERM, then SIGKILL) and fails. The database's connection
+string reaches ``agentrl eval`` through its environment (``$AGENTRL_DB``), never its command line. Result files
+and logs go to ``state_dir``, which must lie outside any agent's workspace (they name the test file); so does an
+:class:`EvaluationResult`'s ``detail`` (the log and its last lines), while its ``error`` is what an agent may read.
+``agentrl eval`` stores every result in the run database keyed by model identity (path, weight files' sizes and
+mtimes), tasks and settings, so evaluating an unchanged model again reuses the stored result (``reused``).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from pydantic import BaseModel
 
 from agentrl.bench.scenarios import Scenario
 from agentrl.log import redact
+from agentrl.store.connection import ENV_VAR
 
 logger = logging.getLogger(__name__)
 
@@ -37,25 +41,32 @@ MODEL_MARKERS = ("config.json", "pytorch_model.bin", "model.safetensors", "adapt
 
 
 class EvaluationResult(BaseModel):
-    """What one evaluation produced: the score in percent, or the error that prevented it."""
+    """What one evaluation produced: the score in percent, or the error that prevented it (``error`` may be shown
+    to the agent; ``detail``, the log and its last lines, only to the operator)."""
 
     score: float | None = None
     metrics: dict[str, Any] = {}
     error: str | None = None
+    detail: str | None = None
     reused: bool = False
     elapsed_seconds: float = 0.0
 
 
-def model_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be evaluated as a model (``None`` when it can)."""
+def model_problem(path: Path, shown: str | Path | None = None) -> str | None:
+    """Why ``path`` cannot be evaluated as a model (``None`` when it can); the message calls it ``shown``."""
+    shown = shown or path
     if not path.is_dir():
-        return f"{path} is not a directory"
-    files = sorted(p.name for p in path.iterdir())
+        return f"{shown} is not a directory"
+    return files_problem([p.name for p in path.iterdir()], shown)
+
+
+def files_problem(files: list[str], shown: str | Path) -> str | None:
+    """Why a directory ``shown`` holding ``files`` is not a model (``None`` when it is)."""
     if not any(marker in files for marker in MODEL_MARKERS):
-        return f"{path} holds none of {', '.join(MODEL_MARKERS)}"
+        return f"{shown} holds none of {', '.join(MODEL_MARKERS)}"
     if "adapter_config.json" in files and "config.json" not in files:
-        return (f"{path} is a LoRA adapter without its base weights: merge it first (`agentrl model merge "
-                f"{path} --out DIR`, or PEFT's merge_and_unload() then save_pretrained) and submit the merged model")
+        return (f"{shown} is a LoRA adapter without its base weights: merge it first (`agentrl model merge "
+                f"{shown} --out DIR`, or PEFT's merge_and_unload() then save_pretrained) and submit the merged model")
     return None
 
 
@@ -70,8 +81,9 @@ class Evaluator:
 
     def __init__(self, *, db_connection_string: str, state_dir: Path, eval_limit: int | None = None,
                  engine_args: str = "", inference_urls: list[str] | None = None,
-                 env_servers: list[str] | None = None, concurrency: int = 16):
+                 env_servers: list[str] | None = None, concurrency: int = 16, timeout_s: float = 7200.0):
         self.db = db_connection_string
+        self.timeout_s = timeout_s
         self.state_dir = state_dir
         self.eval_limit = eval_limit
         self.engine_args = engine_args
@@ -79,6 +91,7 @@ class Evaluator:
         self.env_servers = env_servers or []
         self.concurrency = concurrency
         self._lock = asyncio.Lock()
+        self._running: set[asyncio.subprocess.Process] = set()
         self._count = 0
         (state_dir / "logs").mkdir(parents=True, exist_ok=True)
 
@@ -90,10 +103,10 @@ class Evaluator:
         return path
 
     def command(self, scenario: Scenario, model: Path, label: str, output: Path) -> list[str]:
-        """The ``agentrl eval`` command line of one evaluation."""
+        """The ``agentrl eval`` command line of one evaluation (the database comes from the environment)."""
         protocol = scenario.eval
         command = [sys.executable, "-m", "agentrl.cli.main", "eval", "--tasks", scenario.test_data_path,
-                   "--db_connection_string", self.db, "--model_name_or_path", str(model),
+                   "--model_name_or_path", str(model),
                    "--scorer", protocol.scorer, "--answer_schema", protocol.answer_schema,
                    "--query_prompt", protocol.query_prompt, "--max_turns", str(protocol.max_turns),
                    "--max_new_tokens", str(protocol.max_new_tokens),
@@ -141,29 +154,42 @@ class Evaluator:
         with open(log_path, "wb") as log:
             process = await asyncio.create_subprocess_exec(
                 *self.command(scenario, model, label, output), stdout=log, stderr=asyncio.subprocess.STDOUT,
-                stdin=asyncio.subprocess.DEVNULL, start_new_session=True)
+                stdin=asyncio.subprocess.DEVNULL, start_new_session=True, env={**os.environ, ENV_VAR: self.db})
+            self._running.add(process)
             try:
-                code = await process.wait()
+                code = await asyncio.wait_for(process.wait(), self.timeout_s)
+            except TimeoutError:
+                await _stop(process)
+                return EvaluationResult(error=f"the evaluation did not finish within {self.timeout_s:g} s",
+                                        detail=f"log {log_path}")
             except asyncio.CancelledError:
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(process.pid, signal.SIGTERM)
                 raise
+            finally:
+                self._running.discard(process)
         if code != 0 or not output.is_file():
             tail = log_path.read_text(errors="replace").strip().splitlines()[-5:]
-            return EvaluationResult(error=redact(f"agentrl eval exited with status {code} (log {log_path}): "
-                                                 + " | ".join(tail)))
+            return EvaluationResult(error=f"agentrl eval exited with status {code}",
+                                    detail=redact(f"log {log_path}: " + " | ".join(tail)))
         data = json.loads(output.read_text())
         metrics = data.get("metrics", {})
         accuracy = metrics.get("accuracy")
         details = {"accuracy": accuracy, "correct": metrics.get("correct"),
                    "total": metrics.get("valid_samples"), "errors": metrics.get("errors"),
                    "num_tasks": metrics.get("tasks"), "mean_reward": metrics.get("mean_reward"),
-                   "eval_key": data.get("key"), "database": data.get("database")}
+                   "eval_key": data.get("key")}
         logger.info("%s on %s: accuracy %s (result %s, log %s)", model, scenario.id, accuracy, output, log_path)
         if accuracy is None:
-            return EvaluationResult(metrics=details, reused=bool(data.get("reused")),
-                                    error="no sample of the evaluation had a verdict (every one failed); see the log")
+            return EvaluationResult(metrics=details, reused=bool(data.get("reused")), detail=f"log {log_path}",
+                                    error="no sample of the evaluation had a verdict (every one failed)")
         return EvaluationResult(score=round(100.0 * accuracy, 2), metrics=details, reused=bool(data.get("reused")))
+
+    def stop_all(self) -> None:
+        """SIGTERM to every running evaluation's process group (the server is stopping)."""
+        for process in self._running:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGTERM)
 
     async def _load_into_services(self, model: Path) -> str | None:
         from agentrl.inference.client import SGLangClient
@@ -175,3 +201,13 @@ class Evaluator:
         except Exception as error:  # noqa: BLE001 - any refusal is the evaluation's error
             return f"the inference services could not load {model}: {error}"
         return None
+
+
+async def _stop(process: asyncio.subprocess.Process, grace_s: float = 10.0) -> None:
+    """SIGTERM to the process group, SIGKILL after ``grace_s``; returns once the process has ended."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, sig)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), grace_s)
+            return

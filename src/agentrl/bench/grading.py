@@ -1,22 +1,25 @@
 """The grading side of a run (seed 001): submissions of one task's workspace, their scores, the baseline, jobs.
 
-State on disk, in the workspace (so a restarted server continues, and the orchestrator reads the same files):
-
-- ``scores.json``: every submission, in order (``submission_id`` = position + 1); written atomically after each;
-- ``baseline_score.json``: ``{"baseline_score": S}`` once set (``/set_baseline`` or the orchestrator);
-- ``run_meta.json``: ``{start_time, timeout_s, last_submit_time, end_time}`` (the orchestrator writes it; ``/time``
-  reads it and this module updates ``last_submit_time``).
+The record lives with the grading server, in its ``state_dir`` (outside the workspace, never read from anything
+the agent can write): ``grading.json`` (:class:`GradingState`: the baseline and every grading, in order,
+``submission_id`` = position + 1), written atomically after each change and read back when a server restarts;
+``models/`` (the copies of submitted models, :mod:`agentrl.bench.snapshots`); and ``run_meta.json``
+(``{start_time, timeout_s, end_time}``, written by the orchestrator, read for ``/time``).
 
 A submission names a model directory inside the workspace (relative paths resolve against it; the default is the
-workspace's ``output`` directory). A path outside the workspace is refused (:class:`GradingRequestError`, HTTP
-400). A failed evaluation is still a submission: score 0 and its error. Submissions run as jobs through the
-:class:`~agentrl.bench.evaluation.Evaluator`, so they are queued behind one another, never evaluated in parallel.
+workspace's ``output`` directory); a path outside it is refused (:class:`GradingRequestError`, HTTP 400). The
+model is copied before the submission is answered, and the copy is evaluated, through the
+:class:`~agentrl.bench.evaluation.Evaluator` (queued, one at a time). Every grading ends as a recorded
+:class:`Submission`, also one that fails (score 0 and its error: a model that cannot be copied or loaded, an
+evaluation that crashes or times out, an error in this module, a server that stops). With ``max_evaluations``,
+submissions past that many gradings (queued ones included) are refused (HTTP 429).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import time
 import uuid
@@ -25,8 +28,17 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.evaluation import Evaluator, model_problem
+from pydantic import BaseModel, ValidationError
+
+from agentrl.bench.evaluation import EvaluationResult, Evaluator, files_problem, model_problem
 from agentrl.bench.scenarios import Scenario
+from agentrl.bench.snapshots import SnapshotError, SnapshotStore, model_files
+from agentrl.failpoints import failpoint
+
+logger = logging.getLogger(__name__)
+
+PRIVATE = {"snapshot", "detail"}
+"""Fields of a :class:`Submission` that no reply shows (the server's paths, the evaluation's log)."""
 
 
 class GradingRequestError(ValueError):
@@ -36,6 +48,10 @@ class GradingRequestError(ValueError):
     def __init__(self, message: str, status: int = 400, **extra: Any):
         super().__init__(message)
         self.status, self.extra = status, extra
+
+
+class GradingStateError(RuntimeError):
+    """The grading server's own record cannot be read."""
 
 
 def now_iso() -> str:
@@ -55,9 +71,49 @@ def read_json(path: Path, default: Any) -> Any:
         return default
 
 
-def best_entry(entries: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The submission with the highest score (the earliest of equal ones); None without submissions."""
-    return max(entries, key=lambda e: (e.get("score") or 0.0, -e["submission_id"])) if entries else None
+class Submission(BaseModel):
+    """One grading, as recorded."""
+
+    submission_id: int
+    timestamp: str
+    model_path: str
+    score: float
+    baseline_score: float | None
+    improvement: float | None
+    elapsed_seconds: float
+    metrics: dict[str, Any]
+    via: str = "submit"
+    error: str | None = None
+    snapshot: str | None = None
+    detail: str | None = None
+
+    def public(self) -> dict[str, Any]:
+        """What the API shows: no server paths, no logs, no empty error."""
+        return self.model_dump(exclude=PRIVATE | ({"error"} if self.error is None else set()))
+
+
+class GradingState(BaseModel):
+    """``grading.json``: the baseline and every grading."""
+
+    baseline_score: float | None = None
+    baseline_set_at: str | None = None
+    submissions: list[Submission] = []
+
+    @classmethod
+    def load(cls, path: Path) -> GradingState:
+        try:
+            return cls.model_validate_json(path.read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            return cls()
+        except (OSError, ValidationError) as error:
+            raise GradingStateError(f"{path}: the grading record cannot be read: {error}") from None
+
+    def best(self) -> Submission | None:
+        """The submission with the highest score (of equal ones, a graded one before a failed one, then the
+        earliest); None without submissions."""
+        if not self.submissions:
+            return None
+        return max(self.submissions, key=lambda s: (s.score, s.error is None, -s.submission_id))
 
 
 @dataclass
@@ -77,47 +133,65 @@ class Job:
 
 
 class GradingRun:
-    """Submissions to one scenario from one workspace."""
+    """Submissions to one scenario from one workspace, recorded in ``state_dir``."""
 
-    def __init__(self, scenario: Scenario, workspace: Path, evaluator: Evaluator, output_dir: Path | None = None):
+    def __init__(self, scenario: Scenario, workspace: Path, evaluator: Evaluator, state_dir: Path,
+                 output_dir: Path | None = None, max_evaluations: int | None = None):
         self.scenario = scenario
         self.workspace = workspace.resolve()
         self.output_dir = (output_dir or self.workspace / "output").resolve()
         self.evaluator = evaluator
-        self.scores_path = self.workspace / "scores.json"
-        self.baseline_path = self.workspace / "baseline_score.json"
-        self.meta_path = self.workspace / "run_meta.json"
+        self.max_evaluations = max_evaluations
+        self.state_path = state_dir / "grading.json"
+        self.meta_path = state_dir / "run_meta.json"
+        self.snapshots = SnapshotStore(state_dir / "models")
+        self.state = GradingState.load(self.state_path)
         self.jobs: dict[str, Job] = {}
-        self._write_lock = asyncio.Lock()
         self.started = time.time()
+        self.last_submit_time: float | None = None
         self.workspace.mkdir(parents=True, exist_ok=True)
         self.output_dir.mkdir(parents=True, exist_ok=True)
 
     # -------------------------------------------------------------------------------------------------- state
 
     def history(self) -> list[dict[str, Any]]:
-        return read_json(self.scores_path, [])
+        return [entry.public() for entry in self.state.submissions]
 
     def baseline(self) -> float | None:
-        value = read_json(self.baseline_path, {}).get("baseline_score")
+        value = self.state.baseline_score
         return self.scenario.baseline_score if value is None else value
 
     def set_baseline(self, score: Any) -> float:
         if isinstance(score, bool) or not isinstance(score, int | float):
             raise GradingRequestError("'score' is required and must be a number")
-        write_json_atomic(self.baseline_path, {"baseline_score": float(score), "set_at": now_iso()})
+        self.state.baseline_score, self.state.baseline_set_at = float(score), now_iso()
+        self._save()
         return float(score)
 
     def best(self) -> dict[str, Any] | None:
-        return best_entry(self.history())
+        best = self.state.best()
+        return None if best is None else best.public()
 
     def time_info(self) -> dict[str, Any]:
-        meta = read_json(self.meta_path, {"start_time": self.started, "timeout_s": None, "last_submit_time": None,
-                                          "end_time": None})
+        meta = {"start_time": self.started, "timeout_s": None, "end_time": None, **read_json(self.meta_path, {})}
         now = time.time()
         timeout = meta.get("timeout_s")
         remaining = None if timeout is None else max(0.0, meta["start_time"] + timeout - now)
-        return {**meta, "now": now, "remaining": remaining}
+        return {**meta, "last_submit_time": self.last_submit_time, "now": now, "remaining": remaining}
+
+    def pending(self) -> int:
+        return sum(1 for job in self.jobs.values() if job.status in ("queued", "running"))
+
+    def evaluations_left(self) -> int | None:
+        if self.max_evaluations is None:
+            return None
+        return max(0, self.max_evaluations - len(self.state.submissions) - self.pending())
+
+    def _save(self) -> None:
+        try:
+            write_json_atomic(self.state_path, self.state.model_dump())
+        except OSError as error:  # the record stays in memory; the next write tries again
+            logger.error("cannot write the grading record %s: %s", self.state_path, error)
 
     # ---------------------------------------------------------------------------------------------- requests
 
@@ -128,57 +202,87 @@ class GradingRun:
         if not isinstance(raw, str):
             raise GradingRequestError("'model_path' must be a string")
         path = Path(raw)
-        path = (path if path.is_absolute() else self.workspace / path).resolve()
+        try:
+            path = (path if path.is_absolute() else self.workspace / path).resolve()
+        except (OSError, RuntimeError) as error:  # a symbolic link loop
+            raise GradingRequestError(f"Invalid request: model_path {raw!r}: {error}") from None
         if path != self.workspace and self.workspace not in path.parents:
             raise GradingRequestError(f"Invalid request: model_path {raw!r} is outside the workspace "
                                       f"{self.workspace}")
         return path
 
     def validate(self, raw: Any) -> dict[str, Any]:
+        """Whether the model would be accepted, judged as a grading would (without following links)."""
         path = self.resolve_model_path(raw)
-        problem = model_problem(path)
+        try:
+            files = model_files(self.workspace, path)
+        except SnapshotError as error:
+            return {"valid": False, "model_path": str(path), "error": str(error)}
+        problem = files_problem(files, path)
         if problem:
             return {"valid": False, "model_path": str(path), "error": problem}
-        return {"valid": True, "model_path": str(path), "files": sorted(p.name for p in path.iterdir())}
+        return {"valid": True, "model_path": str(path), "files": files}
 
-    def enqueue(self, raw: Any) -> Job:
-        """Queue an evaluation of the submitted model; the job records the submission when it finishes."""
+    async def enqueue(self, raw: Any, via: str = "submit") -> Job:
+        """Queue a grading of the submitted model and return once the model is copied (or found unfit); the job
+        records the submission when it ends, however it ends."""
         path = self.resolve_model_path(raw)
+        if self.evaluations_left() == 0:
+            raise GradingRequestError(f"no evaluations left: this run allows {self.max_evaluations} and every one "
+                                      "is used or queued", status=429, max_evaluations=self.max_evaluations)
         job = Job(id=uuid.uuid4().hex[:12], model_path=str(path))
         self.jobs[job.id] = job
-        job.task = asyncio.create_task(self._grade(job, path), name=f"grade-{job.id}")
+        self.last_submit_time = time.time()
+        copied = asyncio.Event()
+        job.task = asyncio.create_task(self._grade(job, path, via, copied), name=f"grade-{job.id}")
+        waiter = asyncio.ensure_future(copied.wait())
+        await asyncio.wait({job.task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
         return job
 
-    async def _grade(self, job: Job, path: Path) -> dict[str, Any]:
-        self._note_submit_time()
+    async def _grade(self, job: Job, path: Path, via: str, copied: asyncio.Event) -> dict[str, Any]:
+        snapshot: Path | None = None
         try:
-            result = await self.evaluator.evaluate(self.scenario, path, f"submission {job.id}",
-                                                   on_start=lambda: setattr(job, "status", "running"))
-        except BaseException:
-            job.status = "failed"
+            try:
+                snapshot = await asyncio.to_thread(self.snapshots.take, self.workspace, path)
+            finally:
+                copied.set()
+            problem = model_problem(snapshot, shown=path)
+            if problem:
+                result = EvaluationResult(error=problem)
+            else:
+                result = await self.evaluator.evaluate(self.scenario, snapshot, f"submission {job.id}",
+                                                       on_start=lambda: setattr(job, "status", "running"))
+            failpoint("bench.grade.before_record")
+        except SnapshotError as error:
+            result = EvaluationResult(error=str(error))
+        except asyncio.CancelledError:
+            self._record(job, path, EvaluationResult(error="the grading server stopped during this grading"),
+                         snapshot, via)
             raise
-        async with self._write_lock:
-            entries = self.history()
-            baseline = self.baseline()
-            score = result.score if result.score is not None else 0.0
-            entry: dict[str, Any] = {
-                "submission_id": len(entries) + 1, "timestamp": now_iso(), "model_path": str(path), "score": score,
-                "baseline_score": baseline, "improvement": None if baseline is None else round(score - baseline, 4),
-                "elapsed_seconds": result.elapsed_seconds, "metrics": {**result.metrics, "reused": result.reused}}
-            if result.error:
-                entry["error"] = result.error
-            entries.append(entry)
-            write_json_atomic(self.scores_path, entries)
-        best = self.best()
-        job.result = {**entry, "best": best, "total_submissions": len(entries)}
+        except Exception as error:  # noqa: BLE001 - whatever went wrong, the grading ends as a recorded failure
+            logger.exception("grading %s of %s failed", job.id, path)
+            result = EvaluationResult(error="the grading failed inside the grading server",
+                                      detail=f"{type(error).__name__}: {error}")
+        return self._record(job, path, result, snapshot, via)
+
+    def _record(self, job: Job, path: Path, result: EvaluationResult, snapshot: Path | None,
+                via: str) -> dict[str, Any]:
+        """Append the grading to the record and end the job (no await: nothing interleaves)."""
+        baseline = self.baseline()
+        score = result.score if result.score is not None else 0.0
+        entry = Submission(
+            submission_id=len(self.state.submissions) + 1, timestamp=now_iso(), model_path=str(path), score=score,
+            baseline_score=baseline, improvement=None if baseline is None else round(score - baseline, 4),
+            elapsed_seconds=result.elapsed_seconds, metrics={**result.metrics, "reused": result.reused}, via=via,
+            error=result.error, snapshot=None if snapshot is None or result.error else str(snapshot),
+            detail=result.detail)
+        self.state.submissions.append(entry)
+        self._save()
+        job.result = {**entry.public(), "best": self.best(), "total_submissions": len(self.state.submissions)}
         job.status = "failed" if result.error else "done"
+        if snapshot is not None:
+            self.snapshots.release(snapshot)
+            best = self.state.best()
+            self.snapshots.prune({Path(best.snapshot)} if best is not None and best.snapshot else set())
         return job.result
-
-    def _note_submit_time(self) -> None:
-        meta = read_json(self.meta_path, None)
-        if meta is not None:
-            meta["last_submit_time"] = time.time()
-            write_json_atomic(self.meta_path, meta)
-
-    def pending(self) -> int:
-        return sum(1 for job in self.jobs.values() if job.status in ("queued", "running"))

@@ -181,6 +181,10 @@ class ScenarioSet:
         self._files = {s.id: s for s in (load_file(f) for f in files or [])}
         self._builtins: dict[str, Scenario] = {}
 
+    def from_files(self) -> list[Scenario]:
+        """The scenarios of the YAML files (built-ins are not prepared)."""
+        return list(self._files.values())
+
     def ids(self) -> list[str]:
         return [*(i for i in BUILTIN_IDS if i not in self._files), *self._files]
 

@@ -7,28 +7,41 @@ Errors are FastAPI's ``{"detail": ...}``, as seed 000's server.
 
 Grading API (with ``--task``; errors are ``{"error": ...}`` as seed 001's server): ``GET /health``, ``POST /validate``,
 ``POST /submit {model_path?, async?}`` (blocking by default; ``"async": true`` returns ``{job_id}`` at once, then
-``GET /jobs/{id}``), ``GET /best`` (404 before any submission), ``GET /history``, ``POST /set_baseline {score}``
-(400 without a score), ``GET /time``. Every call is appended to ``interactions.jsonl`` (``{timestamp, endpoint,
-method, request, response, status, elapsed_seconds}``) in the workspace.
+``GET /jobs/{id}``; 429 once ``max_evaluations`` gradings are used or queued), ``GET /best`` (404 before any
+submission), ``GET /history``, ``POST /set_baseline {score}`` (JSON only; 400 without a score), ``GET /time``.
+
+A server that grades a task records every evaluation it makes for others: ``/evaluate`` from anyone but the
+operator grades the task's scenario only, on a model inside the workspace, as a submission (recorded, counted).
+The **operator** is whoever presents the token of ``--admin_token_env`` (``Authorization: Bearer TOKEN``): only
+they may ``/set_baseline`` and ``/evaluate`` any model unrecorded (the orchestrator's baseline); a server without a
+token leaves ``/set_baseline`` open and makes unrecorded evaluations only while it grades no task. Cross-site
+requests are refused (a browser's ``Origin`` or ``Sec-Fetch-Site`` naming another site), and so is a ``Host`` that
+is not a loopback name while the server listens on loopback (DNS rebinding). Replies never name the database or
+the server's files. Every call is appended to ``interactions.jsonl`` (``{timestamp, endpoint, method, request,
+response, status, elapsed_seconds}``) in the state directory, next to the grading record.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import ipaddress
 import json
 import logging
 import os
 import time
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.bench.evaluation import Evaluator
-from agentrl.bench.grading import GradingRequestError, GradingRun, now_iso
+from agentrl.bench.evaluation import EvaluationResult, Evaluator
+from agentrl.bench.grading import GradingRequestError, GradingRun, GradingStateError, now_iso
 from agentrl.bench.interact import InteractError, InteractSessions
 from agentrl.bench.scenarios import Scenario, ScenarioError, ScenarioSet, bench_home
 
@@ -46,13 +59,18 @@ class BenchServerConfig(BaseModel):
     output_dir: str | None = Field(None, description="default model path of /submit (default: WORKSPACE/output)")
     host: str = "127.0.0.1"
     port: int = 5000
+    unix_socket: str | None = Field(None, description="also serve on this Unix socket (made 0600)")
     eval_limit: int | None = Field(None, ge=1, description="evaluate on the first N test tasks only")
+    eval_timeout: float = Field(7200.0, gt=0, description="seconds an evaluation may run before it fails")
+    max_evaluations: int | None = Field(None, ge=1, description="gradings the task's workspace may ask for")
     db_connection_string: str | None = None
     engine_args: str = ""
     inference_urls: list[str] = Field(default_factory=list)
     env_server: list[str] = Field(default_factory=list)
     scenario: list[str] = Field(default_factory=list, description="scenario YAML files")
-    state_dir: str | None = Field(None, description="evaluation results and logs, outside the workspace (default: the bench cache's evals/TASK)")
+    state_dir: str | None = Field(None, description="grading record, evaluation results and logs, outside the "
+                                                    "workspace (default: under the bench cache)")
+    admin_token_env: str | None = Field(None, description="environment variable holding the operator's token")
 
 
 class EvaluateRequest(BaseModel):
@@ -72,31 +90,71 @@ def available_gpus() -> list[str]:
     return [g.strip() for g in visible.split(",") if g.strip()] if visible else []
 
 
+def default_state_dir(task: str | None, workspace: Path) -> Path:
+    """``<bench cache>/runs/TASK-<hash of the workspace>`` (one record per workspace), or ``evals/all``."""
+    if task is None:
+        return bench_home() / "evals" / "all"
+    return bench_home() / "runs" / f"{task}-{hashlib.sha256(str(workspace).encode()).hexdigest()[:12]}"
+
+
 def _error(status: int, message: str, **extra: Any) -> JSONResponse:
     return JSONResponse({"error": message, **extra}, status_code=status)
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def foreign_request(request: Request, loopback_only: bool) -> str | None:
+    """Why ``request`` comes from another site (a browser page's cross-site request, or DNS rebinding), else None."""
+    host = request.headers.get("host", "")
+    if loopback_only and host and not _is_loopback(urlsplit("//" + host).hostname or ""):
+        return f"Host {host!r} is not this server (it listens on loopback only)"
+    if request.method not in ("GET", "HEAD"):
+        if request.headers.get("sec-fetch-site") in ("cross-site", "same-site"):
+            return "cross-site requests are refused"
+        origin = request.headers.get("origin")
+        if origin is not None and urlsplit(origin).netloc != host:
+            return f"requests from {origin} are refused"
+    return None
 
 
 class BenchService:
     """The server's state: scenarios, the evaluator, the grading run (with ``--task``), interactive sessions."""
 
-    def __init__(self, config: BenchServerConfig, db_uri: str):
+    def __init__(self, config: BenchServerConfig, db_uri: str, admin_token: str | None = None):
         self.config = config
+        self.admin_token = admin_token
         self.scenarios = ScenarioSet(config.scenario)
         self.grading: GradingRun | None = None
         workspace = Path(config.workspace or Path("workspace") / (config.task or "scenarios")).resolve()
-        self.log_path = workspace / "interactions.jsonl"
-        state_dir = Path(config.state_dir) if config.state_dir else bench_home() / "evals" / (config.task or "all")
-        self.evaluator = Evaluator(db_connection_string=db_uri, state_dir=state_dir, eval_limit=config.eval_limit,
+        self.state_dir = Path(config.state_dir).resolve() if config.state_dir else default_state_dir(config.task,
+                                                                                                   workspace)
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        self.log_path = self.state_dir / "interactions.jsonl"
+        self.evaluator = Evaluator(db_connection_string=db_uri, state_dir=self.state_dir, eval_limit=config.eval_limit,
                                    engine_args=config.engine_args, inference_urls=config.inference_urls,
-                                   env_servers=config.env_server)
+                                   env_servers=config.env_server, timeout_s=config.eval_timeout)
         if config.task:
             scenario = self.scenarios.get(config.task)
-            self.grading = GradingRun(scenario, workspace, self.evaluator,
-                                      Path(config.output_dir) if config.output_dir else None)
-        workspace.mkdir(parents=True, exist_ok=True)
+            self.grading = GradingRun(scenario, workspace, self.evaluator, self.state_dir,
+                                      Path(config.output_dir) if config.output_dir else None,
+                                      max_evaluations=config.max_evaluations)
         self.sessions: dict[str, InteractSessions] = {}
         self.baselines: dict[str, float] = {}
         self._baseline_locks: dict[str, asyncio.Lock] = {}
+
+    def authorized(self, request: Request) -> bool:
+        """Whether ``request`` carries the operator's token."""
+        if self.admin_token is None:
+            return False
+        offered = request.headers.get("authorization", "").removeprefix("Bearer ").strip()
+        return hmac.compare_digest(offered.encode(), self.admin_token.encode())
 
     def log_call(self, entry: dict[str, Any]) -> None:
         with open(self.log_path, "a", encoding="utf-8") as handle:
@@ -113,9 +171,27 @@ class BenchService:
             if scenario.id not in self.baselines:
                 result = await self.evaluator.evaluate(scenario, scenario.base_model(), "baseline")
                 if result.score is None:
-                    raise RuntimeError(f"the baseline evaluation of {scenario.id} failed: {result.error}")
+                    raise RuntimeError(f"the baseline evaluation of {scenario.id} failed: {result.error} "
+                                       f"({result.detail})")
                 self.baselines[scenario.id] = result.score
         return self.baselines[scenario.id]
+
+    def scenario_info(self, scenario: Scenario) -> dict[str, Any]:
+        """``GET /scenarios/{id}``. While grading a task, the task's paths are the workspace's copies and other
+        scenarios' paths are withheld."""
+        baseline = scenario.baseline_score
+        if baseline is None and self.grading is not None and self.grading.scenario.id == scenario.id:
+            baseline = self.grading.baseline()
+        info = scenario.public_info(baseline if baseline is not None else self.baselines.get(scenario.id))
+        if self.grading is not None:
+            workspace = self.grading.workspace
+            mine = scenario.id == self.grading.scenario.id
+            train = workspace / "data" / "train.jsonl"
+            model = workspace / "models" / Path(scenario.base_model()).name
+            info.update(train_data=str(train) if mine and train.is_file() else None,
+                        base_model=str(model) if mine and model.exists() else None)
+            info.update(train_data_path=info["train_data"], base_model_path=info["base_model"])
+        return info
 
     def interact_sessions(self, scenario: Scenario) -> InteractSessions:
         if scenario.eval.env is None:
@@ -138,25 +214,43 @@ async def _json_body(request: Request) -> dict[str, Any]:
     return body
 
 
-def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
-    service = BenchService(config, db_uri)
+def create_app(config: BenchServerConfig, db_uri: str, admin_token: str | None = None) -> FastAPI:
+    service = BenchService(config, db_uri, admin_token)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):  # noqa: ANN202 - FastAPI's signature
         yield
-        # Stop what is still running: queued and running evaluations (their agentrl eval process groups are
-        # killed; the stored partial job resumes if the same evaluation is asked for again), environment sessions.
+        # Stop what is still running: evaluations (their agentrl eval process groups are killed; each grading is
+        # recorded as failed), environment sessions.
+        service.evaluator.stop_all()
         if service.grading is not None:
-            for job in service.grading.jobs.values():
-                if job.task is not None and not job.task.done():
-                    job.task.cancel()
+            tasks = [job.task for job in service.grading.jobs.values() if job.task is not None and not job.task.done()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
         for sessions in service.sessions.values():
             sessions.close_all()
 
     app = FastAPI(title="AutoRL-Bench (AgentRL)", version=VERSION, lifespan=lifespan)
     app.state.service = service
+    _add_middleware(app, service)
+    _add_scenario_api(app, service)
+    _add_grading_api(app, service)
+    return app
+
+
+def _add_middleware(app: FastAPI, service: BenchService) -> None:
+    """Refusal of foreign requests, the interaction log, and the grading API's error replies."""
+    loopback_only = _is_loopback(service.config.host)
 
     @app.middleware("http")
+    async def refuse_foreign(request: Request, call_next):  # noqa: ANN001, ANN202 - FastAPI's signature
+        reason = foreign_request(request, loopback_only)
+        if reason is not None:
+            return _error(403, reason)
+        return await call_next(request)
+
+    @app.middleware("http")  # added last, so it runs first: refused requests are recorded too
     async def record_interaction(request: Request, call_next):  # noqa: ANN001, ANN202 - FastAPI's signature
         started = time.perf_counter()
         body = await request.body()
@@ -177,7 +271,25 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
         return Response(content=content, status_code=response.status_code, headers=dict(response.headers),
                         media_type=response.media_type)
 
-    # ------------------------------------------------------------------------------------------ scenario API
+    @app.exception_handler(GradingRequestError)
+    async def refused(_: Request, error: GradingRequestError) -> JSONResponse:
+        return _error(error.status, str(error), **error.extra)
+
+
+def _evaluate_reply(result: EvaluationResult, baseline: float | None, **details: Any) -> Any:
+    """``POST /evaluate``'s reply (seed 000's fields)."""
+    if result.score is None:
+        return JSONResponse({"detail": result.error, **details}, status_code=500)
+    improvement = None if baseline is None else round(result.score - baseline, 4)
+    pct = None if not baseline or improvement is None else f"{100.0 * improvement / baseline:+.2f}%"
+    return {"score": result.score, "baseline": baseline, "improvement": improvement, "improvement_pct": pct,
+            "details": {**result.metrics, "reused": result.reused, "elapsed_seconds": result.elapsed_seconds,
+                        **details}}
+
+
+def _add_scenario_api(app: FastAPI, service: BenchService) -> None:
+    """Seed 000's endpoints."""
+    config = service.config
 
     @app.get("/")
     async def root() -> dict[str, Any]:
@@ -198,13 +310,23 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
             scenario = await asyncio.to_thread(service.scenarios.get, scenario_id)
         except ScenarioError as error:
             return JSONResponse({"detail": str(error), "available": service.scenarios.ids()}, status_code=404)
-        baseline = scenario.baseline_score
-        if baseline is None and service.grading is not None and service.grading.scenario.id == scenario.id:
-            baseline = service.grading.baseline()
-        return scenario.public_info(baseline if baseline is not None else service.baselines.get(scenario.id))
+        return service.scenario_info(scenario)
 
     @app.post("/evaluate")
-    async def evaluate(body: EvaluateRequest) -> Any:
+    async def evaluate(body: EvaluateRequest, request: Request) -> Any:
+        operator = service.authorized(request) or (service.admin_token is None and service.grading is None)
+        if not operator and service.grading is None:
+            return JSONResponse({"detail": "/evaluate needs the operator's token"}, status_code=403)
+        if not operator:  # a graded task's workspace: a recorded submission of the task
+            run = service.grading
+            if body.scenario_id != run.scenario.id:
+                return JSONResponse({"detail": f"this server grades {run.scenario.id!r} only"}, status_code=403)
+            result = await (await run.enqueue(body.model_path, via="evaluate")).task
+            graded = EvaluationResult(score=None if result.get("error") else result["score"],
+                                      metrics=result["metrics"], error=result.get("error"),
+                                      elapsed_seconds=result["elapsed_seconds"],
+                                      reused=result["metrics"].get("reused", False))
+            return _evaluate_reply(graded, result["baseline_score"], submission_id=result["submission_id"])
         try:
             scenario = await asyncio.to_thread(service.scenarios.get, body.scenario_id)
         except ScenarioError as error:
@@ -216,12 +338,9 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
         except RuntimeError as error:
             return JSONResponse({"detail": str(error)}, status_code=500)
         result = await service.evaluator.evaluate(scenario, body.model_path, "evaluate")
-        if result.score is None:
-            return JSONResponse({"detail": result.error}, status_code=500)
-        improvement = None if baseline is None else round(result.score - baseline, 4)
-        pct = None if not baseline or improvement is None else f"{100.0 * improvement / baseline:+.2f}%"
-        return {"score": result.score, "baseline": baseline, "improvement": improvement, "improvement_pct": pct,
-                "details": {**result.metrics, "reused": result.reused, "elapsed_seconds": result.elapsed_seconds}}
+        if result.error and result.detail:
+            result.error = f"{result.error} ({result.detail})"
+        return _evaluate_reply(result, baseline)
 
     @app.post("/interact")
     async def interact(body: InteractRequest) -> Any:
@@ -237,23 +356,24 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
         except InteractError as error:
             return JSONResponse({"detail": str(error)}, status_code=400)
 
-    # ------------------------------------------------------------------------------------------- grading API
 
-    @app.get("/health")
-    async def health() -> Any:
-        grading = service.grading
-        return {"status": "ok", "task": config.task, "workspace": str(grading.workspace) if grading else None,
-                "available_gpus": available_gpus(), "pending_evaluations": grading.pending() if grading else 0}
-
-    @app.exception_handler(GradingRequestError)
-    async def refused(_: Request, error: GradingRequestError) -> JSONResponse:
-        return _error(error.status, str(error), **error.extra)
+def _add_grading_api(app: FastAPI, service: BenchService) -> None:
+    """Seed 001's endpoints (with ``--task``)."""
+    config = service.config
 
     def grading() -> GradingRun:
         if service.grading is None:
             raise GradingRequestError("this server grades no task: start it with `agentrl bench serve --task TASK`",
                                       status=404)
         return service.grading
+
+    @app.get("/health")
+    async def health() -> Any:
+        run = service.grading
+        return {"status": "ok", "task": config.task, "workspace": str(run.workspace) if run else None,
+                "available_gpus": available_gpus(), "pending_evaluations": run.pending() if run else 0,
+                "max_evaluations": run.max_evaluations if run else None,
+                "evaluations_left": run.evaluations_left() if run else None}
 
     @app.post("/validate")
     async def validate(request: Request) -> Any:
@@ -268,7 +388,7 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
             if not set(wanted) <= set(available_gpus()):
                 raise GradingRequestError(f"gpu {gpu!r} is not among the available GPUs",
                                           available_gpus=available_gpus())
-        job = run.enqueue(body.get("model_path"))
+        job = await run.enqueue(body.get("model_path"))
         if body.get("async"):
             return JSONResponse(job.public(), status_code=202)
         return await job.task
@@ -294,13 +414,16 @@ def create_app(config: BenchServerConfig, db_uri: str) -> FastAPI:
 
     @app.post("/set_baseline")
     async def set_baseline(request: Request) -> Any:
-        return {"baseline_score": grading().set_baseline((await _json_body(request)).get("score")), "status": "set"}
+        run = grading()
+        if request.headers.get("content-type", "").split(";")[0].strip().lower() != "application/json":
+            raise GradingRequestError("/set_baseline takes a JSON body (Content-Type: application/json)", status=415)
+        if service.admin_token is not None and not service.authorized(request):
+            raise GradingRequestError("/set_baseline needs the operator's token", status=403)
+        return {"baseline_score": run.set_baseline((await _json_body(request)).get("score")), "status": "set"}
 
     @app.get("/time")
     async def time_left() -> Any:
         return grading().time_info()
-
-    return app
 
 
 READY_LINE = "agentrl bench: serving at {url}"
@@ -312,22 +435,36 @@ def serve(config: BenchServerConfig) -> int:
 
     import uvicorn
 
-    from agentrl.listen import listening_socket, serve_until_stopped
+    from agentrl.listen import listening_socket, serve_until_stopped, unix_listening_socket
     from agentrl.store import resolve_connection_string
 
+    token = None
+    if config.admin_token_env:
+        token = os.environ.get(config.admin_token_env, "")
+        if not token:
+            print(f"agentrl bench serve: error: --admin_token_env {config.admin_token_env}: the environment "
+                  "variable is unset or empty", file=sys.stderr)
+            return 2
     try:
         db_uri = resolve_connection_string(config.db_connection_string, database="autorl-bench")
-        app = create_app(config, db_uri)
-    except (ScenarioError, ValueError, OSError) as error:
+        app = create_app(config, db_uri, token)
+    except (ScenarioError, GradingStateError, ValueError, OSError) as error:
         print(f"agentrl bench serve: error: {error}", file=sys.stderr)
         return 2
     try:
-        sock = listening_socket(config.host, config.port)
+        sockets = [listening_socket(config.host, config.port)]
+        if config.unix_socket:
+            sockets.append(unix_listening_socket(config.unix_socket))
     except OSError as error:
-        print(f"agentrl bench serve: error: cannot listen on {config.host}:{config.port}: {error}", file=sys.stderr)
+        print(f"agentrl bench serve: error: cannot listen: {error}", file=sys.stderr)
         return 1
-    bound = sock.getsockname()[1]
+    bound = sockets[0].getsockname()[1]
     url = f"http://[{config.host}]:{bound}" if ":" in config.host else f"http://{config.host}:{bound}"
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=5))
     print(READY_LINE.format(url=url), flush=True)
-    return 0 if serve_until_stopped(server, sock) else 1
+    try:
+        return 0 if serve_until_stopped(server, *sockets) else 1
+    finally:
+        if config.unix_socket:
+            with contextlib.suppress(OSError):
+                os.unlink(config.unix_socket)

@@ -20,7 +20,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                          description="Serve AutoRL-Bench's scenario API (GET /, /scenarios, /scenarios/ID, POST "
                                      "/evaluate, /interact) and, with --task, its grading API (GET /health, POST "
                                      "/validate, /submit, GET /jobs/ID, /best, /history, POST /set_baseline, GET "
-                                     "/time). Evaluations run through `agentrl eval`, one at a time.")
+                                     "/time). Evaluations run through `agentrl eval`, one at a time; with --task, "
+                                     "every evaluation asked for without the operator's token is a recorded "
+                                     "grading of the task.")
     s.add_argument("--task", default=None, help="scenario the grading API grades (e.g. gsm8k, arith, humaneval)")
     s.add_argument("--workspace", default=None, help="the run's workspace (default: workspace/TASK)")
     s.add_argument("--output_dir", default=None, help="default model path of /submit (default: WORKSPACE/output)")
@@ -32,14 +34,22 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "loaded into them with update_weights_from_disk); default: an engine per evaluation")
     s.add_argument("--env_server", action="append", default=[], metavar="NAME=URL",
                    help="AgentGym server of an environment (default: one started per evaluation)")
-    s.add_argument("--state_dir", default=None, help="evaluation results and logs (never inside a workspace)")
+    s.add_argument("--state_dir", default=None,
+                   help="grading record, model copies, evaluation results and logs (never inside a workspace; "
+                        "default: under ~/.cache/agentrl/bench)")
+    s.add_argument("--unix_socket", default=None, metavar="PATH", help="also serve on this Unix socket (mode 0600)")
+    s.add_argument("--admin_token_env", default=None, metavar="VAR",
+                   help="environment variable holding the operator's token: then /set_baseline and unrecorded "
+                        "/evaluate calls need 'Authorization: Bearer TOKEN'")
     s.set_defaults(func=serve)
 
     r = bench.add_parser("run", help="run an agent on a task under a time limit and collect its best model",
-                         description="Prepare an isolated workspace (training data only), start the grading "
-                                     "server, evaluate the baseline once, run agents/ID/start.sh under --timeout "
-                                     "(its whole process group is stopped at the end), then write "
-                                     "results/TIME_TASK_AGENT/result.json and link the best model.")
+                         description="Prepare a workspace (training data only), start the grading server, "
+                                     "evaluate the baseline once, run agents/ID/start.sh under --timeout, contained "
+                                     "(bubblewrap namespaces: it sees its workspace, the software and the grading "
+                                     "API, not the test data; refused where that cannot work, unless "
+                                     "--uncontained), then write results/TIME_TASK_AGENT/result.json from the "
+                                     "grading server's record and link the best model.")
     r.add_argument("--agent", "--agent_id", "--agent-id", "-a", dest="agent", required=True,
                    help="agent directory name under --agents_dir (e.g. agentrl_grpo, template)")
     r.add_argument("--task", "-t", required=True, help="scenario id")
@@ -52,6 +62,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     r.add_argument("--results_dir", default="results")
     r.add_argument("--agents_dir", default=None, help="where agent directories are (default: ./agents, then "
                                                       "the repository's agents/)")
+    r.add_argument("--uncontained", action="store_true",
+                   help="run the agent as your user without namespaces where containment (bubblewrap) is "
+                        "unavailable: it can then read the test data, the grading state and the evaluation database")
+    r.add_argument("--agent_network", choices=("isolated", "host"), default="isolated",
+                   help="isolated: the contained agent reaches the grading API only; host: this machine's network "
+                        "(for agents that call remote APIs; every local service is reachable, the evaluation "
+                        "database included)")
+    r.add_argument("--agent_env", action="append", default=[], metavar="VAR",
+                   help="pass this variable of your environment to the agent (repeatable; e.g. an API key)")
     _add_eval_flags(r)
     r.set_defaults(func=run)
 
@@ -59,6 +78,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def _add_eval_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--eval_limit", type=int, default=None, metavar="N",
                    help="grade on the first N held-out tasks only (default: all)")
+    p.add_argument("--max_evaluations", type=int, default=None, metavar="N",
+                   help="gradings the agent may ask for (queued ones count; failed ones too); default: no limit")
+    p.add_argument("--eval_timeout", type=float, default=7200.0, metavar="S",
+                   help="seconds an evaluation may run; a longer one is stopped and fails (default: 7200)")
     p.add_argument("--db_connection_string", default=None,
                    help="MongoDB for the evaluations (default: $AGENTRL_DB or the embedded server; database "
                         "autorl-bench)")
@@ -93,9 +116,10 @@ def serve(args: argparse.Namespace) -> int:
     try:
         config = BenchServerConfig(
             task=args.task, workspace=args.workspace, output_dir=args.output_dir, host=args.host, port=args.port,
-            eval_limit=args.eval_limit, db_connection_string=args.db_connection_string,
-            engine_args=args.engine_args, inference_urls=urls, env_server=args.env_server,
-            scenario=args.scenario, state_dir=args.state_dir)
+            eval_limit=args.eval_limit, eval_timeout=args.eval_timeout, max_evaluations=args.max_evaluations,
+            db_connection_string=args.db_connection_string, engine_args=args.engine_args, inference_urls=urls,
+            env_server=args.env_server, scenario=args.scenario, state_dir=args.state_dir,
+            unix_socket=args.unix_socket, admin_token_env=args.admin_token_env)
     except ValidationError as error:
         print(f"agentrl bench serve: error: {error}", file=sys.stderr)
         return 2
@@ -112,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
         options = RunOptions(agent=args.agent, task=args.task, base_model=args.base_model, timeout=args.timeout,
                              port=args.port, host=args.host, workspace_root=args.workspace_root,
                              results_dir=args.results_dir, agents_dir=args.agents_dir, eval_limit=args.eval_limit,
+                             eval_timeout=args.eval_timeout, max_evaluations=args.max_evaluations,
                              db_connection_string=args.db_connection_string, engine_args=args.engine_args,
-                             scenario=args.scenario)
+                             scenario=args.scenario, uncontained=args.uncontained,
+                             agent_network=args.agent_network, agent_env=args.agent_env)
         return run_bench(options, say=lambda text: print(f"agentrl bench: {text}", flush=True))
     except (ValidationError, BenchRunError, ScenarioError) as error:
         print(f"agentrl bench run: error: {error}", file=sys.stderr)
