@@ -50,8 +50,8 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.tools.sandbox import (
-    _DROP_PRIVILEGES, _ROOT_UIDS, _TOP_DIRS, SandboxUnavailable, _ancestors, _as_user, _python_dirs, _real_root,
-    _tools, _under)
+    DROP_PRIVILEGES, ROOT_UIDS, TOP_DIRS, SandboxUnavailable, ancestors, as_user, python_dirs, real_root,
+    host_tools, is_under)
 
 Network = Literal["isolated", "host"]
 WRITABLE = ("output", "code", "reports", "home")
@@ -67,7 +67,7 @@ class ContainmentUnavailable(RuntimeError):
 def agent_uid() -> int | None:
     """The uid a contained agent runs as: a random unprivileged one when this process is the host's root, else
     ``None`` (your own uid, in a user namespace)."""
-    return random.choice(_ROOT_UIDS) if _real_root() else None
+    return random.choice(ROOT_UIDS) if real_root() else None
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ class AgentSandbox:
         return self._bwrap([*launcher, "--", *command])
 
     def _bwrap(self, command: list[str]) -> list[str]:
-        tools = _tools(("bwrap", "setpriv") if self.uid is not None else ("bwrap",))
+        tools = host_tools(("bwrap", "setpriv") if self.uid is not None else ("bwrap",))
         argv = [tools["bwrap"], "--unshare-pid", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
                 "--die-with-parent", "--new-session"]
         if self.network == "isolated":
@@ -124,11 +124,11 @@ class AgentSandbox:
         else:  # root: no user namespace (it would map to root); setpriv switches to the uid and drops the rest
             argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID",
                      "--cap-add", "CAP_SETPCAP"]
-            command = [tools["setpriv"], *_as_user(self.uid), *_DROP_PRIVILEGES, "--", *command]
+            command = [tools["setpriv"], *as_user(self.uid), *DROP_PRIVILEGES, "--", *command]
         made = {"/", "/tmp"}
 
         def parents(path: str) -> list[str]:  # bwrap would make missing ones 0700, closed to the agent's uid
-            missing = [parent for parent in _ancestors(path) if parent not in made]
+            missing = [parent for parent in ancestors(path) if parent not in made]
             made.update(missing)
             return [arg for parent in missing for arg in ("--perms", "0755", "--dir", parent)]
 
@@ -138,12 +138,12 @@ class AgentSandbox:
             argv += ["--dev-bind-try", device, device]
         visible = self._visible()
         for source, target in visible:
-            if os.path.islink(target) and target in _TOP_DIRS:
+            if os.path.islink(target) and target in TOP_DIRS:
                 argv += ["--symlink", os.readlink(target), target]
             else:
                 argv += [*parents(target), "--ro-bind", source, target]
         for path in map(str, self.masked):
-            if os.path.exists(path) and any(_under(path, target) for _, target in visible):
+            if os.path.exists(path) and any(is_under(path, target) for _, target in visible):
                 argv += ["--tmpfs", path] if os.path.isdir(path) else ["--ro-bind", "/dev/null", path]
         # One writable mount (hard links between its directories work), with read-only ones over what the
         # orchestrator wrote: the files at its top and data/.
@@ -160,16 +160,16 @@ class AgentSandbox:
 
     def _visible(self) -> list[tuple[str, str]]:
         """(host path, sandbox path) of everything bound read-only, outermost first; top-level symlinks as is."""
-        roots = ["/usr", *(top for top in _TOP_DIRS if os.path.lexists(top)), "/etc"]
+        roots = ["/usr", *(top for top in TOP_DIRS if os.path.lexists(top)), "/etc"]
         pairs = [(root, root) for root in roots]
         if os.path.isdir("/sys"):
             pairs.append(("/sys", "/sys"))
-        extra = [*_python_dirs(self.python), *([str(self.checkout)] if self.checkout else []), str(self.agent_dir)]
+        extra = [*python_dirs(self.python), *([str(self.checkout)] if self.checkout else []), str(self.agent_dir)]
         for directory in extra:
             source = os.path.realpath(directory)
             for target in dict.fromkeys((os.path.abspath(directory), source)):
                 taken = [bound for _, bound in pairs]
-                if target != "/" and not any(_under(target, other) for other in taken):
+                if target != "/" and not any(is_under(target, other) for other in taken):
                     pairs.append((source, target))
         return pairs
 

@@ -138,8 +138,8 @@ def _builtin(scenario_id: str) -> Scenario:
     if scenario_id == "textcraft":
         return Scenario(
             id="textcraft", name="TextCraft (interactive)", type="interactive", metric="success_rate", **common,
-            description="Craft a Minecraft item from crafting commands in a text environment (AgentGym's TextCraft "
-                        "goals). Training goals can be played through POST /interact; success rate in percent on "
+            description="Craft a Minecraft item from crafting commands in a text environment (TextCraft's "
+                        "recipes, as in AgentGym). Training goals can be played through POST /interact; success rate in percent on "
                         "held-out goals, greedy, at most 12 turns.",
             data_format={"type": "jsonl", "fields": {"env": {"name": "textcraft", "data_idx": "int"}}},
             reward={"type": "binary", "source": "environment"},

@@ -34,7 +34,7 @@ limit the run is stopped and the output truncated).
   user namespace can be made (``RLIMIT_NPROC`` is counted there, per run; it does not hold where that namespace
   maps its root to the host's root, which is exempt from it). A server running as the host's root
   (exempt from ``RLIMIT_NPROC``, able to write ``/proc/sys``) makes the namespaces without a user
-  namespace and runs the code as a random unprivileged uid, one per run, from ``_ROOT_UIDS``; that code may make
+  namespace and runs the code as a random unprivileged uid, one per run, from ``ROOT_UIDS``; that code may make
   user namespaces of its own, as any unprivileged user of the machine can.
 
 **Fail closed.** With ``isolation="auto"`` the first mechanism that works here is used (each is tried by running
@@ -80,7 +80,7 @@ _DEVICES = ("/dev/null", "/dev/zero", "/dev/full", "/dev/random", "/dev/urandom"
 _DEV_LINKS = (("/proc/self/fd", "/dev/fd"), ("/proc/self/fd/0", "/dev/stdin"), ("/proc/self/fd/1", "/dev/stdout"),
               ("/proc/self/fd/2", "/dev/stderr"), ("/tmp", "/dev/shm"))
 _PROC_READ_ONLY = ("sys", "sysrq-trigger", "irq", "bus", "fs")  # writable for root, Docker keeps them read-only
-_TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # directories, or symlinks into /usr
+TOP_DIRS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")  # directories, or symlinks into /usr
 _SBIN = "/usr/sbin:/sbin"  # util-linux's pivot_root lives there, often off an unprivileged user's PATH
 _SITE_GLOBS = ("/usr/lib/python3*/*-packages", "/usr/local/lib/python3*/*-packages")  # Debian's, whichever Python
 
@@ -138,10 +138,10 @@ except BaseException as exc:  # show the user's frames only, not this bootstrap'
     sys.exit(1)
 """
 
-_ROOT_UIDS = range(0x70000000, 0x70000000 + (1 << 20))
+ROOT_UIDS = range(0x70000000, 0x70000000 + (1 << 20))
 """Under a root server, each run's code runs as a random one of these uids (above the ranges systemd and container
 tools allocate); two concurrent runs that drew the same one would share their RLIMIT_NPROC count."""
-_DROP_PRIVILEGES = ("--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs")
+DROP_PRIVILEGES = ("--bounding-set=-all", "--inh-caps=-all", "--ambient-caps=-all", "--no-new-privs")
 
 _UNSHARE_SETUP = """set -eu
 root=$1 fstab=$2 work=$3
@@ -264,15 +264,20 @@ def _interpreter(python: str, stdlib_only: bool) -> _Interpreter:
     return _Interpreter(executable, (*found["bases"], os.path.dirname(os.path.realpath(executable))), tuple(hidden))
 
 
+def python_dirs(python: str) -> tuple[str, ...]:
+    """The directories ``python`` runs from: its prefixes (stdlib, site-packages) and its executable's."""
+    return _interpreter(python, False).directories
+
+
 def _executable(config: SandboxConfig) -> str:
     return _interpreter(config.python, True).executable if config.stdlib_only else config.python
 
 
-def _under(path: str, directory: str) -> bool:
+def is_under(path: str, directory: str) -> bool:
     return path == directory or path.startswith(directory.rstrip("/") + "/")
 
 
-def _ancestors(path: str) -> list[str]:
+def ancestors(path: str) -> list[str]:
     """``/a/b/c`` -> ``["/a", "/a/b"]``."""
     parts = path.strip("/").split("/")[:-1]
     return ["/" + "/".join(parts[: i + 1]) for i in range(len(parts))]
@@ -281,7 +286,7 @@ def _ancestors(path: str) -> list[str]:
 def _layout(config: SandboxConfig, workdir: str, empty: str) -> _Layout:
     read_only: list[tuple[str, str]] = [("/usr", "/usr")]
     symlinks = list(_DEV_LINKS)
-    for top in _TOP_DIRS:
+    for top in TOP_DIRS:
         if os.path.islink(top):
             symlinks.append((os.readlink(top), top))
         elif os.path.isdir(top):
@@ -294,13 +299,13 @@ def _layout(config: SandboxConfig, workdir: str, empty: str) -> _Layout:
         for target in dict.fromkeys((os.path.abspath(directory), source)):
             taken = [bound for _, bound in read_only] + [link for _, link in symlinks]
             # "/": an interpreter installed at the root has its stdlib in /lib or /usr/lib
-            if target != "/" and not any(_under(target, other) for other in taken):
+            if target != "/" and not any(is_under(target, other) for other in taken):
                 read_only.append((source, target))
-    hidden = tuple(path for path in interpreter.hidden if any(_under(path, target) for _, target in read_only))
+    hidden = tuple(path for path in interpreter.hidden if any(is_under(path, target) for _, target in read_only))
     return _Layout(tuple(read_only), tuple(symlinks), workdir, config.max_file_mb << 20, hidden, empty)
 
 
-def _tools(names: tuple[str, ...]) -> dict[str, str]:
+def host_tools(names: tuple[str, ...]) -> dict[str, str]:
     """Absolute paths of ``names`` on ``$PATH`` (plus the sbin directories); raises SandboxUnavailable if absent."""
     search_path = f"{os.environ.get('PATH', os.defpath)}{os.pathsep}{_SBIN}"
     found = {name: shutil.which(name, path=search_path) for name in names}
@@ -310,23 +315,23 @@ def _tools(names: tuple[str, ...]) -> dict[str, str]:
     return found  # type: ignore[return-value]
 
 
-def _as_user(uid: int) -> list[str]:
+def as_user(uid: int) -> list[str]:
     return [f"--reuid={uid}", f"--regid={uid}", "--clear-groups"]
 
 
 def _bwrap_argv(layout: _Layout, uid: int | None, command: list[str]) -> list[str]:
-    tools = _tools(("bwrap", "setpriv") if uid is not None else ("bwrap",))
+    tools = host_tools(("bwrap", "setpriv") if uid is not None else ("bwrap",))
     argv = [tools["bwrap"], "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts", "--unshare-cgroup-try",
             "--die-with-parent"]
     if uid is None:  # bwrap makes a user namespace, drops every capability and sets no_new_privs
         argv += ["--unshare-user", "--disable-userns"]
     else:  # root: no user namespace (it would map to root); setpriv switches to uid and drops the rest
         argv += ["--cap-drop", "ALL", "--cap-add", "CAP_SETUID", "--cap-add", "CAP_SETGID", "--cap-add", "CAP_SETPCAP"]
-        command = [tools["setpriv"], *_as_user(uid), *_DROP_PRIVILEGES, "--", *command]
+        command = [tools["setpriv"], *as_user(uid), *DROP_PRIVILEGES, "--", *command]
     made = {"/", "/tmp"}
 
     def parents(path: str) -> list[str]:  # bwrap would make missing ones 0700, closed to the sandbox's uid
-        missing = [parent for parent in _ancestors(path) if parent not in made]
+        missing = [parent for parent in ancestors(path) if parent not in made]
         made.update(missing)
         return [arg for parent in missing for arg in ("--perms", "0755", "--dir", parent)]
 
@@ -354,7 +359,7 @@ def _fstab_field(path: str) -> str:
 
 def _unshare_argv(layout: _Layout, uid: int | None, base: str, command: list[str]) -> list[str]:
     """util-linux: the mount points are made in a skeleton root under ``base``, the mounts by ``_UNSHARE_SETUP``."""
-    tools = _tools(("unshare", "sh", "mount", "umount", "pivot_root", "setpriv"))
+    tools = host_tools(("unshare", "sh", "mount", "umount", "pivot_root", "setpriv"))
     root, fstab = os.path.join(base, "root"), os.path.join(base, "fstab")
     for path in ("/proc", "/tmp", "/.old", *(target for _, target in layout.read_only)):
         os.makedirs(root + path, exist_ok=True)
@@ -388,13 +393,13 @@ def _unshare_argv(layout: _Layout, uid: int | None, base: str, command: list[str
         forbid_userns="echo 0 > /proc/sys/user/max_user_namespaces\n" if uid is None else "",
         **{name: shlex.quote(tools[name]) for name in ("mount", "umount", "pivot_root")},
     )
-    drop = [tools["setpriv"], *(_as_user(uid) if uid is not None else []), *_DROP_PRIVILEGES, "--"]
+    drop = [tools["setpriv"], *(as_user(uid) if uid is not None else []), *DROP_PRIVILEGES, "--"]
     return [tools["unshare"], *namespaces, "--", tools["sh"], "-c", script, "agentrl-sandbox", root, fstab,
             layout.workdir, *drop, *command]
 
 
 @functools.cache
-def _real_root() -> bool:
+def real_root() -> bool:
     """Whether this process is root of the initial user namespace (uid 0 in a user namespace is not the host's root,
     and may have no other uid to switch to)."""
     with open("/proc/self/uid_map", encoding="ascii") as handle:
@@ -407,7 +412,7 @@ def _prepare(isolation: Isolation, config: SandboxConfig, base: str, command: li
     os.mkdir(workdir)
     if isolation == "audit":
         return command, workdir
-    uid = random.choice(_ROOT_UIDS) if _real_root() else None
+    uid = random.choice(ROOT_UIDS) if real_root() else None
     if uid is not None:
         os.chown(workdir, uid, uid)
     empty = os.path.join(base, "empty")  # what hides a directory (stdlib_only)
