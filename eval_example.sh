@@ -28,8 +28,5 @@ set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_venv.sh"
 source "$ROOT/scripts/example_lib.sh"
-run_flags MODEL MONGO_URI AGENTRL_DB_DIR:db_dir AGENTRL_DB_PORT:db_port RUN_DIR SGLANG_URLS MCP_CONFIG ENV ENV_SERVER \
-  AGENT_CONFIG TASKS:eval_tasks LIMIT:num_eval_tasks SCORER ANSWER_SCHEMA K:eval_samples_per_task \
-  REPEATS:eval_repeats TEMPERATURE SEED:eval_seed MAX_TURNS MAX_NEW_TOKENS CONCURRENCY:samples_per_sampler FORCE \
-  ENGINE_THREADS ENGINE_STARTUP_S EXTRA_EVAL_FLAGS
+run_flags "${EVAL_VARIABLES[@]}"
 exec "$ROOT/.venv/bin/agentrl" run --mode eval ${1:+--run_name "$1"} "${RUN_FLAGS[@]}"
