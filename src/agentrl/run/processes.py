@@ -66,8 +66,12 @@ class Child:
 
 
 def say(message: str) -> None:
-    """A progress line of the run: ``[HH:MM:SS] message`` with a bold time stamp."""
-    print(f"\033[1m[{time.strftime('%H:%M:%S')}]\033[0m {message}", flush=True)
+    """A progress line of the run: ``[HH:MM:SS] message`` with a bold time stamp (lost, not an error, when the
+    terminal is gone: the run still stops what it started after a SIGHUP)."""
+    try:
+        print(f"\033[1m[{time.strftime('%H:%M:%S')}]\033[0m {message}", flush=True)
+    except OSError:
+        pass
 
 
 class Processes:
