@@ -107,10 +107,10 @@ def use_tools(run: Run) -> None:
         say("tools: none")
         return
     mcp_config = config.mcp_config
-    if not mcp_config:
+    if not mcp_config:  # the console script's command line: the same file (and evaluation key) as ever
         mcp_config = str(run.dir / "mcp.json")
-        server = {"name": "calculator", "command": sys.executable,
-                  "args": ["-m", "agentrl.cli.main", "tools", "serve", "calculator"]}
+        server = {"name": "calculator", "command": str(Path(sys.executable).with_name("agentrl")),
+                  "args": ["tools", "serve", "calculator"]}
         Path(mcp_config).write_text(json.dumps({"servers": [server]}) + "\n", encoding="utf-8")
     say(f"tools: MCP servers of {mcp_config}")
     run.tool_flags = ["--mcp_config", mcp_config]
