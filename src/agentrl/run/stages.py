@@ -130,14 +130,14 @@ def use_env(run: Run) -> Path:
     say(f"environment: {config.env} at {url} (log {run.logs / 'env-server.log'})")
     run.tool_flags = ["--env_server", f"{config.env}={url}"]
     train_tasks, test_tasks = run.dir / "env-train.jsonl", run.dir / "env-test.jsonl"
-    command = [*AGENTRL, "envs", "tasks", config.env, "--seed", "0"]
+    command = [*AGENTRL, "envs", "tasks", config.env, "--split"]
     failure = f"`agentrl envs tasks {config.env}` failed"
     if config.mode == "rl":
         number = ["--num", str(config.num_tasks)] if config.num_tasks else []
-        call(run, "env-tasks", [*command, "--split", "train", *number, "--output", str(train_tasks)], failure)
+        call(run, "env-tasks", [*command, "train", "--seed", "0", *number, "--output", str(train_tasks)], failure)
     if config.mode == "eval" or config.num_eval_tasks:
         number = ["--num", str(config.num_eval_tasks)] if config.num_eval_tasks else []
-        call(run, "env-tasks", [*command, "--split", "test", *number, "--output", str(test_tasks)], failure)
+        call(run, "env-tasks", [*command, "test", "--seed", "0", *number, "--output", str(test_tasks)], failure)
         run.eval_tasks = test_tasks
     return train_tasks
 
