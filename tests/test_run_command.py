@@ -188,3 +188,19 @@ def test_a_stop_signal_stops_every_process_the_run_started(sig: signal.Signals, 
     time.sleep(1)
     assert _still_running(seen) == [], text[-3000:]
     assert embedded_server(db_dir).pid() is None
+
+
+def test_a_failing_stage_ends_the_run_with_its_message(tmp_path: Path) -> None:
+    """An invalid task file: the upload fails, the run says so and exits 1, and the database it started is
+    stopped (nothing else was started yet)."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"id": "t1", "question": "What is 9 + 10?"}\n')  # no answer
+    db_dir = tmp_path / "db"
+    done = subprocess.run([*AGENTRL, "run", "--run_name", "fail_test", "--run_dir", str(tmp_path / "run"),
+                           "--db_dir", str(db_dir), "--tasks", str(tasks), "--scorer="],
+                          capture_output=True, text=True, timeout=120,
+                          env={k: v for k, v in os.environ.items() if k != "AGENTRL_DB"})
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"the upload of {tmp_path / 'run' / 'tasks.jsonl'} failed" in done.stdout, done.stdout
+    assert "tasks.jsonl:1" in done.stderr  # the upload's own report of the invalid line
+    assert embedded_server(db_dir).pid() is None

@@ -120,15 +120,16 @@ class Processes:
 
     def start(self, name: str, command: Sequence[str], log: Path | None | bool = True, append: bool = False,
               pipe: bool = False) -> Child:
-        """Start ``command`` in the background: output to ``log_dir/NAME.log`` (``log=True``), to the file ``log``,
-        to the terminal (``log=None``) or to a pipe (``pipe``)."""
+        """Start ``command`` in the background: its output (stdout and stderr) to ``log_dir/NAME.log``
+        (``log=True``), to the file ``log`` or to a pipe (``pipe``); or its stdout and stderr to the driver's
+        (``log=None``)."""
         path = self.log_dir / f"{name}.log" if log is True else log or None
         output: IO | int | None = subprocess.PIPE if pipe else None
         with self._recording():
             handle = open(path, "ab" if append else "wb") if path is not None and not pipe else None  # noqa: SIM115
             try:
                 process = subprocess.Popen(list(command), stdin=subprocess.DEVNULL, stdout=handle or output,
-                                           stderr=subprocess.STDOUT, process_group=0)
+                                           stderr=subprocess.STDOUT if handle or pipe else None, process_group=0)
             finally:
                 if handle is not None:
                     handle.close()
