@@ -6,47 +6,34 @@
 # one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up (SFT on tool-use
 # demonstrations made with the real calculator), held-out evaluation of the warmed model, GRPO with a live
 # status line, held-out evaluation of the final model, and a summary (runs/RUN_NAME/summary.json).
-# Set any of these to use your own parts:
+# `agentrl run` does all of it; this script gives it the variables below, each an option of the same name in lower
+# case (`agentrl run --help` says more about each):
 #
 #   MODEL              model to train and serve (Hugging Face directory; default: the embedded SmolLM2-135M)
-#   MONGO_URI          MongoDB server, e.g. mongodb://user:pass@host:27017/?replicaSet=rs0 (default: embedded);
-#                      the run name becomes the database name
+#   MONGO_URI          MongoDB server, e.g. mongodb://user:pass@host:27017/?replicaSet=rs0 (default: embedded, in
+#                      RUN_DIR/db or AGENTRL_DB_DIR, port AGENTRL_DB_PORT); the run name becomes the database name
 #   SGLANG_URLS        comma-separated SGLang servers serving MODEL (default: an `agentrl engine` started here)
-#   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio)
-#   ENV                textcraft | babyai | sciworld: train on that AgentGym environment instead (episodes scored by
-#                      the environment's reward; tasks from `agentrl envs tasks`, NUM_TASKS of the train split, all
-#                      when unset; NUM_EVAL_TASKS of the test split held out; warm start on WARMUP oracle
-#                      demonstrations (32 for textcraft and babyai; sciworld has no oracle); MAX_TURNS 12)
-#   ENV_SERVER         with ENV: an AgentGym server of that environment (default: `agentrl envs serve ENV` here)
-#   TASKS              RL task file (default: assets/tasks/arith_tools.jsonl); NUM_TASKS: first N of it (64)
-#   SCORER             scorer of every RL task (math_format: 1 right, 0.1 for a boxed wrong answer; empty: the
-#                      tasks' own scorers)
-#   EVAL_TASKS         held-out tasks (default: assets/tasks/arith_heldout.jsonl); NUM_EVAL_TASKS: first N of
-#                      them, scored greedily before and after training (16; 0: no evaluation)
-#   WARMUP             demonstrations to fine-tune on before RL (default: 24 with the embedded model, 0 with
-#                      MODEL); WARMUP_TASKS (assets/tasks/arith_warmup.jsonl), WARMUP_EPOCHS (1),
-#                      WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R)
-#   ENGINE_THREADS     CPU threads of the engine started here (2)
-#   NUM_GENERATIONS    samples per task (4)          NUM_SAMPLERS    sampler processes (1)
-#   SAMPLES_PER_SAMPLER concurrent trajectories per sampler (16)
-#   MAX_TURNS          turns per trajectory (2)      MAX_NEW_TOKENS  tokens per LLM call (48)
-#   TEMPERATURE        sampling temperature (0.7)    SAVE_STEPS      checkpoint every N steps (8)
-#   TRAIN_STEPS        at most this many optimiser steps (8); the run also ends when every task is sampled
-#   TRAIN_TIME_S       stop training after the step that passes this many seconds (default: no limit)
-#   TRAIN_BATCH_SIZE   samples per step (4)          LEARNING_RATE   (5e-6; 5e-5 with LORA_R)
-#   LORA_R             LoRA rank: adapters on every linear layer (alpha 32, no dropout) in the warm-up and RL, at
-#                      10× the RL and 30× the warm-up learning rate; checkpoints hold the adapter, evaluations and
-#                      the final model are merged
-#                      (0: full fine-tuning, the default)
-#   LORA_PUBLISH       with LORA_R: what RL publishes to the inference services: merged (full weights, the default)
-#                      or adapter (the adapter alone; the engine started here gets --enable_lora, SGLANG_URLS
-#                      servers need --enable-lora --max-lora-rank R --lora-target-modules all)
-#   MAX_STALENESS      policy versions a sample may lag behind (1)
+#   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio; none: no tools)
+#   ENV, ENV_SERVER    textcraft | babyai | sciworld: train on that AgentGym environment instead (MAX_TURNS 12,
+#                      TEMPERATURE 1.0, the environment's reward, WARMUP 64 oracle demonstrations for 2 epochs)
+#   TASKS, NUM_TASKS   RL task file (assets/tasks/arith_tools.jsonl) and its first N tasks (64)
+#   SCORER             scorer of every RL task (math_format; empty: the tasks' own scorers)
+#   EVAL_TASKS, NUM_EVAL_TASKS   held-out tasks (assets/tasks/arith_heldout.jsonl), the first N scored greedily
+#                      before and after training (16; 0: no evaluation)
+#   WARMUP             demonstrations to fine-tune on before RL (24 with the embedded model, 0 with MODEL);
+#                      WARMUP_TASKS, WARMUP_EPOCHS (1), WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R), WARMUP_THREADS
+#   ENGINE_THREADS (2), ENGINE_STARTUP_S (600), NUM_GENERATIONS (4), NUM_SAMPLERS (1), SAMPLES_PER_SAMPLER (16),
+#   MAX_TURNS (2), MAX_NEW_TOKENS (48), TEMPERATURE (0.7), QUERY_PROMPT, SAVE_STEPS (8), TRAIN_STEPS (8),
+#   TRAIN_TIME_S, TRAIN_BATCH_SIZE (4), LEARNING_RATE (5e-6; 5e-5 with LORA_R), MAX_STALENESS (1), TRAINER_THREADS
+#   LORA_R, LORA_PUBLISH   LoRA rank (0: full fine-tuning) and what RL publishes: merged (default) or adapter
 #   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
 #   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)
-#   OUTPUT_DIR         checkpoints and the final model (default: runs/RUN_NAME/output)
-#   EXTRA_TRAIN_FLAGS, EXTRA_SAMPLE_FLAGS   more flags for `agentrl.train` / `agentrl sample`
-source "$(dirname "$0")/scripts/example_lib.sh"
-
-setup "${1:-grpo-$(date +%Y%m%d-%H%M%S)}"
-rl_example GRPO --loss_calculater GRPO --token_level_loss true
+#   RUN_DIR, OUTPUT_DIR   run files (runs/RUN_NAME) and the trained model (RUN_DIR/output)
+#   EXTRA_TRAIN_FLAGS, EXTRA_SAMPLE_FLAGS, EXTRA_EVAL_FLAGS   more flags for the trainer / `agentrl sample` / `eval`
+set -euo pipefail
+ROOT=$(cd "$(dirname "$0")" && pwd)
+"$ROOT/scripts/setup_venv.sh"
+source "$ROOT/scripts/example_lib.sh"
+run_flags "${RL_VARIABLES[@]}"
+exec "$ROOT/.venv/bin/agentrl" run ${1:+--run_name "$1"} "${RUN_FLAGS[@]}" ${SCORER+"--scorer=$SCORER"} \
+  --loss_name GRPO --loss_flags "--loss_calculater GRPO --token_level_loss true"

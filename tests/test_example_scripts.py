@@ -1,11 +1,15 @@
-"""`minirl_example.sh` on its embedded path, in a fast configuration: the scripted tiny model, a few tasks, one
-trainer step. The script starts its own database, engine, sampler and trainer, and stops exactly those."""
+"""The example scripts on their embedded path, in a fast configuration (the scripted tiny model, a few tasks, one
+trainer step): `minirl_example.sh` starts its own database, engine, sampler and trainer (through `agentrl run`) and
+stops exactly those; `eval_example.sh` evaluates, and reuses its stored result."""
 
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+from pathlib import Path
 
-from example_fixtures import ExampleRun
+from example_fixtures import ROOT, ExampleRun
 from rollout_fixtures import documents
 
 from agentrl.store.embedded import embedded_server
@@ -53,3 +57,29 @@ def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_exa
                                                                for label in ("before", "warmup", "after")}
     finally:
         server.stop()
+
+
+def test_eval_example_evaluates_and_reuses_its_stored_result(tmp_path: Path, scripted_model_dir: Path) -> None:
+    """`eval_example.sh` (`agentrl run --mode eval`) on its embedded path: engine, tools, one `agentrl eval` shown
+    on the terminal and in logs/eval.log; run again under the same name it reuses the stored result, and FORCE=1
+    recomputes it. Each time the database and engine it started are stopped."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "add", "question": "What is 12 + 30?", "answer": "42"}) + "\n"
+                     + json.dumps({"id": "mul", "question": "What is 7 * 8?", "answer": "56"}) + "\n")
+    run_dir, db_dir = tmp_path / "run", tmp_path / "db"
+    env = {**{k: v for k, v in os.environ.items() if k != "AGENTRL_DB"}, "MODEL": str(scripted_model_dir),
+           "TASKS": str(tasks), "LIMIT": "0", "K": "1", "TEMPERATURE": "0", "MAX_TURNS": "3",
+           "MAX_NEW_TOKENS": "40", "ENGINE_THREADS": "1", "RUN_DIR": str(run_dir), "AGENTRL_DB_DIR": str(db_dir)}
+    outputs = []
+    for force in ("0", "0", "1"):
+        done = subprocess.run([str(ROOT / "eval_example.sh"), "ci_eval"], capture_output=True, text=True,
+                              env={**env, "FORCE": force}, timeout=600)
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+        outputs.append(done.stdout + done.stderr)
+        assert embedded_server(db_dir).pid() is None, "the script left its database running"
+        result = json.loads((run_dir / "eval.json").read_text())
+        assert result["metrics"]["accuracy"] == 1.0 and result["num_tasks"] == 2
+        assert "result: " in done.stdout and "collection Eval" in done.stdout
+        assert "accuracy" in (run_dir / "logs" / "eval.log").read_text()  # the output, also in the log
+    assert "reusing the stored result" not in outputs[0]
+    assert "reusing the stored result" in outputs[1] and "reusing the stored result" not in outputs[2]

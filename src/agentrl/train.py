@@ -22,15 +22,16 @@ import types
 import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
-from pydantic import TypeAdapter, ValidationError
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from agentrl.training.config import TrainConfig
 
 logger = logging.getLogger("agentrl.train")
 
 NONE_WORDS = ("none", "null")
+ModelT = TypeVar("ModelT", bound=BaseModel)
 
 
 def _bool(value: str) -> bool:
@@ -193,12 +194,34 @@ def _add_field(parser: argparse.ArgumentParser, name: str, annotation: Any, help
     parser.add_argument(f"--{name}", **kwargs)
 
 
+def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """Register one ``--FIELD`` flag per field of ``model``, its description as help (with its default, unless the
+    description says it: ``default:``); a flag not given is absent from the namespace, so the model's default
+    applies."""
+    for name, info in model.model_fields.items():
+        default = info.get_default(call_default_factory=True)
+        description = info.description or ""
+        help_text = description if "default:" in description else f"{description} (default: {default})".strip()
+        _add_field(parser, name, info.annotation, help_text)
+
+
+def model_from_namespace(model: type[ModelT], args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelT:
+    """``model`` from the parsed flags of :func:`add_model_arguments`; an invalid value is a parser error naming
+    its flag."""
+    values = {name: value for name, value in vars(args).items() if name in model.model_fields}
+    try:
+        return model(**values)
+    except ValidationError as error:
+        problems = []
+        for item in error.errors():
+            where = f"--{item['loc'][0]}" if item["loc"] else "flags"
+            problems.append(f"{where}: {item['msg']}")
+        parser.error("; ".join(problems))
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register one flag per ``TrainConfig`` field and the ``ORIGINAL_FLAGS`` (listed in the help's epilog)."""
-    for name, info in TrainConfig.model_fields.items():
-        default = info.get_default(call_default_factory=True)
-        help_text = f"{info.description or ''} (default: {default})".strip()
-        _add_field(parser, name, info.annotation, help_text)
+    add_model_arguments(parser, TrainConfig)
     for name in ORIGINAL_FLAGS:
         parser.add_argument(f"--{name}", nargs="?", const="true", default=argparse.SUPPRESS, help=argparse.SUPPRESS)
     parser.epilog = EPILOG
@@ -224,15 +247,7 @@ def config_from_namespace(args: argparse.Namespace, parser: argparse.ArgumentPar
             if not flag.accepts(value):
                 parser.error(flag.error(name, value))
             warnings.append(flag.warning(name, value))
-    values = {name: value for name, value in vars(args).items() if name in TrainConfig.model_fields}
-    try:
-        config = TrainConfig(**values)
-    except ValidationError as error:
-        problems = []
-        for item in error.errors():
-            where = f"--{item['loc'][0]}" if item["loc"] else "flags"
-            problems.append(f"{where}: {item['msg']}")
-        parser.error("; ".join(problems))
+    config = model_from_namespace(TrainConfig, args, parser)
     return config, warnings + config.advisories()
 
 

@@ -31,6 +31,7 @@ SUBCOMMANDS: tuple[str, ...] = (
     "agentrl.cli.envs",
     "agentrl.cli.bench",
     "agentrl.cli.dashboard",
+    "agentrl.cli.run",
 )
 
 
