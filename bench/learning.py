@@ -33,6 +33,7 @@ from pathlib import Path
 
 from pymongo import MongoClient
 
+from agentrl.eval.metrics import paired_difference
 from agentrl.store.embedded import embedded_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -86,20 +87,6 @@ def run_example(args: argparse.Namespace, db_uri: str, run_dir: Path, run_name: 
     except subprocess.TimeoutExpired:  # the script did not stop its processes: stop its whole session
         os.killpg(process.pid, signal.SIGKILL)
         return process.wait(), time.monotonic() - started
-
-
-def paired_difference(before: dict, after: dict) -> dict:
-    """``after − before`` accuracy over the tasks both scored, with a 95 % interval (normal approximation)."""
-    first = {row["id"]: row for row in before["per_task"] if row["valid"]}
-    second = {row["id"]: row for row in after["per_task"] if row["valid"]}
-    common = sorted(set(first) & set(second))
-    diffs = [second[t]["correct"] / second[t]["valid"] - first[t]["correct"] / first[t]["valid"] for t in common]
-    if len(diffs) < 2:
-        return {"difference": None, "ci95": None, "tasks": len(diffs)}
-    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
-    half = 1.96 * sd / math.sqrt(len(diffs))
-    return {"difference": mean, "ci95": [mean - half, mean + half], "tasks": len(diffs),
-            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
 
 
 def wilson(correct: int, n: int) -> tuple[float, float]:

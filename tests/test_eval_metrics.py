@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import statistics
 
 import pytest
 
@@ -131,3 +132,28 @@ def test_records_are_classified_by_status_score_and_outcome() -> None:
     assert classify({"status": "ready", "score": 0.0, "outcome": "failed_error"}, 0).error == FAILED_ERROR
     assert classify({"status": "failed", "score_error": "judge down", "outcome": "answer"}, 0).error == SCORE_ERROR
     assert classify({"status": "failed", "outcome": None}, 0).error == "slot_failed"
+
+
+def test_paired_difference_compares_the_same_tasks_with_a_95_percent_interval() -> None:
+    from agentrl.cli.report import render
+    from agentrl.eval.metrics import paired_difference
+
+    def rows(correct: dict[str, int]) -> dict:
+        return {"per_task": [{"id": t, "correct": c, "valid": 1} for t, c in correct.items()]
+                + [{"id": "broken", "correct": 0, "valid": 0}]}
+
+    warmup = rows({"a": 0, "b": 0, "c": 1, "d": 1, "only_here": 1})
+    after = rows({"a": 1, "b": 0, "c": 1, "d": 0, "e": 1})
+    found = paired_difference(warmup, after)
+    diffs = [1, 0, 0, -1]  # tasks a..d; "e", "only_here" and the invalid "broken" are not paired
+    half = 1.96 * statistics.stdev(diffs) / 2
+    assert found["tasks"] == 4 and (found["better"], found["worse"]) == (1, 1)
+    assert found["difference"] == 0 and found["ci95"] == pytest.approx([-half, half])
+    assert paired_difference(rows({"a": 1}), rows({"a": 0}))["difference"] is None  # one task: no interval
+
+    summary = {"wall_s": None, "groups_dropped": {}, "steps": 1, "trajectories": 4, "samples_trained": 4,
+               "samples_skipped_stale": 0, "groups_kept": 1, "failures": {}, "reward_by_version": [],
+               "diagnosis": [], "eval_paired": {"from": "warmup", "to": "after", **found},
+               "eval": {label: {"accuracy": 0.5, "mean_reward": 0.5, "num_tasks": 4} for label in ("warmup", "after")}}
+    assert any(line.startswith("after over warmup: +0.000 held-out accuracy, paired 95% interval [")
+               for line in render(summary))

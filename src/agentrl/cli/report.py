@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from agentrl.cli.options import add_db_option
+from agentrl.eval.metrics import paired_difference
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -62,6 +63,9 @@ def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: floa
         if first["accuracy"] is not None and last["accuracy"] is not None:
             summary["eval_change"] = {"from": labels[0], "to": labels[-1],
                                       "accuracy": last["accuracy"] - first["accuracy"]}
+        # what the last stage (RL) added over the one before it (the warm-up), task by task
+        summary["eval_paired"] = {"from": labels[-2], "to": labels[-1],
+                                  **paired_difference(evals[labels[-2]], evals[labels[-1]])}
     summary["diagnosis"] = diagnose(progress)
     return summary
 
@@ -101,6 +105,12 @@ def render(summary: dict[str, Any]) -> list[str]:
                      if evals[a]["accuracy"] is not None and evals[b]["accuracy"] is not None]
             total = f" (in all {change['accuracy']:+.3f})" if len(labels) > 2 else ""
             lines.append(f"change in held-out accuracy: {', '.join(steps)}{total}")
+        paired = summary.get("eval_paired") or {}
+        if paired.get("difference") is not None:
+            low, high = paired["ci95"]
+            lines.append(f"{paired['to']} over {paired['from']}: {paired['difference']:+.3f} held-out accuracy, paired "
+                         f"95% interval [{low:+.3f}, {high:+.3f}] over {paired['tasks']} tasks ({paired['better']} "
+                         f"better, {paired['worse']} worse)")
     for problem in summary["diagnosis"]:
         lines.append(f"nothing was trained: {problem}")
     return lines

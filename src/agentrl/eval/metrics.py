@@ -181,3 +181,19 @@ def per_task_rows(tasks: Iterable[TaskSamples], *, threshold: float = CORRECT_TH
         rows.append({"id": task.task_id, "type": task.task_type, "valid": n, "correct": c,
                      "errors": len(task.samples) - n, "mean_reward": reward / n if n else None})
     return rows
+
+
+def paired_difference(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``after − before`` accuracy over the tasks both evaluations scored (their ``per_task`` rows with ``id``,
+    ``correct`` and ``valid``), with a 95 % interval (normal approximation over the per-task differences):
+    ``{"difference", "ci95", "tasks", "better", "worse"}``; ``difference`` is None with fewer than 2 tasks."""
+    first = {row["id"]: row for row in before.get("per_task") or [] if row["valid"]}
+    second = {row["id"]: row for row in after.get("per_task") or [] if row["valid"]}
+    common = sorted(set(first) & set(second))
+    diffs = [second[t]["correct"] / second[t]["valid"] - first[t]["correct"] / first[t]["valid"] for t in common]
+    if len(diffs) < 2:
+        return {"difference": None, "ci95": None, "tasks": len(diffs), "better": 0, "worse": 0}
+    mean, sd = statistics.fmean(diffs), statistics.stdev(diffs)
+    half = 1.96 * sd / math.sqrt(len(diffs))
+    return {"difference": mean, "ci95": [mean - half, mean + half], "tasks": len(diffs),
+            "better": sum(d > 0 for d in diffs), "worse": sum(d < 0 for d in diffs)}
