@@ -92,9 +92,11 @@ def resolve_device(device: str | None) -> torch.device:
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    if dtype == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, dtype)
+    """The weights dtype: ``auto`` is bf16 on CUDA and on CPUs with bf16 matrix instructions, else fp32
+    (``agentrl.precision``)."""
+    from agentrl.precision import resolve_dtype as resolve
+
+    return resolve(dtype, device)
 
 
 class InferenceEngine:
