@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
@@ -36,6 +36,9 @@ from agentrl.training.prefix_tree import (
     merge_profiles,
     profile_cost,
 )
+
+if TYPE_CHECKING:
+    from agentrl.training.parallel import ParallelState
 
 SequenceUnit = Literal["sample", "turn"]
 NO_SHARING = 1 << 62
@@ -198,3 +201,23 @@ def pack_micro_batches(
                 pad_to_multiple_of=pad_to_multiple_of, min_shared=min_shared)
         for group in groups
     ]
+
+
+def empty_micro_batch(pad_token_id: int = 0) -> MicroBatch:
+    """Two padding tokens without a loss token: a pass that contributes nothing but keeps ranks in step."""
+    return collate([MergedSample(input_ids=[pad_token_id] * 2, loss_mask=[0, 0], logprobs=[0.0, 0.0],
+                                 versions=[-1, -1], advantages=[0.0, 0.0])], pad_token_id=pad_token_id)
+
+
+def align_passes(micro: list[MicroBatch], parallel: ParallelState, pad_token_id: int = 0) -> int:
+    """Make this rank's passes match the other data-parallel ranks' (FSDP2 makes collectives in every model call):
+    as many passes (``empty_micro_batch`` appended) and, in each, as many model calls (``layout.forward_levels``,
+    the deepest prefix forest of that pass on any rank). Every rank calls it; returns this rank's real passes."""
+    real = len(micro)
+    passes = int(parallel.all_reduce([float(real)], op="max", group="dp")[0])
+    micro.extend(empty_micro_batch(pad_token_id) for _ in range(passes - real))
+    if passes:
+        calls = parallel.all_reduce([float(batch.layout.forward_levels) for batch in micro], op="max", group="dp")
+        for batch, count in zip(micro, calls):
+            batch.layout.forward_levels = int(count)
+    return real

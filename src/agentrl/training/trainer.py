@@ -38,7 +38,7 @@ from agentrl.precision import native_bf16, resolve_dtype
 from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
 from agentrl.training import lora
 from agentrl.training.aio import LoopThread
-from agentrl.training.batching import MicroBatch, collate, pack_micro_batches
+from agentrl.training.batching import MicroBatch, align_passes, pack_micro_batches
 from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
 from agentrl.training.checkpoint import (
     CheckpointError,
@@ -52,7 +52,6 @@ from agentrl.training.data import SampleStream, StepData, StepEnd, move_record, 
 from agentrl.training.launcher import LaunchConfigError, apply_launch_config
 from agentrl.training.logprobs import layout_logprobs, shared_prefix_unsupported
 from agentrl.training.losses import LossMetrics, global_normaliser, loss_fn
-from agentrl.training.merge import MergedSample
 from agentrl.training.metrics import (
     SAMPLE_STATS,
     MetricsSink,
@@ -449,13 +448,7 @@ class Trainer:
         pad_id = self.model.config.pad_token_id or 0
         micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id, min_shared=self.min_shared,
                                    pad_to_multiple_of=cfg.pad_to_multiple_of) if merged else []
-        passes, real = int(parallel.all_reduce([float(len(micro))], op="max", group="dp")[0]), len(micro)
-        while len(micro) < passes:  # FSDP2 needs the same number of forward/backward passes on every rank
-            micro.append(_empty_micro_batch(pad_id))
-        # ... and the same number of model calls in each pass (one per level of its prefix forest)
-        calls = parallel.all_reduce([float(batch.layout.forward_levels) for batch in micro], op="max", group="dp")
-        for batch, count in zip(micro, calls):
-            batch.layout.forward_levels = int(count)
+        real = align_passes(micro, parallel, pad_id)  # FSDP2: the same passes and model calls on every rank
         normaliser = global_normaliser(self.loss_cfg, micro, parallel)
         loss_metrics, mismatch = LossMetrics(), Reducer()
         trainer_logprobs: dict[Any, list[float]] = {}
@@ -561,12 +554,6 @@ class Trainer:
         self.parallel.barrier()
         self.last_checkpoint = self.state.step
         logger.info("checkpoint saved: %s", path)
-
-
-def _empty_micro_batch(pad_id: int) -> MicroBatch:
-    """Two padding tokens without a loss token: a pass that contributes nothing but keeps ranks in step."""
-    return collate([MergedSample(input_ids=[pad_id, pad_id], loss_mask=[0, 0], logprobs=[0.0, 0.0],
-                                 versions=[-1, -1], advantages=[0.0, 0.0])])
 
 
 async def _open_store(uri: str) -> Store:
