@@ -15,8 +15,7 @@ import pytest
 from agentrl.inference.process import EngineProcess
 from agentrl.inference.tiny_model import build_tiny_model
 
-TEST_FLAGS = ("--num_threads", "1", "--max_total_tokens", "8192", "--dtype", "float32")
-"""Engine sizing for tests, in fp32 (tests compare with fp32 references; a later ``--dtype`` overrides it)."""
+TEST_FLAGS = ("--num_threads", "1", "--max_total_tokens", "8192")
 TEST_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -20,8 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=30000, help="port to listen on, 0 for a free one (default: 30000)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights dtype (auto: bfloat16 on CUDA and on CPUs with bf16 matrix instructions, AMX or "
-                             "AVX512-BF16; float32 elsewhere)")
+                        help="weights dtype (auto: bfloat16 on CUDA GPUs with bf16 support, float32 elsewhere, CPUs "
+                             "included: bf16 decoding is several times slower there)")
     parser.add_argument("--weight_version", default="0", help="version reported for the initial weights")
     parser.add_argument("--preferred_sampling_params", default=None, metavar="JSON",
                         help="the server's values of sampling parameters a /generate request omits, as SGLang's "
