@@ -224,6 +224,14 @@ def test_a_one_token_continuation_and_a_perturbed_neighbour(model) -> None:
     assert torch.equal(again[:2], out[:2]), "another continuation cannot change a sample's logprobs"
 
 
+def test_a_micro_batch_without_any_prediction_still_has_a_graph(model) -> None:
+    one_token = MergedSample(input_ids=[5], loss_mask=[0], logprobs=[0.0], versions=[-1], advantages=[0.0])
+    batch = collate([one_token], min_shared=MIN_SHARED)
+    assert batch.layout.levels == [] and batch.layout.forward_levels == 1
+    out = layout_logprobs(model, batch.layout)
+    assert out.shape == (1, 1) and out.eq(0).all() and out.requires_grad
+
+
 def test_loss_on_the_first_continuation_only(model, samples) -> None:
     only_first = [s if i == 0 else replace(s, loss_mask=[0] * s.num_tokens) for i, s in enumerate(samples[:4])]
     batch = collate(only_first, min_shared=MIN_SHARED)
@@ -277,6 +285,17 @@ def test_eager_attention_and_the_unsupported_cases() -> None:
     assert "sliding_attention" in shared_prefix_unsupported(sliding)
 
 
+def test_under_bf16_autocast_the_shared_forward_is_as_close_to_fp32_as_the_dense_one(model, samples) -> None:
+    shared, dense = collate(samples, min_shared=MIN_SHARED), collate(samples, min_shared=None)
+    with torch.no_grad():
+        reference = layout_logprobs(model, dense.layout)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            errors = {name: (layout_logprobs(model, batch.layout) - reference)[batch.loss_mask].abs().mean().item()
+                      for name, batch in (("shared", shared), ("dense", dense))}
+    assert errors["dense"] > 1e-4, "bf16 must differ from fp32, or the comparison proves nothing"
+    assert errors["shared"] < 2 * errors["dense"], errors
+
+
 # ------------------------------------------------------------------------------------------- micro-batches
 
 
@@ -319,6 +338,8 @@ def _rank(rank: int, port: int, tp_size: int, out: str) -> None:
     try:
         model = tiny_llama(seed=2).train()
         samples = with_behaviour(model, step_data())
+        if tp_size == 1:  # FSDP2 with activation checkpointing, as the trainer sets it up (before sharding)
+            model.activation_checkpointing_enable()
         shard_model(model, state, bf16=False)
         # FSDP2: rank 0 gets the branchy trajectory (a deeper forest, more micro-batches), rank 1 flat groups
         if tp_size == 1:
