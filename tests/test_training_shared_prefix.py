@@ -269,6 +269,25 @@ def test_lora_adapters_get_the_per_sample_gradients(samples) -> None:
     assert_close_gradients(got, want)
 
 
+@pytest.mark.parametrize("architecture", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures(architecture: str) -> None:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model(architecture, vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                                  max_position_embeddings=1024, tie_word_embeddings=False, initializer_range=0.4,
+                                  sliding_window=None, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config).train()
+    assert shared_prefix_unsupported(model) is None
+    samples = with_behaviour(model, step_data())
+    batch = collate(samples, min_shared=MIN_SHARED)
+    got, got_lp = step_gradients(model, LOSSES["grpo"], [batch], samples, shared=True)
+    want, want_lp = step_gradients(model, LOSSES["grpo"], [batch], samples, shared=False)
+    assert_close_logprobs(got_lp[0], want_lp[0], batch)
+    assert_close_gradients(got, want)
+
+
 def test_eager_attention_and_the_unsupported_cases() -> None:
     model = tiny_llama(seed=2, attn="eager").train()
     samples = with_behaviour(model, step_data(seed=5))

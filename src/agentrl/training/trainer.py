@@ -39,7 +39,6 @@ from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database
 from agentrl.training import lora
 from agentrl.training.aio import LoopThread
 from agentrl.training.batching import MicroBatch, align_passes, pack_micro_batches
-from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
 from agentrl.training.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -67,6 +66,7 @@ from agentrl.training.parallel import (
     init_parallel,
     shutdown_parallel,
 )
+from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
 from agentrl.training.publish import PublishError, WeightPublisher
 from agentrl.training.weights import WeightsError, export_pretrained, load_sharded, load_tokenizer
 
