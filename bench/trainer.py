@@ -1,28 +1,46 @@
-"""Trainer throughput at the embedded model's size (SmolLM2-135M) against a plain Hugging Face loop, same run.
+"""Trainer throughput at the embedded model's size (SmolLM2-135M) against a plain Hugging Face loop, same run; and
+what shared prefixes and bf16 buy.
 
     .venv/bin/python bench/trainer.py [--model_name_or_path DIR | --model_config bench/configs/NAME.json]
                                       [--steps 4] [--samples_per_step 4] [--turns 4] [--turn_tokens 64]
-                                      [--max_tokens 4096] [--loss_calculater GRPO] [--gradient_checkpointing]
-                                      [--json FILE] [--dry_run]
+                                      [--group_size 1] [--max_tokens 4096] [--loss_calculater GRPO]
+                                      [--dtype auto] [--gradient_checkpointing] [--prefix_shapes default long]
+                                      [--prefix_repeats 2] [--json FILE] [--dry_run]
 
 ``--model_config`` builds a model of that architecture (a Hugging Face ``config.json``; ``bench/configs/`` has
 Qwen3-0.6B, Qwen2.5-1.5B, Qwen3-4B and Qwen2.5-7B shapes) with seeded random weights, saved to a temporary
 directory with the embedded model's tokenizer: throughput and MFU depend on the shapes, not on the weights.
 
-Both sides train on the same synthetic multi-turn samples (random tokens, ``--turns`` calls of about
-``--turn_tokens`` new prompt + output tokens each, merged into one sequence per trajectory as the samplers' group
-stage does, behaviour logprobs from the model itself) in the same micro-batches:
+Trainer vs plain loop. Both sides train on the same synthetic multi-turn samples (random tokens, ``--turns`` calls of
+about ``--turn_tokens`` new prompt + output tokens each, merged into one sequence per trajectory as the samplers'
+group stage does; ``--group_size`` trajectories share their first prompt; behaviour logprobs from the model itself)
+at the same precision (``--dtype``, resolved as the trainer resolves it):
 
 * ``trainer``: ``agentrl.train`` itself, in this process, on an embedded NX-27017 database holding the samples
   (``--enable_sampling false``: no weight publishing; claims, loss, clipping, AdamW, metrics, all included).
   Throughput: the step's tokens over its compute time (``step_s``) and over the wall time between two steps'
   metrics (everything the trainer does per step);
-* ``baseline``: a bare loop over the same micro-batches: ``model(input_ids).logits`` → token logprobs → mean
-  negative logprob of the loss tokens → backward → clip → AdamW step.
+* ``baseline``: a bare loop over the same samples, one padded row per sample: ``model(input_ids).logits`` → token
+  logprobs → mean negative logprob of the loss tokens → backward → clip → AdamW step.
 
-The first step of each side is a warm-up and is not counted; figures are medians over the other steps. On CUDA
-both use bf16 autocast-equivalent compute (the trainer: ``--bf16``) and the script prints the MFU estimate
-``6 × parameters × tokens/s / peak bf16 FLOP/s`` (attention FLOPs left out).
+The first step of each side is a warm-up and is not counted; figures are medians over the other steps. On CUDA the
+script prints the MFU estimate ``6 × parameters × tokens/s / peak bf16 FLOP/s`` (attention FLOPs left out).
+
+Shared prefixes and precision (``--prefix_shapes``; none: skipped). One GRPO group at a time, forward + backward of
+the trainer's own forward (``agentrl.training.logprobs.layout_logprobs``, fp32 LM head at the loss positions), median
+seconds per group over ``--prefix_repeats`` after a warm-up:
+
+* ``default``: the default run's shape, a group of 4 trajectories of 2 turns: a 310-token prompt shared by the
+  group, then about 52 tokens of their own (two outputs and a tool result);
+* ``long``: an agent with a long prompt, a group of 8 trajectories of 8 turns: a 2,048-token shared prompt, then
+  8 × (48 observation + 64 output) tokens of their own.
+
+Both sides get the token budget ``max(--max_tokens, the group's tokens with its prompt once)``, so the group's
+prompt is forwarded once (the long shape holds about 9,200 tokens in one micro-batch: about 13 GB of activations
+for SmolLM2-135M in fp32 on CPU; ``--gradient_checkpointing`` saves most of it).
+``shared_prefix_speedup`` is one forward per sample over the shared forward, at ``--dtype`` on both sides;
+``bf16_speedup`` is fp32 over ``--dtype auto``, both with shared prefixes (1.0 where ``auto`` is fp32); the
+``long_`` keys are those of the long shape.
 """
 
 from __future__ import annotations
@@ -40,14 +58,19 @@ from pathlib import Path
 
 import torch
 
+from agentrl.precision import resolve_dtype
 from agentrl.store import DBRecordData, Metric, sync_client, with_database
 from agentrl.store.embedded import EmbeddedServer
-from agentrl.training.batching import pack_micro_batches
+from agentrl.training.batching import MicroBatch, collate, pack_micro_batches
 from agentrl.training.data import to_merged
-from agentrl.training.logprobs import token_logprobs
-from agentrl.training.merge import CallTokens, merge_trajectory
+from agentrl.training.logprobs import layout_logprobs, token_logprobs
+from agentrl.training.merge import CallTokens, MergedSample, merge_trajectory
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
+PREFIX_SHAPES = {  # group size, shared prompt tokens, turns, new observation tokens per later turn, output tokens
+    "default": {"group_size": 4, "prompt": 310, "turns": 2, "observation": 12, "output": 20},
+    "long": {"group_size": 8, "prompt": 2048, "turns": 8, "observation": 48, "output": 64},
+}
 
 
 def free_port() -> int:
@@ -56,20 +79,25 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def make_samples(model: torch.nn.Module, count: int, turns: int, turn_tokens: int, seed: int) -> list[DBRecordData]:
-    """``count`` merged trajectories of ``turns`` calls with random tokens; behaviour logprobs from ``model``."""
+def make_samples(model: torch.nn.Module, count: int, turns: int, turn_tokens: int, seed: int, group_size: int = 1
+                 ) -> list[DBRecordData]:
+    """``count`` merged trajectories of ``turns`` calls with random tokens; each ``group_size`` consecutive ones share
+    their first prompt (a group); behaviour logprobs from ``model``."""
     rng = random.Random(seed)
-    samples = []
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    samples, prompt = [], []
     for index in range(count):
+        if index % group_size == 0:
+            prompt = tokens(turn_tokens)
         calls, previous = [], None
         for turn in range(turns):
-            def tokens(n: int) -> list[int]:
-                return [rng.randrange(100, 40000) for _ in range(n)]
-
             output = tokens(turn_tokens // 2)
             calls.append(CallTokens(
                 call_id=f"{index}/{turn}", output_ids=output, output_logprobs=[0.0] * len(output),
-                input_ids=tokens(turn_tokens) if previous is None else None, previous_call_id=previous,
+                input_ids=prompt if previous is None else None, previous_call_id=previous,
                 prompt_delta_ids=tokens(turn_tokens // 2) if previous else (), weight_version=0,
                 advantage=1.0 if index % 2 else -1.0))
             previous = calls[-1].call_id
@@ -78,7 +106,7 @@ def make_samples(model: torch.nn.Module, count: int, turns: int, turn_tokens: in
             ids = torch.tensor([merged.input_ids], device=model.device)
             behaviour = token_logprobs(model(input_ids=ids).logits, ids)[0].tolist()
         samples.append(DBRecordData(
-            id=f"bench{index}", record_id=f"bench{index}", task_id="bench", seq=index + 1,
+            id=f"bench{index}", record_id=f"bench{index}", task_id=f"bench{index // group_size}", seq=index + 1,
             input_ids=merged.input_ids, loss_mask=merged.loss_mask,
             logprobs=[lp if m else 0.0 for lp, m in zip(behaviour, merged.loss_mask)], versions=merged.versions,
             advantages=merged.advantages, reward=float(index % 2), turn_boundaries=merged.turn_boundaries,
@@ -97,7 +125,7 @@ def baseline(model_path: Path, steps: list[list[DBRecordData]], max_tokens: int,
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
     rates = []
     for samples in steps:
-        batches = pack_micro_batches([to_merged(s) for s in samples], max_tokens)
+        batches = pack_micro_batches([to_merged(s) for s in samples], max_tokens, min_shared=None)
         tokens = sum(s.num_tokens for s in samples)
         synchronize(device)
         started = time.perf_counter()
@@ -129,7 +157,8 @@ def trainer(uri: str, model_path: Path, output_dir: Path, args: argparse.Namespa
     flags = ["--db_connection_string", uri, "--model_name_or_path", str(model_path), "--output_dir",
              str(output_dir), "--train_batch_size", str(args.samples_per_step), "--max_steps", str(args.steps + 1),
              "--max_tokens", str(args.max_tokens), "--save_steps", "0", "--enable_sampling", "false",
-             "--loss_calculater", args.loss_calculater, "--learning_rate", "1e-5", "--bf16", str(bf16).lower(),
+             "--loss_calculater", args.loss_calculater, "--learning_rate", "1e-5",
+             "--dtype", "bfloat16" if bf16 else "float32",
              "--gradient_checkpointing", str(args.gradient_checkpointing).lower()]
     if main(flags) != 0:
         raise SystemExit("the trainer failed")
@@ -158,10 +187,16 @@ def main() -> int:
     parser.add_argument("--samples_per_step", type=int, default=4)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--turn_tokens", type=int, default=64)
-    parser.add_argument("--max_tokens", type=int, default=4096, help="padded tokens per micro-batch")
+    parser.add_argument("--group_size", type=int, default=1, help="trajectories sharing their first prompt")
+    parser.add_argument("--max_tokens", type=int, default=4096, help="forwarded tokens per micro-batch")
     parser.add_argument("--loss_calculater", default="GRPO")
     parser.add_argument("--model_config", default=None, help="a config.json to build a random-weight model from")
     parser.add_argument("--gradient_checkpointing", action="store_true", help="both loops recompute activations")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="compute precision of both loops, resolved as the trainer resolves it")
+    parser.add_argument("--prefix_shapes", nargs="*", default=list(PREFIX_SHAPES), choices=list(PREFIX_SHAPES),
+                        help="group shapes for the shared-prefix and bf16 figures (none: skip them)")
+    parser.add_argument("--prefix_repeats", type=int, default=2, help="measured forward+backward passes per figure")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures to FILE")
     parser.add_argument("--dry_run", action="store_true", help="check the arguments and the model, measure nothing")
     args = parser.parse_args()
@@ -174,7 +209,7 @@ def main() -> int:
     from agentrl.inference.tiny_model import build_random_model
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bf16 = device.type == "cuda"
+    bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
     if args.dry_run:
         from transformers import AutoConfig
 
@@ -182,13 +217,15 @@ def main() -> int:
             else AutoConfig.from_pretrained(args.model_name_or_path or default_model_path())
         print(f"dry run: would train a {config.model_type} model ({config.num_hidden_layers} layers, hidden "
               f"{config.hidden_size}) on {device}, {'bf16' if bf16 else 'fp32'}, {args.samples_per_step} samples of "
-              f"{args.turns} turns per step")
+              f"{args.turns} turns per step; prefix shapes: {' '.join(args.prefix_shapes) or 'none'}")
         return 0
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-model-") as built:
         model_path = Path(args.model_name_or_path or default_model_path())
         if args.model_config:
             model_path = build_random_model(args.model_config, Path(built) / Path(args.model_config).stem)
         figures = measure(args, model_path, device, bf16)
+        if args.prefix_shapes:
+            figures.update(measure_prefix(args, model_path, device))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0
@@ -200,7 +237,8 @@ def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
     parameters = sum(p.numel() for p in model.parameters())
-    samples = make_samples(model, (args.steps + 1) * args.samples_per_step, args.turns, args.turn_tokens, seed=0)
+    samples = make_samples(model, (args.steps + 1) * args.samples_per_step, args.turns, args.turn_tokens, seed=0,
+                           group_size=args.group_size)
     del model
     steps = [samples[i:i + args.samples_per_step] for i in range(0, len(samples), args.samples_per_step)]
     tokens_per_step = statistics.mean(sum(s.num_tokens for s in step) for step in steps)
@@ -241,6 +279,87 @@ def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf
         figures["peak_flops"] = peak
     elif device.type == "cuda":
         print("MFU: unknown peak FLOP/s for this GPU")
+    return figures
+
+
+def prefix_group(shape: dict[str, int], seed: int) -> list[MergedSample]:
+    """One group of ``shape`` (see ``PREFIX_SHAPES``): random tokens, the first prompt shared, loss on the outputs."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(100, 40000) for _ in range(n)]
+
+    prompt, samples = tokens(shape["prompt"]), []
+    for index in range(shape["group_size"]):
+        calls: list[CallTokens] = []
+        for turn in range(shape["turns"]):
+            output = tokens(shape["output"] + rng.randrange(-4, 5))
+            calls.append(CallTokens(
+                call_id=f"{index}/{turn}", output_ids=output, output_logprobs=[-1.0] * len(output),
+                input_ids=prompt if turn == 0 else None, previous_call_id=calls[-1].call_id if turn else None,
+                prompt_delta_ids=tokens(shape["observation"]) if turn else (), weight_version=0,
+                advantage=1.0 if index % 2 else -1.0))
+        samples.extend(merge_trajectory(calls).samples)
+    return samples
+
+
+def seconds_per_group(model: torch.nn.Module, batches: list[MicroBatch], bf16: bool, device: torch.device,
+                      repeats: int) -> float:
+    """Median time of the trainer's forward (shared prefixes per the batches' layouts) + backward over ``batches``."""
+    times = []
+    for _ in range(repeats + 1):  # the first pass is a warm-up
+        synchronize(device)
+        started = time.perf_counter()
+        for batch in batches:
+            batch = batch.to(device)
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                logprobs = layout_logprobs(model, batch.layout)
+            (-(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
+        synchronize(device)
+        times.append(time.perf_counter() - started)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times[1:])
+
+
+def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.device) -> dict:
+    """Seconds per group: one forward per sample vs shared prefixes at ``--dtype``, and fp32 vs ``auto`` shared."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).train()
+    if args.gradient_checkpointing:
+        model.activation_checkpointing_enable()
+    bf16 = resolve_dtype(args.dtype, device) == torch.bfloat16
+    auto_bf16 = resolve_dtype("auto", device) == torch.bfloat16
+    figures: dict = {"precision_auto": "bf16" if auto_bf16 else "fp32"}
+    print("\n| group shape | tokens: per sample / shared | per sample, s | shared, s | speedup | shared fp32, s | "
+          "shared auto, s | auto vs fp32 |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for name in args.prefix_shapes:
+        shape = PREFIX_SHAPES[name]
+        samples = prefix_group(shape, seed=1)
+        budget = max(args.max_tokens, collate(samples).layout.computed_tokens)  # the group's prompt forwarded once
+        alone = pack_micro_batches(samples, budget, min_shared=None)
+        shared = pack_micro_batches(samples, budget)
+        dense_tokens = sum(b.layout.computed_tokens for b in alone)
+        shared_tokens = sum(b.layout.computed_tokens for b in shared)
+        seconds = {
+            "dense": seconds_per_group(model, alone, bf16, device, args.prefix_repeats),
+            "shared": seconds_per_group(model, shared, bf16, device, args.prefix_repeats),
+            "shared_fp32": seconds_per_group(model, shared, False, device, args.prefix_repeats),
+        }
+        seconds["shared_auto"] = (seconds_per_group(model, shared, True, device, args.prefix_repeats) if auto_bf16
+                                  else seconds["shared_fp32"])
+        prefix = "" if name == "default" else f"{name}_"
+        figures.update({f"{prefix}shared_prefix_speedup": seconds["dense"] / seconds["shared"],
+                        f"{prefix}bf16_speedup": seconds["shared_fp32"] / seconds["shared_auto"],
+                        f"{prefix}group_seconds": seconds,
+                        f"{prefix}group_tokens": {"per_sample": dense_tokens, "shared": shared_tokens,
+                                                  "real": sum(s.num_tokens for s in samples)}})
+        print(f"| {name}: {shape['group_size']} × ({shape['prompt']} shared + {shape['turns']} turns) | "
+              f"{dense_tokens:,} / {shared_tokens:,} | {seconds['dense']:.2f} | {seconds['shared']:.2f} | "
+              f"{seconds['dense'] / seconds['shared']:.2f} | {seconds['shared_fp32']:.2f} | "
+              f"{seconds['shared_auto']:.2f} | {seconds['shared_fp32'] / seconds['shared_auto']:.2f} |")
+    print(f"(per sample and shared at --dtype {args.dtype}; auto is {figures['precision_auto']} here)")
     return figures
 
 

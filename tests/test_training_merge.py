@@ -178,12 +178,13 @@ def test_token_logprobs_alignment() -> None:
 def test_plan_respects_budget_and_places_every_sample_once() -> None:
     rng = random.Random(3)
     lengths = [rng.randrange(5, 60) for _ in range(40)] + [150]
-    groups = plan_micro_batches(lengths, max_tokens=120)
+    seqs = [[rng.randrange(1, 97) for _ in range(n)] for n in lengths]
+    groups = plan_micro_batches(seqs, max_tokens=120, min_shared=None)
     assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
     for group in groups:
-        padded = len(group) * max(lengths[i] for i in group)
-        assert padded <= 120 or group == [40]
-    assert plan_micro_batches(lengths, 120) == groups
+        forwarded = len(group) * (max(lengths[i] for i in group) - 1)  # each row predicts its tokens after the first
+        assert forwarded <= 120 or group == [40]
+    assert plan_micro_batches(seqs, 120, min_shared=None) == groups
 
 
 def test_padding_does_not_change_logprobs(model: torch.nn.Module) -> None:

@@ -96,11 +96,14 @@ async def enqueue(db_uri: str, samples: Sequence[DBRecordData]) -> None:
         assert await store.samples.enqueue(list(samples)) == len(samples)
 
 
-def trainer_args(db_uri: str, model_dir: Path, output_dir: Path, *extra: str) -> list[str]:
-    """Flags every test run shares: tiny model, one thread, fast polling, a visible learning rate."""
+def trainer_args(db_uri: str, model_dir: Path, output_dir: Path, *extra: str, dtype: str | None = "float32"
+                 ) -> list[str]:
+    """Flags every test run shares: tiny model, one thread, fast polling, a visible learning rate, and fp32 compute
+    (tests compare with fp32 references; ``dtype=None`` leaves the precision to the trainer's default or ``extra``)."""
+    precision = ["--dtype", dtype] if dtype and "--bf16" not in extra and "--dtype" not in extra else []
     return ["--db_connection_string", db_uri, "--model_name_or_path", str(model_dir), "--output_dir",
             str(output_dir), "--num_threads", "1", "--poll_interval_s", "0.2", "--learning_rate", "1e-3",
-            "--seed", "0", *extra]
+            "--seed", "0", *precision, *extra]
 
 
 def start_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), env: dict[str, str] | None = None

@@ -21,7 +21,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=30000, help="port to listen on, 0 for a free one (default: 30000)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights dtype (auto: float32 on cpu, bfloat16 on cuda)")
+                        help="weights dtype (auto: bfloat16 on CUDA GPUs with bf16 support, float32 elsewhere, CPUs "
+                             "included: bf16 decoding is several times slower there)")
     parser.add_argument("--weight_version", default="0", help="version reported for the initial weights")
     parser.add_argument("--preferred_sampling_params", default=None, metavar="JSON",
                         help="the server's values of sampling parameters a /generate request omits, as SGLang's "

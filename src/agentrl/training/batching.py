@@ -1,28 +1,48 @@
-"""Micro-batches of merged samples: right padding to the longest row, samples never split.
+"""Micro-batches of merged samples: the dense per-sample tensors of the loss, and how the model forwards them.
 
-Layout: every row is one merged sample, real tokens first, padding after (``attention_mask`` 0, ``loss_mask`` 0,
-``seq_ids`` -1). Under causal attention a real token only attends to earlier positions, which are all real, so
-padding cannot change any real token's logits; default position ids ``0..T-1`` are right for every row. Passing
-``attention_mask`` to the model is therefore optional (it is exact either way; without it, SDPA can use its
-causal fast path). Packing several samples into one row with restarted position ids would need a
-varlen/flash attention kernel to stay exact, which CPU SDPA does not offer.
+Loss layout: every row is one merged sample, real tokens first, padding after (``attention_mask`` 0, ``loss_mask``
+0, ``seq_ids`` -1); every tensor of a ``MicroBatch`` with ``B`` rows and ``T`` columns is ``[B, T]``. Under causal
+attention a real token only attends to earlier positions, which are all real, so padding cannot change any real
+token's logits (passing ``attention_mask`` to the model is optional).
 
-Rows are placed first-fit-decreasing by length under a budget on padded tokens (``rows × longest row``), so
-rows of similar length share a micro-batch. Shapes of a ``MicroBatch`` with ``B`` rows and ``T`` columns: every
-tensor is ``[B, T]``.
+Forward layout (``MicroBatch.layout``, ``agentrl.training.prefix_tree``): samples that share a token prefix of at
+least ``min_shared`` tokens (a group's prompt; the common turns of a trajectory's branches) have it forwarded once,
+and ``layout_logprobs`` scatters every predicted logprob back to the ``[B, T]`` layout above, so the loss sees the
+same tensors as with one forward per sample. ``min_shared=None`` forwards every sample on its own.
+
+Planning (``plan_micro_batches``): the budget ``max_tokens`` counts the tokens the model actually forwards, padding
+included and each shared span once. Samples are ordered lexicographically, so those sharing a prefix are
+neighbours, and the prefix forest of the step's samples gives its groups (its trees). A group over the budget is cut
+into runs of neighbours that fit (each run forwards its prefix once); the pieces are then placed first-fit
+decreasing, a micro-batch costing what its pieces cost together (per level, rows times the longest row). A sample
+over the budget alone gets a micro-batch of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from agentrl.training.merge import MergedSample
+from agentrl.training.prefix_tree import (
+    MIN_SHARED_TOKENS,
+    ForwardLayout,
+    build_forest,
+    forward_layout,
+    lexicographic_order,
+    merge_profiles,
+    profile_cost,
+)
+
+if TYPE_CHECKING:
+    from agentrl.training.parallel import ParallelState
 
 SequenceUnit = Literal["sample", "turn"]
+NO_SHARING = 1 << 62
+"""A ``min_shared`` no prefix reaches: every sample is forwarded on its own."""
 
 
 @dataclass
@@ -33,6 +53,7 @@ class MicroBatch:
     behaviour logprobs), ``advantages`` (float32), ``versions`` (long, -1 where no policy sampled the token) and
     ``seq_ids`` (long: dense ids 0..S-1 of the sequences used by per-sequence aggregation, -1 on padding) go to
     the loss. ``sample_indices[b]`` is the index of row ``b``'s sample in the list given to the packer.
+    ``layout`` says how the model forwards the rows (shared prefixes once; see the module doc).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +64,7 @@ class MicroBatch:
     versions: torch.Tensor
     seq_ids: torch.Tensor
     sample_indices: list[int]
+    layout: ForwardLayout
 
     @property
     def num_sequences(self) -> int:
@@ -52,28 +74,56 @@ class MicroBatch:
         """The same micro-batch with every tensor on ``device``."""
         names = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages", "versions", "seq_ids")
         moved = {name: getattr(self, name).to(device) for name in names}
-        return MicroBatch(**moved, sample_indices=list(self.sample_indices))
+        return MicroBatch(**moved, sample_indices=list(self.sample_indices), layout=self.layout.to(device))
 
 
-def plan_micro_batches(lengths: Sequence[int], max_tokens: int) -> list[list[int]]:
-    """Group sample indices into micro-batches whose padded size ``rows × longest`` stays within ``max_tokens``.
-
-    First-fit decreasing by length; a sample longer than ``max_tokens`` gets a micro-batch of its own. The
-    result is deterministic for the same lengths.
-    """
+def plan_micro_batches(seqs: Sequence[Sequence[int]], max_tokens: int, *, min_shared: int | None = MIN_SHARED_TOKENS,
+                       pad_to_multiple_of: int = 1) -> list[list[int]]:
+    """Group the indices of samples ``seqs`` (token ids) into micro-batches that forward at most ``max_tokens``
+    tokens each (see the module doc). Deterministic for the same samples."""
     if max_tokens <= 0:
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
-    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
-    groups: list[list[int]] = []
-    for i in order:
-        for group in groups:
-            # sorted by decreasing length: the group's first sample is its longest
-            if (len(group) + 1) * lengths[group[0]] <= max_tokens:
-                group.append(i)
+    shared = min_shared or NO_SHARING
+
+    def profile(indices: Sequence[int]) -> list[tuple[int, int]]:
+        return build_forest([seqs[i] for i in indices], shared).profile()
+
+    forest = build_forest(seqs, shared)
+    groups: dict[int, list[int]] = {}
+    for i in lexicographic_order(seqs):
+        groups.setdefault(forest.paths[i][0] if forest.paths[i] else -1 - i, []).append(i)
+    pieces: list[tuple[list[int], list[tuple[int, int]]]] = []
+    for group in groups.values():
+        start = 0
+        while start < len(group):
+            end = _longest_run(start, len(group), lambda e: profile_cost(profile(group[start:e]), pad_to_multiple_of)
+                               <= max_tokens)
+            pieces.append((group[start:end], profile(group[start:end])))
+            start = end
+    pieces.sort(key=lambda piece: (-profile_cost(piece[1], pad_to_multiple_of), piece[0][0]))
+    bins: list[tuple[list[int], list[tuple[int, int]]]] = []
+    for indices, own in pieces:
+        for members, combined in bins:
+            merged = merge_profiles(combined, own)
+            if profile_cost(merged, pad_to_multiple_of) <= max_tokens:
+                members.extend(indices)
+                combined[:] = merged
                 break
         else:
-            groups.append([i])
-    return groups
+            bins.append((list(indices), list(own)))
+    return [members for members, _ in bins]
+
+
+def _longest_run(start: int, stop: int, fits) -> int:
+    """The largest ``end`` in ``(start, stop]`` with ``fits(end)``, searching as if ``fits`` were monotone;
+    ``start + 1`` (one sample alone) when nothing longer fits."""
+    if fits(stop):
+        return stop
+    lo, hi = start + 1, stop  # fits(lo) is assumed (a lone sample is always placed), fits(hi) is False
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def collate(
@@ -83,8 +133,10 @@ def collate(
     pad_token_id: int = 0,
     sequence_unit: SequenceUnit = "sample",
     pad_to_multiple_of: int = 1,
+    min_shared: int | None = MIN_SHARED_TOKENS,
 ) -> MicroBatch:
-    """Right-pad ``samples`` (or those at ``indices``) into one ``MicroBatch``.
+    """Right-pad ``samples`` (or those at ``indices``) into one ``MicroBatch``, forwarding prefixes of at least
+    ``min_shared`` tokens once (None: every sample on its own).
 
     ``sequence_unit`` says what a "sequence" is for per-sequence aggregation and GSPO: ``"sample"`` (a merged
     branch, as the original) or ``"turn"`` (each call, which reproduces per-call unmerged training exactly).
@@ -122,7 +174,11 @@ def collate(
                 if turn.trained:
                     seq_ids[b, turn.output_start : turn.output_end] = next_seq
                     next_seq += 1
-    return MicroBatch(input_ids, attention_mask, loss_mask, old_logprobs, advantages, versions, seq_ids, chosen)
+    seqs = [row.input_ids for row in rows]
+    layout = forward_layout(seqs, [row.loss_mask for row in rows], build_forest(seqs, min_shared or NO_SHARING),
+                            width, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+    return MicroBatch(input_ids, attention_mask, loss_mask, old_logprobs, advantages, versions, seq_ids, chosen,
+                      layout)
 
 
 def pack_micro_batches(
@@ -132,19 +188,36 @@ def pack_micro_batches(
     pad_token_id: int = 0,
     sequence_unit: SequenceUnit = "sample",
     pad_to_multiple_of: int = 1,
+    min_shared: int | None = MIN_SHARED_TOKENS,
 ) -> list[MicroBatch]:
-    """Split ``samples`` into padded micro-batches of at most ``max_tokens`` padded tokens each (see module doc).
+    """Split ``samples`` into micro-batches that forward at most ``max_tokens`` tokens each (see the module doc).
 
     Data-parallel ranks must run the same number of passes per step; the trainer agrees on that count.
     """
-    groups = plan_micro_batches([s.num_tokens for s in samples], max_tokens)
+    groups = plan_micro_batches([s.input_ids for s in samples], max_tokens, min_shared=min_shared,
+                                pad_to_multiple_of=pad_to_multiple_of)
     return [
-        collate(
-            samples,
-            group,
-            pad_token_id=pad_token_id,
-            sequence_unit=sequence_unit,
-            pad_to_multiple_of=pad_to_multiple_of,
-        )
+        collate(samples, group, pad_token_id=pad_token_id, sequence_unit=sequence_unit,
+                pad_to_multiple_of=pad_to_multiple_of, min_shared=min_shared)
         for group in groups
     ]
+
+
+def empty_micro_batch(pad_token_id: int = 0) -> MicroBatch:
+    """Two padding tokens without a loss token: a pass that contributes nothing but keeps ranks in step."""
+    return collate([MergedSample(input_ids=[pad_token_id] * 2, loss_mask=[0, 0], logprobs=[0.0, 0.0],
+                                 versions=[-1, -1], advantages=[0.0, 0.0])], pad_token_id=pad_token_id)
+
+
+def align_passes(micro: list[MicroBatch], parallel: ParallelState, pad_token_id: int = 0) -> int:
+    """Make this rank's passes match the other data-parallel ranks' (FSDP2 makes collectives in every model call):
+    as many passes (``empty_micro_batch`` appended) and, in each, as many model calls (``layout.forward_levels``,
+    the deepest prefix forest of that pass on any rank). Every rank calls it; returns this rank's real passes."""
+    real = len(micro)
+    passes = int(parallel.all_reduce([float(real)], op="max", group="dp")[0])
+    micro.extend(empty_micro_batch(pad_token_id) for _ in range(passes - real))
+    if passes:
+        calls = parallel.all_reduce([float(batch.layout.forward_levels) for batch in micro], op="max", group="dp")
+        for batch, count in zip(micro, calls):
+            batch.layout.forward_levels = int(count)
+    return real

@@ -3,7 +3,7 @@
 Batch size: one optimiser step trains ``train_batch_size`` samples (merged trajectory branches) over all
 data-parallel ranks together. Left unset it is ``per_device_train_batch_size × gradient_accumulation_steps ×
 data-parallel size``, the Hugging Face convention the original followed. Within a step every rank splits its
-share into micro-batches by a token budget (``max_tokens`` padded tokens per forward pass), so gradient
+share into micro-batches by a token budget (``max_tokens`` forwarded tokens per pass), so gradient
 accumulation follows from the data, not from a fixed count; normalisers are global over the whole step.
 
 Flags of the original kept for its scripts: ``--optim_args`` (Hugging Face syntax) sets ``adam_beta1``,
@@ -114,9 +114,11 @@ class TrainConfig(BaseModel):
         "× gradient_accumulation_steps × data-parallel size)")
     per_device_train_batch_size: int = Field(8, ge=1, description="see train_batch_size")
     gradient_accumulation_steps: int = Field(1, ge=1, description="see train_batch_size")
-    max_tokens: int = Field(8192, ge=1, description="padded tokens per micro-batch (rows × longest row); a longer "
-                            "sample gets a micro-batch of its own")
+    max_tokens: int = Field(8192, ge=1, description="tokens the model forwards per micro-batch, padding included "
+                            "and a shared prefix once; a longer sample gets a micro-batch of its own")
     pad_to_multiple_of: int = Field(1, ge=1, description="pad micro-batch length to a multiple of this")
+    share_prefix: bool = Field(True, description="forward a token prefix that samples of a micro-batch share (a "
+                               "group's prompt, a trajectory's common turns) once, not once per sample")
     temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the behaviour logprobs")
     preferred_sampling_params: dict[str, Any] | None = Field(
         None, description="the original's engine sampling defaults as JSON: the trainer takes its temperature as "
@@ -188,8 +190,11 @@ class TrainConfig(BaseModel):
         "0.04 for bf16; 0.1 fits both, 0.001 suits fp32 serving only; 0 turns the check off)")
 
     # ------------------------------------------------------------------------------------ precision, parallelism
-    bf16: bool | None = Field(None, description="bf16 compute with fp32 master weights and an fp32 LM head "
-                              "(default: on CUDA only)")
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto", description="compute precision; bfloat16 keeps fp32 master weights and an fp32 LM head; auto: "
+        "bfloat16 on CUDA and on CPUs with bf16 matrix instructions (AMX, AVX512-BF16), float32 elsewhere")
+    bf16: bool | None = Field(None, description="TRL's name for the precision: true is --dtype bfloat16, false "
+                              "--dtype float32 (default: --dtype decides)")
     reshard_after_forward: bool = Field(True, description="FSDP2: free gathered parameters after each layer's "
                                         "forward pass (false: keep them for backward, faster, more memory)")
     tp_size: int | None = Field(None, ge=1, description="tensor-parallel degree (default: accelerate's "
@@ -239,6 +244,7 @@ class TrainConfig(BaseModel):
                              "only LoRA pairs): publish merged weights instead")
         if self.kl_coef == 0 and self.ref_model_name_or_path is not None:
             raise ValueError("--ref_model_name_or_path is only used with --kl_coef > 0")
+        _ = self.precision
         return self
 
     def advisories(self) -> list[str]:
@@ -274,6 +280,17 @@ class TrainConfig(BaseModel):
             notes.append(f"--loss_calculater {self.loss_calculater} with {', '.join(deviations)}: its authors "
                          f"recommend {' '.join(_flag(name, value) for name, value in recipe.items())}")
         return notes
+
+    @property
+    def precision(self) -> Literal["auto", "float32", "bfloat16"]:
+        """The requested compute precision: ``--bf16`` when given (it must agree with an explicit ``--dtype``),
+        else ``--dtype``; ``auto`` is resolved on the trainer's device (``agentrl.precision``)."""
+        if self.bf16 is None:
+            return self.dtype
+        named = "bfloat16" if self.bf16 else "float32"
+        if self.dtype not in ("auto", named):
+            raise ValueError(f"--bf16 {str(self.bf16).lower()} contradicts --dtype {self.dtype}: give one of them")
+        return named
 
     @property
     def staleness_bound(self) -> int | None:

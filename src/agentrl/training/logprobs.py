@@ -10,16 +10,28 @@ fp64 model) with autocast off, from the final hidden states — bf16 logits woul
 magnitude (~0.05 nats for a logit of 20) before any upcast. The fp32 ``[tokens, vocab]`` logits are made in chunks
 of at most ``LOGIT_CHUNK_BYTES``; with gradients each chunk is recomputed in the backward pass (activation
 checkpointing), so at most one chunk of fp32 logits is alive at a time.
+
+Shared prefixes: ``layout_logprobs`` forwards a micro-batch level by level along its prefix forest
+(``agentrl.training.prefix_tree``): each level is one model call whose rows attend to the keys/values their ancestors'
+rows produced, kept with their gradient (a read-only ``Cache``), so a span shared by several samples is computed once
+and receives the sum of their gradients. Deeper levels get an explicit 4D mask (a row sees its ancestors' real tokens
+and its own earlier ones) and explicit positions; Hugging Face uses a 4D mask as given, so restarted positions are
+never read as packed-sequence boundaries.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers.cache_utils import Cache
+
+if TYPE_CHECKING:
+    from agentrl.training.prefix_tree import ForwardLayout, Level
 
 LOGIT_CHUNK_BYTES = 1 << 28
 """Largest fp32 logits block (rows × vocabulary × 4 bytes) made at once: 256 MiB."""
@@ -56,33 +68,160 @@ def model_token_logprobs(
     — in the forward and backward pass. With nothing scored the model still runs (all logprobs 0, with a graph):
     a padding pass must make the same FSDP2 collectives as the other ranks' real passes.
     """
+    _check_model(model, temperature)
+    if input_ids.shape[1] < 2:
+        return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
+    labels = torch.cat([input_ids[:, 1:], input_ids[:, :1]], dim=1)  # position j predicts token j + 1
+    if scored is None:
+        wanted = torch.ones(input_ids.shape, dtype=torch.bool, device=input_ids.device)
+    else:
+        wanted = torch.cat([scored[:, 1:].bool(), torch.zeros_like(scored[:, :1], dtype=torch.bool)], dim=1)
+    wanted[:, -1] = False
+    picked = _predict(model, input_ids, labels, wanted, temperature, chunk_bytes, attention_mask=attention_mask)
+    return torch.cat([picked.new_zeros((input_ids.shape[0], 1)), picked[:, :-1]], dim=1)
+
+
+def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: float = 1.0,
+                    chunk_bytes: int = LOGIT_CHUNK_BYTES) -> torch.Tensor:
+    """``token_logprobs`` ``[B, T]`` of a micro-batch forwarded level by level along ``layout`` (see the module doc
+    and ``agentrl.training.prefix_tree``): equal to ``model_token_logprobs`` of each sample alone, with each shared
+    span computed once. The LM head runs (in fp32) only where some sample has a loss token; a level without one
+    still runs the model, as do the empty calls up to ``layout.forward_levels`` (FSDP2 ranks must make the same
+    collectives). Needs a model that ``shared_prefix_unsupported`` accepts when the layout has several levels."""
+    _check_model(model, temperature)
+    outputs: list[torch.Tensor] = []
+    keys_values: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per level, per layer
+    deep = len(layout.levels) > 1
+    with _cache_under_checkpointing(model) if deep else contextlib.nullcontext():
+        for depth, level in enumerate(layout.levels):
+            kwargs = {}
+            cache = _AncestorCache(_gather_past(keys_values, level.ancestors) if depth else None)
+            if depth:
+                kwargs.update(attention_mask=_level_mask(level, layout.levels[:depth], model),
+                              position_ids=level.positions)
+            if deep:
+                kwargs["past_key_values"] = cache
+            outputs.append(_predict(model, level.input_ids, level.labels, level.scored, temperature, chunk_bytes,
+                                    **kwargs).reshape(-1))
+            if depth + 1 < len(layout.levels):
+                keys_values.append([cache.new[layer] for layer in sorted(cache.new)])
+        for _ in range(len(layout.levels), layout.forward_levels):
+            pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
+            outputs.append(_predict(model, pad, pad, pad.bool(), temperature, chunk_bytes).reshape(-1))
+    flat = torch.cat([outputs[0].new_zeros(1), *outputs])
+    return flat[layout.out_index]
+
+
+def shared_prefix_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``model`` cannot forward shared prefixes once (``None``: it can). The rows of a deeper level attend to
+    cached ancestor keys/values under an explicit 4D mask: that needs SDPA or eager attention and full attention
+    in every layer (a sliding window would need the window in the mask)."""
+    config = model.config
+    implementation = getattr(config, "_attn_implementation", None)
+    if implementation not in ("sdpa", "eager"):
+        return f"attention implementation {implementation!r} takes no 4D mask (sdpa and eager do)"
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        odd = sorted(set(layer_types) - {"full_attention"})
+        if odd:
+            return f"the model has {', '.join(odd)} layers"
+    elif getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        return "the model uses sliding-window attention"
+    return None
+
+
+class _AncestorCache(Cache):
+    """The keys/values of a level's ancestor rows (``[n, kv_heads, W, head_dim]`` per layer, with gradient).
+
+    ``update`` returns them followed by the level's own keys/values and records the latter for deeper levels; it
+    never stores the concatenation, so calling it again (activation checkpointing recomputes a layer in backward)
+    gives the same result."""
+
+    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None):
+        super().__init__(layers=[])
+        self.past = past
+        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.new[layer_idx] = (key_states, value_states)
+        if self.past is None:
+            return key_states, value_states
+        keys, values = self.past[layer_idx]
+        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return 0 if self.past is None else int(self.past[layer_idx][0].shape[-2])
+
+
+def _gather_past(keys_values: list[list[tuple[torch.Tensor, torch.Tensor]]], ancestors: torch.Tensor
+                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer, each row's ancestors' keys and values, shallowest first (the backward sums the copies)."""
+    past = []
+    for layer in range(len(keys_values[0])):
+        keys = [keys_values[k][layer][0].index_select(0, ancestors[k]) for k in range(len(keys_values))]
+        values = [keys_values[k][layer][1].index_select(0, ancestors[k]) for k in range(len(keys_values))]
+        past.append((torch.cat(keys, dim=-2), torch.cat(values, dim=-2)))
+    return past
+
+
+def _level_mask(level: Level, shallower: list[Level], model: torch.nn.Module) -> torch.Tensor:
+    """``[n, 1, w, W + w]``: a row's query sees its ancestors' real tokens and its own real tokens up to itself."""
+    n, width = level.real.shape
+    past = torch.cat([above.real.index_select(0, level.ancestors[k]) for k, above in enumerate(shallower)], dim=1)
+    causal = torch.ones((width, width), dtype=torch.bool, device=past.device).tril()
+    allowed = torch.cat([past[:, None, :].expand(n, width, -1), causal & level.real[:, None, :]], dim=-1)[:, None]
+    if model.config._attn_implementation == "sdpa":
+        return allowed
+    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+    return torch.zeros(allowed.shape, dtype=dtype, device=past.device).masked_fill(~allowed, torch.finfo(dtype).min)
+
+
+@contextlib.contextmanager
+def _cache_under_checkpointing(model: torch.nn.Module) -> Iterator[None]:
+    """Within the block, decoder layers under activation checkpointing keep the cache they are given (Hugging Face
+    drops it otherwise): ``_AncestorCache`` gives the same result when the backward pass recomputes a layer."""
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
+    for layer in layers:
+        layer._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for layer in layers:
+            del layer._can_checkpoint_with_cache
+
+
+def _predict(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, wanted: torch.Tensor,
+             temperature: float, chunk_bytes: int, **model_kwargs) -> torch.Tensor:
+    """``[n, w]``: at ``(r, j)`` where some row is ``wanted`` at column ``j``, the logprob of ``labels[r, j]`` given
+    row ``r`` up to position ``j``; 0 elsewhere. The LM head runs only at those columns (``logits_to_keep``).
+
+    With nothing wanted the model still runs (the head at one column, the result times 0): FSDP2 ranks must make
+    the same collectives, and the caller's backward needs a graph."""
+    keep = wanted.any(dim=0).nonzero().squeeze(-1)
+    nothing = keep.numel() == 0
+    if nothing:
+        keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
+    head = model.get_output_embeddings()
+    with _scoring(head, labels[:, keep], temperature, chunk_bytes):
+        # the model's forward ends in our head, which returns [n, K] logprobs in place of [n, K, V] logits
+        picked = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep, **model_kwargs).logits
+    if picked.shape != (input_ids.shape[0], keep.numel()):
+        raise ValueError(f"{type(model).__name__} transformed its LM head output (got {tuple(picked.shape)}): "
+                         "its logprobs cannot be computed with the fp32 head")
+    if nothing:
+        picked = picked * 0.0
+    out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=input_ids.device)
+    return out.index_copy(1, keep, picked)
+
+
+def _check_model(model: torch.nn.Module, temperature: float) -> None:
     _check_temperature(temperature)
     if getattr(model.config, "final_logit_softcapping", None):
         raise ValueError(f"{type(model).__name__} soft-caps its logits: the trainer's fp32 LM head does not "
                          "support final_logit_softcapping")
-    if scored is None:
-        targets = torch.arange(1, input_ids.shape[1], device=input_ids.device)
-    else:
-        targets = scored[:, 1:].any(dim=0).nonzero().squeeze(-1) + 1  # token positions scored in any row
-    nothing_scored = targets.numel() == 0
-    if nothing_scored:
-        if input_ids.shape[1] < 2:
-            return torch.zeros(input_ids.shape, dtype=torch.float32, device=input_ids.device)
-        # Still one forward over the batch (the head at one position): FSDP2 ranks must make the same collectives,
-        # and the caller's backward needs a graph. Every logprob stays 0.
-        targets = torch.ones(1, dtype=torch.long, device=input_ids.device)
-    head = model.get_output_embeddings()
-    with _scoring(head, input_ids[:, targets], temperature, chunk_bytes):
-        # the model's forward ends in our head, which returns [B, K] logprobs in place of [B, K, V] logits
-        picked = model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False,
-                       logits_to_keep=targets - 1).logits
-    if picked.shape != (input_ids.shape[0], targets.numel()):
-        raise ValueError(f"{type(model).__name__} transformed its LM head output (got {tuple(picked.shape)}): "
-                         "its logprobs cannot be computed with the fp32 head")
-    if nothing_scored:
-        picked = picked * 0.0
-    out = torch.zeros(input_ids.shape, dtype=picked.dtype, device=input_ids.device)
-    return out.index_copy(1, targets, picked)
 
 
 @contextlib.contextmanager

@@ -5,7 +5,8 @@ progress line on the console; ``--report_to tensorboard`` / ``wandb`` also send 
 
 * loss and token counts: ``loss``, ``loss_tokens``, ``sequences``, ``masked_fraction`` (out-of-band tokens),
   ``clip_fraction``, ``truncated_fraction``, ``ratio_mean``, ``ratio_max``, ``behaviour_kl``, ``ref_kl``;
-* data: ``samples``, ``tokens`` (real), ``padded_tokens``, ``reward_mean``/``_std``, ``advantage_mean``/``_std``/
+* data: ``samples``, ``tokens`` (real), ``padded_tokens`` (tokens the model forwarded: padding included, a shared
+  prefix once), ``reward_mean``/``_std``, ``advantage_mean``/``_std``/
   ``_min``/``_max`` and ``advantage_positive_fraction`` (over loss tokens), ``staleness_mean``/``_max`` (policy
   version minus the version that sampled each loss token), ``sampled_at_step`` (mean trainer step whose weights
   sampled the step's samples), ``merge_ratio`` (tokens forwarded / tokens one pass per turn would forward),

@@ -3,8 +3,10 @@
 One optimiser step (every rank in lockstep):
 
 1. claim this rank's share of ``train_batch_size`` samples (``agentrl.training.data``), waiting if needed;
-2. split it into micro-batches by the token budget; ranks agree on the number of passes (a rank with fewer runs
-   empty ones, which FSDP2 needs); the loss normaliser is counted over the whole step and all ranks first;
+2. split it into micro-batches by the token budget, samples that share a token prefix together (the prefix is
+   forwarded once, ``agentrl.training.prefix_tree``); ranks agree on the number of passes and of model calls per
+   pass (a rank with fewer runs empty ones, which FSDP2 needs); the loss normaliser is counted over the whole step
+   and all ranks first;
 3. forward, per-token logprobs, loss (``agentrl.training.losses``), backward for every micro-batch, then
    gradient clipping, AdamW and the LR schedule;
 4. Records of the trained samples become ``trained``; every ``sync_every`` steps the weights are published
@@ -32,10 +34,11 @@ import torch
 
 from agentrl.failpoints import failpoint
 from agentrl.log import redact
+from agentrl.precision import native_bf16, resolve_dtype
 from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
 from agentrl.training import lora
 from agentrl.training.aio import LoopThread
-from agentrl.training.batching import MicroBatch, collate, pack_micro_batches
+from agentrl.training.batching import MicroBatch, align_passes, pack_micro_batches
 from agentrl.training.checkpoint import (
     CheckpointError,
     TrainerState,
@@ -46,9 +49,8 @@ from agentrl.training.checkpoint import (
 from agentrl.training.config import TrainConfig
 from agentrl.training.data import SampleStream, StepData, StepEnd, move_record, to_merged
 from agentrl.training.launcher import LaunchConfigError, apply_launch_config
-from agentrl.training.logprobs import model_token_logprobs
+from agentrl.training.logprobs import layout_logprobs, shared_prefix_unsupported
 from agentrl.training.losses import LossMetrics, global_normaliser, loss_fn
-from agentrl.training.merge import MergedSample
 from agentrl.training.metrics import (
     SAMPLE_STATS,
     MetricsSink,
@@ -65,6 +67,7 @@ from agentrl.training.parallel import (
     shutdown_parallel,
 )
 from agentrl.training.policy_probe import probe_metrics, probe_token_ids
+from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
 from agentrl.training.publish import ProbeSettings, PublishError, WeightPublisher
 from agentrl.training.weights import WeightsError, export_pretrained, load_sharded, load_tokenizer
 
@@ -109,10 +112,13 @@ class Trainer:
             logging.getLogger("agentrl").setLevel(logging.WARNING)
         if cfg.load_in_4bit:
             self._check_4bit()  # before the run's database is touched
-        self.bf16 = cfg.bf16 if cfg.bf16 is not None else parallel.device.type == "cuda"
-        if self.bf16 and parallel.device.type != "cuda":
-            logger.warning("--bf16 true on %s: bf16 compute is emulated and slow there (meant for precision "
-                           "checks; the default on CPU is fp32)", parallel.device)
+        try:
+            self.bf16 = resolve_dtype(cfg.precision, parallel.device) == torch.bfloat16
+        except ValueError as error:  # an accelerate config's mixed_precision against an explicit --dtype
+            raise TrainerError(str(error)) from None
+        if self.bf16 and not native_bf16(parallel.device):
+            logger.warning("bf16 on %s, which has no bf16 matrix instructions: bf16 compute is emulated and slow "
+                           "there (meant for precision checks; --dtype auto picks fp32 here)", parallel.device)
         torch.manual_seed(cfg.seed)
         self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
 
@@ -152,6 +158,7 @@ class Trainer:
                                    "--lora_target_modules or publish merged weights")
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
         self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.kl_coef > 0 else None
+        self.min_shared = self._min_shared()
         self.optimizer = self._build_optimizer()
         from transformers import get_scheduler
 
@@ -226,6 +233,19 @@ class Trainer:
                 raise TrainerError(f"{resume}: its adapter has {name} {getattr(saved, name)!r}, the flags ask for "
                                    f"{getattr(config, name)!r}: resume with the checkpoint's LoRA settings")
         return saved
+
+    def _min_shared(self) -> int | None:
+        """The shortest token prefix forwarded once for the samples sharing it (None: every sample alone)."""
+        if not self.cfg.share_prefix:
+            return None
+        reason = next(filter(None, (shared_prefix_unsupported(m) for m in (self.model, self.ref_model) if m)), None)
+        if reason is not None:
+            logger.warning("shared prefixes are forwarded once per sample: %s", reason)
+            return None
+        if any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in self.model.modules()):
+            logger.info("dropout is on: a shared prefix gets one dropout mask per micro-batch instead of one per "
+                        "sample (the same expected gradient; --lora_dropout 0 makes it exact)")
+        return MIN_SHARED_TOKENS
 
     def _check_4bit(self) -> None:
         if self.parallel.device.type != "cuda":
@@ -439,11 +459,9 @@ class Trainer:
         started = time.monotonic()
         merged = [to_merged(sample) for sample in data.samples]
         pad_id = self.model.config.pad_token_id or 0
-        micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id,
+        micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id, min_shared=self.min_shared,
                                    pad_to_multiple_of=cfg.pad_to_multiple_of) if merged else []
-        passes, real = int(parallel.all_reduce([float(len(micro))], op="max", group="dp")[0]), len(micro)
-        while len(micro) < passes:  # FSDP2 needs the same number of forward/backward passes on every rank
-            micro.append(_empty_micro_batch(pad_id))
+        real = align_passes(micro, parallel, pad_id)  # FSDP2: the same passes and model calls on every rank
         normaliser = global_normaliser(self.loss_cfg, micro, parallel)
         loss_metrics, mismatch = LossMetrics(), Reducer()
         trainer_logprobs: dict[Any, list[float]] = {}
@@ -458,7 +476,7 @@ class Trainer:
                     for row, sample in enumerate(batch.sample_indices):
                         trainer_logprobs[data.samples[sample].id] = scored[row, : merged[sample].num_tokens].tolist()
                 loss_metrics = loss_metrics + metrics
-                padded += batch.input_ids.numel()
+                padded += batch.layout.computed_tokens
             grad_norm = clip_grad_norm(list(self.model.parameters()), cfg.max_grad_norm, parallel)
             learning_rate = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
@@ -486,14 +504,12 @@ class Trainer:
         loss tokens (``[B, T]`` on the CPU, 0 elsewhere; ``None`` with cross-entropy)."""
         cfg = self.cfg
         with self._autocast():
-            # Only the trained tokens' logprobs are needed: the LM head runs only where they are predicted.
-            new_logprobs = model_token_logprobs(self.model, batch.input_ids, temperature=cfg.temperature,
-                                                scored=batch.loss_mask)
+            # Shared prefixes are forwarded once; the LM head runs only where trained tokens are predicted.
+            new_logprobs = layout_logprobs(self.model, batch.layout, temperature=cfg.temperature)
             ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
-                    ref_logprobs = model_token_logprobs(self.ref_model, batch.input_ids,
-                                                        temperature=cfg.temperature, scored=batch.loss_mask)
+                    ref_logprobs = layout_logprobs(self.ref_model, batch.layout, temperature=cfg.temperature)
         loss_sum, metrics = loss_fn(self.loss_cfg, new_logprobs, batch.old_logprobs, batch.advantages,
                                     batch.loss_mask, batch.versions, self.version, batch.seq_ids, normaliser,
                                     ref_logprobs)
@@ -551,12 +567,6 @@ class Trainer:
         self.parallel.barrier()
         self.last_checkpoint = self.state.step
         logger.info("checkpoint saved: %s", path)
-
-
-def _empty_micro_batch(pad_id: int) -> MicroBatch:
-    """Two padding tokens without a loss token: a pass that contributes nothing but keeps ranks in step."""
-    return collate([MergedSample(input_ids=[pad_id, pad_id], loss_mask=[0, 0], logprobs=[0.0, 0.0],
-                                 versions=[-1, -1], advantages=[0.0, 0.0])])
 
 
 async def _open_store(uri: str) -> Store:
