@@ -134,7 +134,7 @@ def steps(ctx: Context) -> list[Step]:
              figures=pytest_figures),
         Step("bench_trainer", [python, "bench/trainer.py", "--model_config", MODEL_CONFIG, "--samples_per_step",
                                "8", "--turns", "4", "--turn_tokens", "448", "--max_tokens", "16384", "--steps", "3",
-                               "--json", f"{work}/bench_trainer.json"], 150, cuda=True,
+                               "--json", f"{work}/bench_trainer.json"], 200, cuda=True,
              figures=lambda w, o: read_json(w / "bench_trainer.json")),
         Step("bench_engine", [python, "bench/engine.py", "--model_config", MODEL_CONFIG, "--device", "cuda",
                               "--dtype", "bfloat16", "--concurrency", "1", "16", "64", "--repeats", "3",
