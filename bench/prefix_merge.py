@@ -23,7 +23,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentrl.training.batching import collate
 from agentrl.training.logprobs import model_token_logprobs
-from agentrl.training.losses import LossConfig, loss_fn
+from agentrl.training.losses import LossConfig, LossInput, loss_fn
 from agentrl.training.merge import CallTokens, MergedSample, full_prompts, merge_trajectory
 
 
@@ -75,8 +75,7 @@ def train_pass(model: LlamaForCausalLM, samples: list[MergedSample], normaliser:
     for sample in samples:
         mb = collate([sample]).to(device)
         new = model_token_logprobs(model, mb.input_ids)
-        loss, _ = loss_fn(config, new, mb.old_logprobs, mb.advantages, mb.loss_mask, mb.versions, 0, mb.seq_ids,
-                          normaliser)
+        loss, _ = loss_fn(config, LossInput.from_batch(mb, new), normaliser)
         loss.backward()
         outputs.append(new.detach()[0])
     return outputs

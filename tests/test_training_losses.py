@@ -12,7 +12,15 @@ import torch.multiprocessing as mp
 from pydantic import ValidationError
 
 from agentrl.training.batching import collate, pack_micro_batches
-from agentrl.training.losses import LossConfig, LossMetrics, count_normaliser, global_normaliser, loss_fn
+from agentrl.training.losses import (
+    LossConfig,
+    LossInput,
+    LossMetrics,
+    aggregation,
+    count_normaliser,
+    global_normaliser,
+    loss_fn,
+)
 from training_core_fixtures import accumulate_gradient, rank_worker, step_samples, tiny_llama
 
 torch.set_num_threads(1)
@@ -36,7 +44,9 @@ def run(config: LossConfig, normaliser: float, seq_ids=None, versions=None, curr
         seq_ids = torch.tensor([seq_ids])
     if versions is not None:
         versions = torch.tensor([versions])
-    loss, metrics = loss_fn(config, new, old, adv, mask, versions, current, seq_ids, normaliser, ref_logprobs=ref)
+    batch = LossInput(new, mask, old, adv, versions=versions, current_version=current, seq_ids=seq_ids,
+                      ref_logprobs=ref)
+    loss, metrics = loss_fn(config, batch, normaliser)
     loss.backward()
     return loss.item(), new.grad[0].tolist(), metrics
 
@@ -164,7 +174,7 @@ def test_gspo_is_sequence_level_whatever_token_level_loss_says() -> None:
     for config in (LossConfig(loss_calculater="GSPO", token_level_loss=True),
                    LossConfig(loss_calculater="GSPO", token_level_loss=False),
                    LossConfig(loss_calculater="GSPO", token_level_loss=False, skip_length_normalization=True)):
-        assert not config.normalises_by_tokens and config.needs_seq_ids
+        assert not aggregation(config).by_tokens and aggregation(config).needs_seq_ids
         normaliser = count_normaliser(config, torch.tensor([[1] * 7]), torch.tensor([seq_ids]))
         assert normaliser == 3  # sequences
         loss, grad, _ = run(config, normaliser, **over)
@@ -189,7 +199,7 @@ def test_gspo_band_uses_the_sequence_ratio() -> None:
 def test_cross_entropy() -> None:
     config = LossConfig(loss_calculater="CrossEntropy")
     new, _, _, mask = tensors()
-    loss, metrics = loss_fn(config, new, None, None, mask, None, 0, None, normaliser=7)
+    loss, metrics = loss_fn(config, LossInput(new, mask), normaliser=7)
     loss.backward()
     logp = [OLD + math.log(r) for r in RATIOS]
     assert loss.item() == pytest.approx(-sum(logp[:7]) / 7)
@@ -222,18 +232,19 @@ def test_descent_raises_logprob_of_positive_advantage_tokens() -> None:
 
 def test_errors_name_what_is_wrong() -> None:
     new, old, adv, mask = tensors()
+    batch = LossInput(new, mask, old, adv)
     with pytest.raises(ValueError, match="normaliser must be positive"):
-        loss_fn(LossConfig(), new, old, adv, mask, None, 0, None, normaliser=0)
+        loss_fn(LossConfig(), batch, normaliser=0)
     with pytest.raises(ValueError, match="GSPO with this aggregation needs seq_ids"):
-        loss_fn(LossConfig(loss_calculater="GSPO"), new, old, adv, mask, None, 0, None, normaliser=1)
+        loss_fn(LossConfig(loss_calculater="GSPO"), batch, normaliser=1)
     with pytest.raises(ValueError, match="MINIRL needs old_logprobs and advantages"):
-        loss_fn(LossConfig(loss_calculater="MINIRL"), new, None, adv, mask, None, 0, None, normaliser=1)
+        loss_fn(LossConfig(loss_calculater="MINIRL"), LossInput(new, mask, advantages=adv), normaliser=1)
     with pytest.raises(ValueError, match=r"advantages has shape \(1, 7\)"):
-        loss_fn(LossConfig(), new, old, adv[:, :7], mask, None, 0, None, normaliser=1)
+        loss_fn(LossConfig(), LossInput(new, mask, old, adv[:, :7]), normaliser=1)
     with pytest.raises(ValueError, match="out_of_date_decay needs versions"):
-        loss_fn(LossConfig(out_of_date_decay=0.1), new, old, adv, mask, None, 0, None, normaliser=1)
+        loss_fn(LossConfig(out_of_date_decay=0.1), batch, normaliser=1)
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logprobs"):
-        loss_fn(LossConfig(kl_coef=0.1), new, old, adv, mask, None, 0, None, normaliser=1)
+        loss_fn(LossConfig(kl_coef=0.1), batch, normaliser=1)
     with pytest.raises(ValidationError, match="out_of_date_decay needs a band"):
         LossConfig(out_of_date_decay=0.1, importance_weight_cap_ratio=None)
     with pytest.raises(ValidationError):
@@ -242,7 +253,7 @@ def test_errors_name_what_is_wrong() -> None:
 
 def test_micro_batch_without_loss_tokens_still_backpropagates() -> None:
     new, old, adv, _ = tensors()
-    loss, metrics = loss_fn(LossConfig(), new, old, adv, torch.zeros(1, 8, dtype=torch.bool), None, 0, None, 5)
+    loss, metrics = loss_fn(LossConfig(), LossInput(new, torch.zeros(1, 8, dtype=torch.bool), old, adv), 5)
     loss.backward()
     assert loss.item() == 0 and new.grad.abs().sum() == 0 and metrics.loss_tokens == 0
 

@@ -23,7 +23,7 @@ from training_core_fixtures import VOCAB, tiny_llama
 
 from agentrl.training.batching import MicroBatch, align_passes, collate, pack_micro_batches, plan_micro_batches
 from agentrl.training.logprobs import layout_logprobs, model_token_logprobs, shared_prefix_unsupported
-from agentrl.training.losses import LossConfig, global_normaliser, loss_fn
+from agentrl.training.losses import LossConfig, LossInput, global_normaliser, loss_fn
 from agentrl.training.merge import CallTokens, MergedSample, merge_trajectory
 from agentrl.training.prefix_tree import build_forest
 
@@ -115,8 +115,7 @@ def step_gradients(model: torch.nn.Module, config: LossConfig, batches: list[Mic
     logprobs = []
     for batch in batches:
         new = layout_logprobs(model, batch.layout) if shared else oracle_logprobs(model, batch, samples)
-        loss, _ = loss_fn(config, new, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.versions, 2,
-                          batch.seq_ids, normaliser)
+        loss, _ = loss_fn(config, LossInput.from_batch(batch, new, current_version=2), normaliser)
         (loss * scale).backward()
         logprobs.append(new.detach())
     return {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}, logprobs
@@ -373,8 +372,7 @@ def _rank(rank: int, port: int, tp_size: int, out: str) -> None:
         for index, batch in enumerate(batches):
             model.set_requires_gradient_sync(index == len(batches) - 1)
             new = layout_logprobs(model, batch.layout)
-            loss, _ = loss_fn(config, new, batch.old_logprobs, batch.advantages, batch.loss_mask, batch.versions, 2,
-                              batch.seq_ids, normaliser)
+            loss, _ = loss_fn(config, LossInput.from_batch(batch, new, current_version=2), normaliser)
             (loss * state.dp_size).backward()
         grads = {name: p.grad.full_tensor() for name, p in model.named_parameters()}
         if rank == 0:

@@ -10,7 +10,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from agentrl.training.batching import MicroBatch, pack_micro_batches
 from agentrl.training.logprobs import model_token_logprobs
-from agentrl.training.losses import LossConfig, LossMetrics, global_normaliser, loss_fn
+from agentrl.training.losses import LossConfig, LossInput, LossMetrics, global_normaliser, loss_fn
 from agentrl.training.merge import CallTokens, MergedSample, merge_trajectory
 
 VOCAB = 97
@@ -113,17 +113,7 @@ def accumulate_gradient(
     dtype = next(model.parameters()).dtype
     for mb in batches:
         new = model_token_logprobs(model, mb.input_ids, mb.attention_mask)
-        loss, m = loss_fn(
-            config,
-            new,
-            mb.old_logprobs.to(dtype),
-            mb.advantages.to(dtype),
-            mb.loss_mask,
-            mb.versions,
-            current_version,
-            mb.seq_ids,
-            normaliser,
-        )
+        loss, m = loss_fn(config, LossInput.from_batch(mb, new, current_version), normaliser)
         loss.backward()
         metrics = metrics + m
     grad = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])

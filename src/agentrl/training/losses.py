@@ -1,7 +1,7 @@
-"""Policy losses: GRPO, MINIRL, GSPO and CrossEntropy (DESIGN §6, peers §1), with globally normalised sums.
+"""Policy losses: GRPO, MINIRL, GSPO and CrossEntropy, one function each, with globally normalised sums.
 
 Notation per token ``t`` (all tensors ``[B, T]``, aligned as in ``agentrl.training.logprobs``): ``ℓ`` the current
-policy's logprob (``new_logprobs``, carries the gradient), ``ℓ_μ`` the behaviour (engine) logprob
+policy's logprob (``LossInput.logprobs``, carries the gradient), ``ℓ_μ`` the behaviour (engine) logprob
 (``old_logprobs``), ``r = exp(ℓ - ℓ_μ)``, ``A`` the advantage, ``m`` the loss mask, ``sg`` stop-gradient,
 ``ε = epsilon``, ``ε_h = epsilon + epsilon_higher`` (the original's band: defaults 0.2 and 0.1 give [0.8, 1.3]).
 
@@ -21,9 +21,10 @@ policy's logprob (``new_logprobs``, carries the gradient), ``ℓ_μ`` the behavi
 Out-of-band mask (GRPO, MINIRL, GSPO): a loss token is dropped (contributes 0) when ``ratio > U_t`` and
 ``A > 0``, or ``ratio < L_t`` and ``A < 0``, with ``ratio`` the loss's own ratio (``r``; ``s`` for GSPO),
 ``U_t = 1 + (epsilon + epsilon_higher)·k·d_t`` and ``L_t = 1 - epsilon·k·d_t``, where ``k = 1`` with
-``strict_in_bound`` (band = clip range) else ``k = importance_weight_cap_ratio`` (``None``: no band), and ``d_t = exp(-out_of_date_decay · staleness_t)``
-narrows the band for stale tokens (``staleness = current_version - version``, 0 where the version is unknown).
-Unlike the original, strict bounds and the decay combine (the original ignored the decay under strict bounds).
+``strict_in_bound`` (band = clip range) else ``k = importance_weight_cap_ratio`` (``None``: no band), and
+``d_t = exp(-out_of_date_decay · staleness_t)`` narrows the band for stale tokens (``staleness = current_version -
+version``, 0 where the version is unknown). Unlike the original, strict bounds and the decay combine (the original
+ignored the decay under strict bounds).
 
 Aggregation, with ``N`` the caller's GLOBAL normaliser for the whole optimiser step (``global_normaliser``):
 * ``token_level_loss``: ``Σ_tokens L·M / N``, ``N`` = loss tokens of the step (all micro-batches, all ranks);
@@ -34,73 +35,145 @@ Aggregation, with ``N`` the caller's GLOBAL normaliser for the whole optimiser s
   The original's README recommends MINIRL with ``token_level_loss false``, ``strict_in_bound true``,
   ``skip_length_normalization true`` and GRPO with ``token_level_loss true``; other combinations also warn.
 Masked tokens leave the numerator, not ``N`` (which is fixed before the forward pass). The returned
-``loss_sum`` of every micro-batch and rank add up to the step's loss, so summing their gradients gives the
+``loss`` of every micro-batch and rank add up to the step's loss, so summing their gradients gives the
 step's gradient whatever the split. FSDP/DDP *average* gradients over data-parallel ranks: multiply the loss by
 the data-parallel world size, or turn the division off (FSDP2: ``model.set_gradient_divide_factor(1.0)``).
+
+Structure: each loss is one function ``(LossInput, LossConfig) -> TokenLoss`` (its per-token term, the tokens it
+keeps and, for a policy loss, its ratio statistics), registered under its ``LossName`` with :func:`register_loss`,
+which also says whether it reads behaviour logprobs and advantages (``policy_gradient``) and whether it is
+sequence-level by definition. :func:`loss_fn` picks it by ``config.loss_calculater`` and does the rest for every
+loss: input checks, the KL penalty, aggregation, the normaliser and the metrics.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Literal, Protocol
+from functools import cached_property
+from typing import TYPE_CHECKING, Annotated, NamedTuple, Protocol, get_args
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentrl.training.loss_config import LossConfig, LossName
 
 if TYPE_CHECKING:
     from agentrl.training.parallel import ParallelState
 
-LossName = Literal["GRPO", "MINIRL", "GSPO", "CrossEntropy"]
-
 MAX_LOG_RATIO = 20.0
 """Log-ratios are clamped to ±this before ``exp`` (a numerical guard: such tokens get no ratio gradient)."""
 
+FloatTokens = Annotated[torch.Tensor, "float [B, T]"]
+BoolTokens = Annotated[torch.Tensor, "bool [B, T]"]
+LongTokens = Annotated[torch.Tensor, "long [B, T]"]
+PerSequence = Annotated[torch.Tensor, "[S]: one value per sequence id"]
+Scalar = Annotated[torch.Tensor, "[]"]
 
-class LossConfig(BaseModel):
-    """Loss options (flags of ``agentrl train``; names and defaults of the original where it had them)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+# ----------------------------------------------------------------------------------------------------- inputs
 
-    loss_calculater: LossName = "GRPO"
-    epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="lower clip width ε")
-    epsilon_higher: float = Field(0.1, ge=0.0, description="upper clip is 1 + epsilon + epsilon_higher")
-    strict_in_bound: bool = Field(False, description="out-of-band mask = the clip range exactly")
-    out_of_date_decay: float | None = Field(None, ge=0.0, description="band shrinks by exp(-decay·staleness)")
-    importance_weight_cap_ratio: float | None = Field(
-        4.0, gt=0.0, description="band width multiplier k (None: no out-of-band mask unless strict_in_bound)"
-    )
-    truncated_is_cap: float | None = Field(None, gt=0.0, description="truncated importance sampling cap C")
-    token_level_loss: bool = Field(True, description="global token mean (else per-sequence aggregation)")
-    skip_length_normalization: bool = Field(False, description="per-sequence sums instead of means")
-    kl_coef: float = Field(0.0, ge=0.0, description="β of the k3 KL penalty to the reference policy")
 
-    @model_validator(mode="after")
-    def _decay_needs_band(self) -> LossConfig:
-        if self.out_of_date_decay is not None and not self.has_band:
-            raise ValueError("out_of_date_decay needs a band: set importance_weight_cap_ratio or strict_in_bound")
-        return self
+class _Batch(Protocol):
+    loss_mask: torch.Tensor
+    old_logprobs: torch.Tensor
+    advantages: torch.Tensor
+    versions: torch.Tensor
+    seq_ids: torch.Tensor
 
-    @property
-    def has_band(self) -> bool:
-        return self.loss_calculater != "CrossEntropy" and (
-            self.strict_in_bound or self.importance_weight_cap_ratio is not None
-        )
 
-    @property
-    def normalises_by_tokens(self) -> bool:
-        """Whether the global normaliser counts loss tokens (else sequences; always sequences for GSPO)."""
-        return self.token_level_loss and self.loss_calculater != "GSPO"
+@dataclass(frozen=True)
+class Sequences:
+    """The sequences of a micro-batch's loss tokens."""
 
-    @property
-    def length_normalised(self) -> bool:
-        """Whether each sequence's sum is divided by its loss tokens (GSPO always: its objective is a mean)."""
-        return self.loss_calculater == "GSPO" or not (self.token_level_loss or self.skip_length_normalization)
+    index: LongTokens
+    """each loss token's sequence id (0 off the loss tokens)"""
+    lengths: PerSequence
+    """loss tokens of each sequence id (in the logprobs' dtype)"""
 
-    @property
-    def needs_seq_ids(self) -> bool:
-        return self.length_normalised
+
+@dataclass(frozen=True, eq=False)
+class LossInput:
+    """One micro-batch's per-token tensors, all of one shape ``[B, T]``; what a loss reads beyond ``logprobs``
+    and ``loss_mask`` depends on it and the options (``loss_fn`` checks and names what is missing)."""
+
+    logprobs: FloatTokens
+    """ℓ: the current policy's logprobs (with gradient)"""
+    loss_mask: BoolTokens
+    """the tokens that carry loss (bool or 0/1)"""
+    old_logprobs: FloatTokens | None = None
+    """ℓ_μ: the behaviour logprobs (policy losses)"""
+    advantages: FloatTokens | None = None
+    """A (policy losses)"""
+    versions: LongTokens | None = None
+    """policy version that sampled each token, -1 unknown (``out_of_date_decay``)"""
+    current_version: int = 0
+    """the trained policy's version (``out_of_date_decay``)"""
+    seq_ids: LongTokens | None = None
+    """ids >= 0 of the sequence of every loss token (GSPO, per-sequence aggregation)"""
+    ref_logprobs: FloatTokens | None = None
+    """the reference policy's logprobs (``kl_coef > 0``)"""
+
+    def __post_init__(self) -> None:
+        shape = self.logprobs.shape
+        for item in fields(self):
+            value = getattr(self, item.name)
+            if isinstance(value, torch.Tensor) and value.shape != shape:
+                raise ValueError(f"{item.name} has shape {tuple(value.shape)}, logprobs {tuple(shape)}")
+
+    @classmethod
+    def from_batch(cls, batch: _Batch, logprobs: FloatTokens, current_version: int = 0,
+                   ref_logprobs: FloatTokens | None = None) -> LossInput:
+        """The loss input of a micro-batch (``agentrl.training.batching.MicroBatch``) scored ``logprobs``."""
+        return cls(logprobs=logprobs, loss_mask=batch.loss_mask, old_logprobs=batch.old_logprobs,
+                   advantages=batch.advantages, versions=batch.versions, current_version=current_version,
+                   seq_ids=batch.seq_ids, ref_logprobs=ref_logprobs)
+
+    @cached_property
+    def mask(self) -> BoolTokens:
+        return self.loss_mask.bool()
+
+    @cached_property
+    def sequences(self) -> Sequences:
+        """Sequence index and lengths from ``seq_ids`` (which must be given and >= 0 on every loss token)."""
+        if self.seq_ids is None:
+            raise ValueError("seq_ids are needed")
+        mask = self.mask
+        if bool((self.seq_ids[mask] < 0).any()):
+            raise ValueError("seq_ids must be >= 0 on every loss token")
+        index = torch.where(mask, self.seq_ids, 0)
+        return Sequences(index, torch.bincount(index[mask]).to(self.logprobs.dtype))
+
+
+# ------------------------------------------------------------------------------------------ outputs, metrics
+
+
+@dataclass(frozen=True)
+class RatioStats:
+    """What a policy loss measured over the loss tokens (0-d tensors)."""
+
+    masked_tokens: Scalar
+    """dropped by the out-of-band mask"""
+    clipped_tokens: Scalar
+    """kept, with the clipped term active"""
+    truncated_tokens: Scalar
+    """ratio above ``truncated_is_cap``"""
+    ratio_sum: Scalar
+    ratio_max: Scalar
+    behaviour_kl_sum: Scalar
+    """Σ k3(ℓ_μ ‖ ℓ) = Σ (r - 1 - log r)"""
+
+
+@dataclass(frozen=True)
+class TokenLoss:
+    """A loss's per-token term, before the shared KL penalty and aggregation."""
+
+    values: FloatTokens
+    """``L_t``, with gradient (read only where ``keep``)"""
+    keep: BoolTokens
+    """the loss tokens that count (the loss mask less the dropped tokens)"""
+    ratio: RatioStats | None = None
+    """policy losses: their ratio statistics"""
 
 
 @dataclass
@@ -149,6 +222,74 @@ class LossMetrics:
         }
 
 
+class LossOutput(NamedTuple):
+    """This micro-batch's share of the step loss (with gradient; summed, not averaged, over micro-batches and
+    ranks by the caller) and its metrics."""
+
+    loss: Scalar
+    metrics: LossMetrics
+
+
+# --------------------------------------------------------------------------------------------------- registry
+
+LossFn = Callable[[LossInput, LossConfig], TokenLoss]
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """A registered loss: its function and what the shared parts of ``loss_fn`` need to know about it."""
+
+    fn: LossFn
+    policy_gradient: bool
+    """it reads ``old_logprobs`` and ``advantages`` (and ``versions`` under ``out_of_date_decay``)"""
+    sequence_level: bool
+    """it is a per-sequence mean by definition, whatever the aggregation options say"""
+
+
+LOSSES: dict[LossName, LossSpec] = {}
+"""Every loss by name (``--loss_calculater``)."""
+
+
+def register_loss(name: LossName, *, policy_gradient: bool = True, sequence_level: bool = False
+                  ) -> Callable[[LossFn], LossFn]:
+    """Decorator: register a loss function under ``name``, which must be a ``LossName`` (the flag's choices)."""
+    if name not in get_args(LossName):
+        raise ValueError(f"loss {name!r} is not a LossName: add it to agentrl.training.loss_config.LossName")
+    if name in LOSSES:
+        raise ValueError(f"loss {name!r} is registered twice")
+
+    def register(fn: LossFn) -> LossFn:
+        LOSSES[name] = LossSpec(fn, policy_gradient, sequence_level)
+        return fn
+
+    return register
+
+
+# ------------------------------------------------------------------------------------------------ aggregation
+
+
+@dataclass(frozen=True)
+class Aggregation:
+    """How ``loss_fn`` sums the per-token terms (see the module doc)."""
+
+    by_tokens: bool
+    """the normaliser counts loss tokens (else sequences with a loss token)"""
+    length_normalised: bool
+    """each sequence's sum is divided by its loss tokens"""
+
+    @property
+    def needs_seq_ids(self) -> bool:
+        return self.length_normalised
+
+
+def aggregation(config: LossConfig) -> Aggregation:
+    """The aggregation of ``config``'s loss and options (a sequence-level loss is always a per-sequence mean)."""
+    sequence_level = LOSSES[config.loss_calculater].sequence_level
+    return Aggregation(
+        by_tokens=config.token_level_loss and not sequence_level,
+        length_normalised=sequence_level or not (config.token_level_loss or config.skip_length_normalization))
+
+
 class _Masked(Protocol):
     loss_mask: torch.Tensor
     seq_ids: torch.Tensor
@@ -157,7 +298,7 @@ class _Masked(Protocol):
 def count_normaliser(config: LossConfig, loss_mask: torch.Tensor, seq_ids: torch.Tensor | None = None) -> int:
     """This micro-batch's share of the normaliser: its loss tokens, or its sequences with a loss token."""
     mask = loss_mask.bool()
-    if config.normalises_by_tokens:
+    if aggregation(config).by_tokens:
         return int(mask.sum().item())
     if seq_ids is None:
         raise ValueError("per-sequence aggregation (token_level_loss=False) needs seq_ids")
@@ -176,144 +317,192 @@ def global_normaliser(
     return parallel.all_reduce([local], group="dp")[0]
 
 
-def _check_inputs(config: LossConfig, shape: torch.Size, **tensors: torch.Tensor | None) -> None:
-    for key, tensor in tensors.items():
-        if tensor is not None and tensor.shape != shape:
-            raise ValueError(f"{key} has shape {tuple(tensor.shape)}, new_logprobs {tuple(shape)}")
-    name = config.loss_calculater
-    if name != "CrossEntropy" and (tensors["old_logprobs"] is None or tensors["advantages"] is None):
-        raise ValueError(f"{name} needs old_logprobs and advantages")
-    if config.needs_seq_ids and tensors["seq_ids"] is None:
-        raise ValueError(f"{name} with this aggregation needs seq_ids")
-    if config.out_of_date_decay is not None and tensors["versions"] is None:
-        raise ValueError("out_of_date_decay needs versions")
-    if config.kl_coef > 0 and tensors["ref_logprobs"] is None:
-        raise ValueError("kl_coef > 0 needs ref_logprobs")
+def _aggregate(how: Aggregation, batch: LossInput, contribution: FloatTokens) -> Scalar:
+    if how.length_normalised:
+        sequences = batch.sequences
+        per_token = contribution / sequences.lengths.clamp_min(1.0)[sequences.index]
+        return torch.where(batch.mask, per_token, contribution.new_zeros(())).sum()
+    return contribution.sum()
 
 
-def _out_of_band(
-    config: LossConfig,
-    ratio: torch.Tensor,
-    adv: torch.Tensor,
-    versions: torch.Tensor | None,
-    current_version: int,
-) -> torch.Tensor:
+# -------------------------------------------------------------------------------------- shared policy helpers
+
+
+@dataclass(frozen=True)
+class TokenRatio:
+    """The per-token importance ratio of a policy loss."""
+
+    log_ratio: FloatTokens
+    """``ℓ - ℓ_μ`` clamped to ±MAX_LOG_RATIO, with gradient"""
+    ratio: FloatTokens
+    """``r = exp(log_ratio)``, with gradient"""
+    advantages: FloatTokens
+    """``A`` in the logprobs' dtype"""
+
+
+def token_ratio(batch: LossInput) -> TokenRatio:
+    dtype = batch.logprobs.dtype
+    advantages = batch.advantages.to(dtype)
+    log_ratio = (batch.logprobs - batch.old_logprobs.to(dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return TokenRatio(log_ratio, torch.exp(log_ratio), advantages)
+
+
+def _out_of_band(config: LossConfig, batch: LossInput, ratio: FloatTokens, adv: FloatTokens) -> BoolTokens:
     """Tokens whose ratio left the (staleness-narrowed) band in the direction their advantage pushes."""
     k = 1.0 if config.strict_in_bound else float(config.importance_weight_cap_ratio)
     width = torch.full_like(ratio, k)
     if config.out_of_date_decay is not None:
-        staleness = torch.where(versions < 0, 0, (current_version - versions).clamp_min(0))
+        versions = batch.versions
+        staleness = torch.where(versions < 0, 0, (batch.current_version - versions).clamp_min(0))
         width = width * torch.exp(-config.out_of_date_decay * staleness.to(ratio.dtype))
     upper = 1.0 + (config.epsilon + config.epsilon_higher) * width
     lower = 1.0 - config.epsilon * width
     return ((ratio > upper) & (adv > 0)) | ((ratio < lower) & (adv < 0))
 
 
-def loss_fn(
-    config: LossConfig,
-    new_logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor | None,
-    advantages: torch.Tensor | None,
-    loss_mask: torch.Tensor,
-    versions: torch.Tensor | None,
-    current_version: int,
-    seq_ids: torch.Tensor | None,
-    normaliser: float,
-    ref_logprobs: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossMetrics]:
-    """This micro-batch's share of the step loss and its metrics (see the module doc for the formulas).
+def in_band(config: LossConfig, batch: LossInput, band_ratio: FloatTokens, adv: FloatTokens
+            ) -> tuple[BoolTokens, Scalar]:
+    """The loss tokens the out-of-band mask keeps (``band_ratio`` detached), and how many it drops."""
+    mask = batch.mask
+    if not config.has_band:
+        return mask, mask.new_zeros((), dtype=torch.long)
+    out = _out_of_band(config, batch, band_ratio, adv)
+    return mask & ~out, (mask & out).sum()
 
-    All tensors have one shape (``[B, T]``): ``new_logprobs`` (float, with gradient), ``old_logprobs``
-    (behaviour logprobs; ``None`` only for CrossEntropy), ``advantages`` (``None`` only for CrossEntropy),
-    ``loss_mask`` (bool or 0/1), ``versions`` (long, policy version per token, -1 unknown; needed only with
-    ``out_of_date_decay``), ``seq_ids`` (long, ids >= 0 of the sequence of every loss token; needed for GSPO
-    and per-sequence length normalisation), ``ref_logprobs`` (reference policy, for ``kl_coef > 0``).
-    ``normaliser`` is the step's global ``N``. Returns ``(loss_sum, metrics)``: a scalar with gradient, summed
-    (not averaged) over micro-batches and ranks by the caller.
-    """
+
+def truncated_tokens(config: LossConfig, batch: LossInput, band_ratio: FloatTokens) -> Scalar:
+    """Loss tokens whose ratio exceeds ``truncated_is_cap`` (0 without a cap)."""
+    if config.truncated_is_cap is None:
+        return batch.mask.new_zeros((), dtype=torch.long)
+    return (batch.mask & (band_ratio > config.truncated_is_cap)).sum()
+
+
+def ratio_stats(batch: LossInput, ratio: TokenRatio, *, masked: Scalar, clipped: Scalar, truncated: Scalar
+                ) -> RatioStats:
+    """The token ratio's statistics over the loss tokens, with the loss's own counts."""
+    mask = batch.mask
+    values = ratio.ratio.detach()[mask]
+    behaviour_kl = (values - 1.0 - ratio.log_ratio.detach()[mask]).sum()
+    return RatioStats(masked_tokens=masked, clipped_tokens=clipped, truncated_tokens=truncated,
+                      ratio_sum=values.sum(), ratio_max=values.max(), behaviour_kl_sum=behaviour_kl)
+
+
+def clipped_surrogate(config: LossConfig, batch: LossInput, ratio: TokenRatio, policy_ratio: FloatTokens,
+                      band_ratio: FloatTokens) -> TokenLoss:
+    """``-min(r̃·A, clip(ρ, 1-ε, 1+ε_h)·A)`` with ``ρ = policy_ratio`` (with gradient), ``r̃`` it truncated at
+    ``truncated_is_cap``; clipping and the band are read on ``band_ratio`` (its detached value)."""
+    adv = ratio.advantages
+    keep, masked = in_band(config, batch, band_ratio, adv)
+    cap = config.truncated_is_cap
+    high = 1.0 + config.epsilon + config.epsilon_higher
+    unclipped = (policy_ratio if cap is None else policy_ratio.clamp(max=cap)) * adv
+    clipped = policy_ratio.clamp(1.0 - config.epsilon, high) * adv
+    active = ((band_ratio > high) & (adv > 0)) | ((band_ratio < 1.0 - config.epsilon) & (adv < 0))
+    stats = ratio_stats(batch, ratio, masked=masked, clipped=(keep & active).sum(),
+                        truncated=truncated_tokens(config, batch, band_ratio))
+    return TokenLoss(-torch.minimum(unclipped, clipped), keep, stats)
+
+
+# ----------------------------------------------------------------------------------------------------- losses
+
+
+@register_loss("GRPO")
+def grpo(batch: LossInput, config: LossConfig) -> TokenLoss:
+    """The clipped surrogate on the token ratio ``r``."""
+    ratio = token_ratio(batch)
+    return clipped_surrogate(config, batch, ratio, policy_ratio=ratio.ratio, band_ratio=ratio.ratio.detach())
+
+
+@register_loss("MINIRL")
+def minirl(batch: LossInput, config: LossConfig) -> TokenLoss:
+    """``-sg(w)·A·ℓ`` with ``w = r`` truncated at ``truncated_is_cap``; no clipping."""
+    ratio = token_ratio(batch)
+    band_ratio = ratio.ratio.detach()
+    keep, masked = in_band(config, batch, band_ratio, ratio.advantages)
+    cap = config.truncated_is_cap
+    weight = band_ratio if cap is None else band_ratio.clamp(max=cap)
+    stats = ratio_stats(batch, ratio, masked=masked, clipped=masked.new_zeros(()),
+                        truncated=truncated_tokens(config, batch, band_ratio))
+    return TokenLoss(-weight * ratio.advantages * batch.logprobs, keep, stats)
+
+
+@register_loss("GSPO", sequence_level=True)
+def gspo(batch: LossInput, config: LossConfig) -> TokenLoss:
+    """The clipped surrogate on ``ρ_t = sg(s)·exp(ℓ_t - sg(ℓ_t))``, ``s`` the sequence's geometric-mean ratio."""
+    ratio = token_ratio(batch)
+    sequences, mask = batch.sequences, batch.mask
+    log_ratio = ratio.log_ratio
+    seq_log_ratio = log_ratio.new_zeros(len(sequences.lengths)).index_add(0, sequences.index[mask], log_ratio[mask])
+    seq_ratio = torch.exp(seq_log_ratio.detach() / sequences.lengths.clamp_min(1.0))[sequences.index]
+    policy_ratio = seq_ratio * torch.exp(batch.logprobs - batch.logprobs.detach())
+    return clipped_surrogate(config, batch, ratio, policy_ratio=policy_ratio, band_ratio=seq_ratio)
+
+
+@register_loss("CrossEntropy", policy_gradient=False)
+def cross_entropy(batch: LossInput, config: LossConfig) -> TokenLoss:
+    """``-ℓ`` on every loss token."""
+    return TokenLoss(-batch.logprobs, batch.mask)
+
+
+# ---------------------------------------------------------------------------------------------------- loss_fn
+
+
+def loss_spec(config: LossConfig) -> LossSpec:
+    """The registered loss ``config`` names."""
+    return LOSSES[config.loss_calculater]
+
+
+def _check_inputs(config: LossConfig, spec: LossSpec, batch: LossInput) -> None:
+    name = config.loss_calculater
+    if spec.policy_gradient:
+        if batch.old_logprobs is None or batch.advantages is None:
+            raise ValueError(f"{name} needs old_logprobs and advantages")
+        if config.out_of_date_decay is not None and batch.versions is None:
+            raise ValueError("out_of_date_decay needs versions")
+    if aggregation(config).needs_seq_ids and batch.seq_ids is None:
+        raise ValueError(f"{name} with this aggregation needs seq_ids")
+    if config.kl_coef > 0 and batch.ref_logprobs is None:
+        raise ValueError("kl_coef > 0 needs ref_logprobs")
+
+
+def _metrics(loss_sum: Scalar, batch: LossInput, stats: RatioStats | None, ref_kl: Scalar | None) -> LossMetrics:
+    """The micro-batch's metrics, in one device-to-host transfer."""
+    zero = loss_sum.new_zeros((), dtype=torch.float64)
+    sequences = (batch.sequences.lengths > 0).sum() if batch.seq_ids is not None else zero
+    ratio = [getattr(stats, item.name) for item in fields(RatioStats)] if stats else [zero] * len(fields(RatioStats))
+    tensors = [loss_sum.detach(), batch.mask.sum(), sequences, *ratio, zero if ref_kl is None else ref_kl]
+    values = torch.stack([value.to(torch.float64) for value in tensors]).tolist()
+    loss, tokens, sequence_count, masked, clipped, truncated, ratio_sum, ratio_max, behaviour_kl, ref_kl_sum = values
+    return LossMetrics(loss=loss, loss_tokens=tokens, sequences=sequence_count, masked_tokens=masked,
+                       clipped_tokens=clipped, truncated_tokens=truncated, ratio_sum=ratio_sum, ratio_max=ratio_max,
+                       behaviour_kl_sum=behaviour_kl, ref_kl_sum=ref_kl_sum)
+
+
+def loss_fn(config: LossConfig, batch: LossInput, normaliser: float) -> LossOutput:
+    """This micro-batch's share of the step loss and its metrics (see the module doc for the formulas), with the
+    loss ``config.loss_calculater`` names; ``normaliser`` is the step's global ``N``."""
     if not normaliser > 0:
         raise ValueError(f"normaliser must be positive (the step has no loss token?), got {normaliser}")
-    _check_inputs(
-        config,
-        new_logprobs.shape,
-        old_logprobs=old_logprobs,
-        advantages=advantages,
-        loss_mask=loss_mask,
-        versions=versions,
-        seq_ids=seq_ids,
-        ref_logprobs=ref_logprobs,
-    )
-    name = config.loss_calculater
-    dtype = new_logprobs.dtype
-    mask = loss_mask.bool()
+    spec = loss_spec(config)
+    _check_inputs(config, spec, batch)
+    mask = batch.mask
     if not bool(mask.any()):
         # nothing to train here, but every rank must still run backward through the graph
-        return (new_logprobs * 0.0).sum() / normaliser, LossMetrics()
+        return LossOutput((batch.logprobs * 0.0).sum() / normaliser, LossMetrics())
+    if batch.seq_ids is not None:
+        _ = batch.sequences  # checks seq_ids before any loss is computed
 
-    seq = seq_lengths = None
-    if seq_ids is not None:
-        if bool((seq_ids[mask] < 0).any()):
-            raise ValueError("seq_ids must be >= 0 on every loss token")
-        seq = torch.where(mask, seq_ids, 0)
-        seq_lengths = torch.bincount(seq[mask]).to(dtype)  # index i: loss tokens of sequence i
-
-    zero = new_logprobs.new_zeros(())
-    counts: dict[str, torch.Tensor] = {"loss_tokens": mask.sum()}
-    if seq_lengths is not None:
-        counts["sequences"] = (seq_lengths > 0).sum()
-    keep = mask
-    if name == "CrossEntropy":
-        per_token = -new_logprobs
-    else:
-        adv = advantages.to(dtype)
-        log_ratio = (new_logprobs - old_logprobs.to(dtype)).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
-        ratio = torch.exp(log_ratio)
-        if name == "GSPO":
-            seq_log_ratio = log_ratio.new_zeros(len(seq_lengths)).index_add(0, seq[mask], log_ratio[mask])
-            seq_ratio = torch.exp(seq_log_ratio.detach() / seq_lengths.clamp_min(1.0))
-            band_ratio = seq_ratio[seq]
-            policy_ratio = band_ratio * torch.exp(new_logprobs - new_logprobs.detach())
-        else:
-            band_ratio = ratio.detach()
-            policy_ratio = ratio
-        if config.has_band:
-            out = _out_of_band(config, band_ratio, adv, versions, current_version)
-            keep = mask & ~out
-            counts["masked_tokens"] = (mask & out).sum()
-        cap = config.truncated_is_cap
-        if cap is not None:
-            counts["truncated_tokens"] = (mask & (band_ratio > cap)).sum()
-        if name == "MINIRL":
-            weight = band_ratio if cap is None else band_ratio.clamp(max=cap)
-            per_token = -weight * adv * new_logprobs
-        else:
-            high = 1.0 + config.epsilon + config.epsilon_higher
-            unclipped = (policy_ratio if cap is None else policy_ratio.clamp(max=cap)) * adv
-            clipped = policy_ratio.clamp(1.0 - config.epsilon, high) * adv
-            per_token = -torch.minimum(unclipped, clipped)
-            active = ((band_ratio > high) & (adv > 0)) | ((band_ratio < 1.0 - config.epsilon) & (adv < 0))
-            counts["clipped_tokens"] = (keep & active).sum()
-        token_ratio = ratio.detach()[mask]
-        counts["ratio_sum"] = token_ratio.sum()
-        counts["ratio_max"] = token_ratio.max()
-        counts["behaviour_kl_sum"] = (token_ratio - 1.0 - log_ratio.detach()[mask]).sum()
-
-    contribution = torch.where(keep, per_token, zero)
+    token_loss = spec.fn(batch, config)
+    zero = batch.logprobs.new_zeros(())
+    contribution = torch.where(token_loss.keep, token_loss.values, zero)
+    ref_kl = None
     if config.kl_coef > 0:
-        ref_delta = ref_logprobs.to(dtype) - new_logprobs
+        ref_delta = batch.ref_logprobs.to(batch.logprobs.dtype) - batch.logprobs
         k3 = torch.exp(ref_delta.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)) - ref_delta - 1.0
         contribution = contribution + torch.where(mask, config.kl_coef * k3, zero)
-        counts["ref_kl_sum"] = k3.detach()[mask].sum()
-
-    if config.length_normalised:
-        total = torch.where(mask, contribution / seq_lengths.clamp_min(1.0)[seq], zero).sum()
-    else:
-        total = contribution.sum()
-    loss_sum = total / normaliser
-    counts["loss"] = loss_sum.detach()
-    # one device-to-host transfer for all metrics
-    values = torch.stack([v.to(torch.float64) for v in counts.values()]).tolist()
-    metrics = LossMetrics(**dict(zip(counts, values)))
+        ref_kl = k3.detach()[mask].sum()
+    loss_sum = _aggregate(aggregation(config), batch, contribution) / normaliser
+    metrics = _metrics(loss_sum, batch, token_loss.ratio, ref_kl)
     if not math.isfinite(metrics.loss):
-        raise FloatingPointError(f"{name} loss is not finite ({metrics.loss}); check the logprobs")
-    return loss_sum, metrics
+        raise FloatingPointError(f"{config.loss_calculater} loss is not finite ({metrics.loss}); check the logprobs")
+    return LossOutput(loss_sum, metrics)

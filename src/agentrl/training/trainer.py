@@ -50,7 +50,7 @@ from agentrl.training.config import TrainConfig
 from agentrl.training.data import SampleStream, StepData, StepEnd, move_record, to_merged
 from agentrl.training.launcher import LaunchConfigError, apply_launch_config
 from agentrl.training.logprobs import layout_logprobs, shared_prefix_unsupported
-from agentrl.training.losses import LossMetrics, global_normaliser, loss_fn
+from agentrl.training.losses import LossInput, LossMetrics, global_normaliser, loss_fn, loss_spec
 from agentrl.training.metrics import (
     SAMPLE_STATS,
     MetricsSink,
@@ -92,6 +92,7 @@ class Trainer:
     def __init__(self, config: TrainConfig):
         self.cfg = config
         self.loss_cfg = config.loss_config()
+        self.policy_gradient = loss_spec(self.loss_cfg).policy_gradient  # behaviour logprobs to compare with
         self.stop = threading.Event()
         self.parallel: ParallelState | None = None
         self.io: LoopThread | None = None
@@ -510,11 +511,10 @@ class Trainer:
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs = layout_logprobs(self.ref_model, batch.layout, temperature=cfg.temperature)
-        loss_sum, metrics = loss_fn(self.loss_cfg, new_logprobs, batch.old_logprobs, batch.advantages,
-                                    batch.loss_mask, batch.versions, self.version, batch.seq_ids, normaliser,
-                                    ref_logprobs)
+        loss_input = LossInput.from_batch(batch, new_logprobs, self.version, ref_logprobs)
+        loss_sum, metrics = loss_fn(self.loss_cfg, loss_input, normaliser)
         (loss_sum * self.parallel.dp_size).backward()
-        if cfg.loss_calculater != "CrossEntropy":
+        if self.policy_gradient:
             with torch.no_grad():
                 mask = batch.loss_mask
                 gap = (new_logprobs.detach() - batch.old_logprobs).abs()
@@ -529,7 +529,7 @@ class Trainer:
         return metrics, None
 
     def _mismatch_metrics(self, mismatch: Reducer) -> dict[str, float]:
-        if self.cfg.loss_calculater == "CrossEntropy":
+        if not self.policy_gradient:
             return {}
         names = [(kind, f"{stat}{suffix}") for suffix in ("", "_fresh")
                  for kind, stat in (("sum", "count"), ("sum", "sum"), ("max", "max"))]
