@@ -14,7 +14,8 @@ import pytest
 from agentrl.cli.main import build_parser as build_cli_parser
 from agentrl.train import ORIGINAL_FLAGS, parse_args
 from agentrl.training import losses
-from agentrl.training.config import LossName, TrainConfig
+from agentrl.training.config import TrainConfig
+from agentrl.training.loss_config import LossConfig, LossName
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -35,20 +36,57 @@ def test_original_flag_names_and_values_parse() -> None:
         "cosine", "--max_steps", "1000", "--warmup_steps", "10", "--max_grad_norm", "1.0", "--save_steps", "3",
         "--resume_from_checkpoint", "latest", "--enable_sampling", "false", "--sync_every", "2", "--seed", "42"])
     assert not verbose and warnings == []
-    assert (config.loss_calculater, config.strict_in_bound, config.token_level_loss) == ("MINIRL", True, False)
-    assert config.skip_length_normalization and config.bf16 is True
-    assert config.importance_weight_cap_ratio is None and config.epsilon_higher == 0.28
+    loss = config.loss
+    assert (loss.loss_calculater, loss.strict_in_bound, loss.token_level_loss) == ("MINIRL", True, False)
+    assert loss.skip_length_normalization and config.bf16 is True
+    assert loss.importance_weight_cap_ratio is None and loss.epsilon_higher == 0.28
     assert config.report_to == ["tensorboard"] and config.sync_every == 2 and not config.enable_sampling
     # the global batch: per-device × accumulation × data-parallel ranks, unless given directly
     assert config.resolved_train_batch_size(dp_size=2) == 96
     assert TrainConfig(train_batch_size=32).resolved_train_batch_size(dp_size=4) == 32
     with pytest.raises(ValueError, match="smaller than the data-parallel size"):
         TrainConfig(train_batch_size=2).resolved_train_batch_size(dp_size=4)
-    assert config.loss_config().strict_in_bound  # a valid LossConfig of the losses module
 
 
-def test_loss_names_match_the_losses_module() -> None:
-    assert typing.get_args(LossName) == typing.get_args(losses.LossName)
+def test_every_loss_name_is_a_registered_loss() -> None:
+    assert set(typing.get_args(LossName)) == set(losses.LOSSES)
+
+
+LOSS_FLAG_DEFAULTS = {
+    "loss_calculater": "GRPO", "epsilon": 0.2, "epsilon_higher": 0.1, "strict_in_bound": False,
+    "out_of_date_decay": None, "importance_weight_cap_ratio": 4.0, "truncated_is_cap": None,
+    "token_level_loss": True, "skip_length_normalization": False, "kl_coef": 0.0,
+}
+"""The original's loss flags and their defaults, which users' scripts rely on."""
+
+
+def test_loss_flags_keep_their_names_and_defaults() -> None:
+    config = parse_args([]).config
+    assert config.loss.model_dump() == LOSS_FLAG_DEFAULTS
+    snapshot = config.flag_values(exclude=frozenset({"db_connection_string"}))  # the run's snapshot: flat flags
+    assert {name: snapshot[name] for name in LOSS_FLAG_DEFAULTS} == LOSS_FLAG_DEFAULTS
+    assert "loss" not in snapshot and "db_connection_string" not in snapshot and snapshot["max_steps"] == -1
+    given = parse_args(["--loss_calculater", "GSPO", "--epsilon", "0.1", "--epsilon_higher", "0.2",
+                        "--strict_in_bound", "--out_of_date_decay", "0.5", "--importance_weight_cap_ratio", "2",
+                        "--truncated_is_cap", "3", "--token_level_loss", "false", "--skip_length_normalization",
+                        "false", "--kl_coef", "0.01"]).config
+    assert given.loss == LossConfig(
+        loss_calculater="GSPO", epsilon=0.1, epsilon_higher=0.2, strict_in_bound=True, out_of_date_decay=0.5,
+        importance_weight_cap_ratio=2.0, truncated_is_cap=3.0, token_level_loss=False,
+        skip_length_normalization=False, kl_coef=0.01)
+    assert TrainConfig(**given.model_dump()) == given
+
+
+def test_loss_options_are_checked_when_parsed(capsys: pytest.CaptureFixture) -> None:
+    error = _fails(["--out_of_date_decay", "0.1", "--importance_weight_cap_ratio", "none"], capsys)
+    assert "out_of_date_decay needs a band" in error
+    assert "--kl_coef: Input should be greater than or equal to 0" in _fails(["--kl_coef", "-1"], capsys)
+
+
+def test_cross_entropy_warns_about_the_ratio_flags_it_ignores() -> None:
+    [line] = parse_args(["--loss_calculater", "CrossEntropy", "--epsilon", "0.3", "--out_of_date_decay", "0.1",
+                         "--kl_coef", "0.1"]).warnings
+    assert "--loss_calculater CrossEntropy" in line and "--epsilon 0.3, --out_of_date_decay 0.1 ignored" in line
 
 
 def test_errors_name_the_flag(capsys: pytest.CaptureFixture) -> None:
@@ -138,8 +176,8 @@ def _accepted_by_its_parser(command: str) -> None:
 def test_minirl_example_flags_parse_unchanged() -> None:
     parsed = parse_args(MINIRL_SCRIPT)
     c = parsed.config
-    assert (c.loss_calculater, c.token_level_loss, c.strict_in_bound, c.skip_length_normalization) == (
-        "MINIRL", False, True, True)
+    assert (c.loss.loss_calculater, c.loss.token_level_loss, c.loss.strict_in_bound,
+            c.loss.skip_length_normalization) == ("MINIRL", False, True, True)
     assert (c.adam_beta1, c.adam_beta2, c.adam_epsilon, c.weight_decay) == (0.9, 0.98, 1e-8, 0.05)
     assert (c.learning_rate, c.lr_scheduler_type, c.warmup_steps, c.max_steps, c.max_grad_norm) == (
         2e-6, "cosine", 10, 1000, 1.0)
@@ -147,7 +185,6 @@ def test_minirl_example_flags_parse_unchanged() -> None:
     assert (c.per_device_train_batch_size, c.gradient_accumulation_steps, c.max_tokens, c.pad_to_multiple_of) == (
         1, 48, 131072, 4096)
     assert c.temperature == 1.0 and c.report_to == ["swanlab"] and c.save_steps == 3 and c.enable_sampling
-    assert c.loss_config().strict_in_bound
     for flag in IGNORED | {"compress_history"}:
         assert len(_lines_about(parsed.warnings, flag)) == 1, (flag, parsed.warnings)
     assert not any("MINIRL" in line for line in parsed.warnings)  # the recommended recipe
@@ -156,8 +193,8 @@ def test_minirl_example_flags_parse_unchanged() -> None:
 def test_grpo_example_flags_parse_unchanged() -> None:
     parsed = parse_args(GRPO_SCRIPT)
     c = parsed.config
-    assert (c.loss_calculater, c.token_level_loss, c.strict_in_bound, c.skip_length_normalization) == (
-        "GRPO", True, False, False)
+    assert (c.loss.loss_calculater, c.loss.token_level_loss, c.loss.strict_in_bound,
+            c.loss.skip_length_normalization) == ("GRPO", True, False, False)
     assert (c.adam_beta1, c.adam_beta2, c.weight_decay, c.learning_rate, c.warmup_steps) == (
         0.9, 0.98, 0.05, 2e-6, 5)
     assert c.save_only_model and c.bf16 is True and c.tp_size == 4 and c.num_train_epochs == 5

@@ -116,7 +116,9 @@ def test_sft_cross_entropy_decreases_over_epochs(db_uri: str, tiny_model_dir: Pa
     client, db = _db(db_uri)
     try:
         assert {(d["status"], d["epoch"]) for d in db.DBRecordData.find()} == {("trained", 3)}
-        assert db.Run.find_one()["policy_version"] == 0  # offline: nothing published
+        run = db.Run.find_one()
+        assert run["policy_version"] == 0  # offline: nothing published
+        assert run["config"]["loss_calculater"] == "CrossEntropy" and "loss" not in run["config"]  # flat flags
     finally:
         client.close()
     assert not (out / "weights").exists()

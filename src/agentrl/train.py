@@ -194,28 +194,61 @@ def _add_field(parser: argparse.ArgumentParser, name: str, annotation: Any, help
     parser.add_argument(f"--{name}", **kwargs)
 
 
+def _nested_model(annotation: Any) -> type[BaseModel] | None:
+    """The model class of a field holding a nested model (its fields are flags of their own), else None."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
 def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
     """Register one ``--FIELD`` flag per field of ``model``, its description as help (with its default, unless the
     description says it: ``default:``); a flag not given is absent from the namespace, so the model's default
-    applies."""
+    applies. The fields of a nested model (e.g. ``TrainConfig.loss``) are flags under their own names."""
     for name, info in model.model_fields.items():
+        if nested := _nested_model(info.annotation):
+            add_model_arguments(parser, nested)
+            continue
         default = info.get_default(call_default_factory=True)
         description = info.description or ""
         help_text = description if "default:" in description else f"{description} (default: {default})".strip()
         _add_field(parser, name, info.annotation, help_text)
 
 
+def _field_values(model: type[BaseModel], given: dict[str, Any]) -> dict[str, Any]:
+    """The ``given`` flags of ``model``'s fields, those of a nested model gathered under its field (left out when
+    none of them is given, so that its default applies)."""
+    values: dict[str, Any] = {}
+    for name, info in model.model_fields.items():
+        if nested := _nested_model(info.annotation):
+            if inner := _field_values(nested, given):
+                values[name] = inner
+        elif name in given:
+            values[name] = given[name]
+    return values
+
+
+def _flag_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
+    """The flag of a validation error's location (through nested models), or None for a whole model."""
+    for part in loc:
+        info = model.model_fields.get(part) if isinstance(part, str) else None
+        if info is None:
+            return None
+        nested = _nested_model(info.annotation)
+        if nested is None:
+            return str(part)
+        model = nested
+    return None
+
+
 def model_from_namespace(model: type[ModelT], args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelT:
     """``model`` from the parsed flags of :func:`add_model_arguments`; an invalid value is a parser error naming
     its flag."""
-    values = {name: value for name, value in vars(args).items() if name in model.model_fields}
     try:
-        return model(**values)
+        return model(**_field_values(model, vars(args)))
     except ValidationError as error:
         problems = []
         for item in error.errors():
-            where = f"--{item['loc'][0]}" if item["loc"] else "flags"
-            problems.append(f"{where}: {item['msg']}")
+            name = _flag_at(model, item["loc"])
+            problems.append(f"{f'--{name}' if name else 'flags'}: {item['msg']}")
         parser.error("; ".join(problems))
 
 

@@ -10,7 +10,8 @@ Flags of the original kept for its scripts: ``--optim_args`` (Hugging Face synta
 ``adam_beta2`` and ``adam_epsilon``; ``--preferred_sampling_params`` gives ``temperature`` (that of the behaviour
 logprobs); ``--report_to`` accepts every Hugging Face integration, but only tensorboard and wandb are sinks here.
 :meth:`TrainConfig.advisories` lists, one line each, what is accepted but not done, and loss recipes combined
-with settings their authors recommend against.
+with settings their authors recommend against. The loss options are one nested model, ``TrainConfig.loss``
+(:class:`agentrl.training.loss_config.LossConfig`), whose fields are flags of their own (``--epsilon``).
 
 This module imports no torch, so building the command-line parser stays fast.
 """
@@ -23,7 +24,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-LossName = Literal["GRPO", "MINIRL", "GSPO", "CrossEntropy"]
+from agentrl.training.loss_config import LossConfig
+
 SchedulerName = Literal["constant", "linear", "cosine"]
 ReportTarget = Literal["none", "tensorboard", "wandb", "all", "azure_ml", "clearml", "codecarbon", "comet_ml",
                        "dagshub", "dvclive", "flyte", "kubeflow", "mlflow", "neptune", "swanlab", "trackio"]
@@ -32,17 +34,6 @@ SUPPORTED_REPORT_TARGETS: frozenset[str] = frozenset({"none", "tensorboard", "wa
 
 OPTIM_ARGS: dict[str, str] = {"beta1": "adam_beta1", "beta2": "adam_beta2", "eps": "adam_epsilon"}
 """``--optim_args`` keys and the fields they set."""
-
-RECIPES: dict[str, dict[str, bool]] = {
-    "MINIRL": {"token_level_loss": False, "strict_in_bound": True, "skip_length_normalization": True},
-    "GRPO": {"token_level_loss": True},
-}
-"""The settings the original's README recommends with each loss."""
-
-
-def _flag(name: str, value: Any) -> str:
-    return f"--{name} {str(value).lower() if isinstance(value, bool) else value}"
-
 
 def _set_unless_contradicted(data: dict[str, Any], field: str, value: float, source: str) -> None:
     """``data[field] = value``, or an error naming ``source`` and ``--field`` when that was given otherwise."""
@@ -125,17 +116,7 @@ class TrainConfig(BaseModel):
         "--temperature (the other parameters belong to the samplers or the engine)")
 
     # -------------------------------------------------------------------------------------------------- losses
-    loss_calculater: LossName = Field("GRPO", description="GRPO, MINIRL, GSPO or CrossEntropy (SFT)")
-    epsilon: float = Field(0.2, ge=0.0, lt=1.0, description="lower clip width ε")
-    epsilon_higher: float = Field(0.1, ge=0.0, description="the upper clip is 1 + epsilon + epsilon_higher")
-    strict_in_bound: bool = Field(False, description="out-of-band token mask = the clip range exactly")
-    out_of_date_decay: float | None = Field(None, ge=0.0, description="band shrinks by exp(-decay × staleness)")
-    importance_weight_cap_ratio: float | None = Field(
-        4.0, gt=0.0, description="out-of-band mask width multiplier (none: no mask unless strict_in_bound)")
-    truncated_is_cap: float | None = Field(None, gt=0.0, description="truncated importance sampling cap")
-    token_level_loss: bool = Field(True, description="global token mean (false: per-sequence aggregation)")
-    skip_length_normalization: bool = Field(False, description="per-sequence sums instead of means")
-    kl_coef: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference model")
+    loss: LossConfig = Field(default_factory=LossConfig, description="the loss options: each field is a flag")
     ref_model_name_or_path: str | None = Field(
         None, description="reference model for kl_coef (default: model_name_or_path)")
 
@@ -242,7 +223,7 @@ class TrainConfig(BaseModel):
         if self.lora_publish == "adapter" and self.lora_modules_to_save:
             raise ValueError("--lora_publish adapter cannot serve --lora_modules_to_save (inference servers load "
                              "only LoRA pairs): publish merged weights instead")
-        if self.kl_coef == 0 and self.ref_model_name_or_path is not None:
+        if self.loss.kl_coef == 0 and self.ref_model_name_or_path is not None:
             raise ValueError("--ref_model_name_or_path is only used with --kl_coef > 0")
         _ = self.precision
         return self
@@ -267,19 +248,15 @@ class TrainConfig(BaseModel):
             notes.append(f"--num_train_epochs {self.num_train_epochs}: passes over the queued samples apply to "
                          "offline training (--enable_sampling false); with sampling every uploaded task gets its "
                          "samples once and training ends when they are trained or at --max_steps")
-        if self.loss_calculater == "GSPO":
-            ignored = [_flag(name, True) for name in ("token_level_loss", "skip_length_normalization")
-                       if name in explicit and getattr(self, name)]
-            if ignored:
-                notes.append(f"--loss_calculater GSPO: {' and '.join(ignored)} ignored: GSPO is sequence-level "
-                             "(each sequence's token mean, averaged over the step's sequences)")
-        recipe = RECIPES.get(self.loss_calculater, {})
-        deviations = [_flag(name, getattr(self, name)) for name, value in recipe.items()
-                      if getattr(self, name) != value]
-        if deviations:
-            notes.append(f"--loss_calculater {self.loss_calculater} with {', '.join(deviations)}: its authors "
-                         f"recommend {' '.join(_flag(name, value) for name, value in recipe.items())}")
-        return notes
+        return notes + self.loss.advisories()
+
+    def flag_values(self, exclude: frozenset[str] = frozenset()) -> dict[str, Any]:
+        """Every flag and its value (JSON types; the fields of nested models such as ``loss`` are flags of their
+        own), less ``exclude``: the run's configuration snapshot."""
+        values: dict[str, Any] = {}
+        for name, value in self.model_dump(mode="json").items():
+            values.update(value if isinstance(getattr(self, name), BaseModel) else {name: value})
+        return {name: value for name, value in values.items() if name not in exclude}
 
     @property
     def precision(self) -> Literal["auto", "float32", "bfloat16"]:
@@ -308,14 +285,3 @@ class TrainConfig(BaseModel):
             raise ValueError(f"train_batch_size {size} is smaller than the data-parallel size {dp_size}: every "
                              "rank needs at least one sample per step")
         return size
-
-    def loss_config(self):
-        """The ``agentrl.training.losses.LossConfig`` of these options."""
-        from agentrl.training.losses import LossConfig
-
-        return LossConfig(
-            loss_calculater=self.loss_calculater, epsilon=self.epsilon, epsilon_higher=self.epsilon_higher,
-            strict_in_bound=self.strict_in_bound, out_of_date_decay=self.out_of_date_decay,
-            importance_weight_cap_ratio=self.importance_weight_cap_ratio, truncated_is_cap=self.truncated_is_cap,
-            token_level_loss=self.token_level_loss, skip_length_normalization=self.skip_length_normalization,
-            kl_coef=self.kl_coef)

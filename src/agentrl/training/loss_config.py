@@ -7,12 +7,27 @@ names and defaults). The formulas are in :mod:`agentrl.training.losses`, whose r
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LossName = Literal["GRPO", "MINIRL", "GSPO", "CrossEntropy"]
 """The losses of ``agentrl.training.losses.LOSSES`` (``--loss_calculater``'s choices)."""
+
+RECIPES: dict[str, dict[str, bool]] = {
+    "MINIRL": {"token_level_loss": False, "strict_in_bound": True, "skip_length_normalization": True},
+    "GRPO": {"token_level_loss": True},
+}
+"""The settings the original's README recommends with each loss."""
+
+RATIO_FLAGS = ("epsilon", "epsilon_higher", "strict_in_bound", "out_of_date_decay", "importance_weight_cap_ratio",
+               "truncated_is_cap")
+"""Options of the importance ratio, which CrossEntropy does not have."""
+
+
+def flag(name: str, value: Any) -> str:
+    """``--name value`` as written on a command line (booleans ``true``/``false``)."""
+    return f"--{name} {str(value).lower() if isinstance(value, bool) else value}"
 
 
 class LossConfig(BaseModel):
@@ -42,3 +57,28 @@ class LossConfig(BaseModel):
     def has_band(self) -> bool:
         """Whether policy losses drop the tokens whose ratio left the band (see ``losses._out_of_band``)."""
         return self.strict_in_bound or self.importance_weight_cap_ratio is not None
+
+    def advisories(self) -> list[str]:
+        """One line per option that this loss ignores, or that its authors recommend against (``agentrl train``
+        logs them at start-up); only options given explicitly count as ignored."""
+        notes: list[str] = []
+        explicit = self.model_fields_set
+        name = self.loss_calculater
+        if name == "GSPO":
+            ignored = [flag(field, True) for field in ("token_level_loss", "skip_length_normalization")
+                       if field in explicit and getattr(self, field)]
+            if ignored:
+                notes.append(f"{flag('loss_calculater', name)}: {' and '.join(ignored)} ignored: GSPO is "
+                             "sequence-level (each sequence's token mean, averaged over the step's sequences)")
+        if name == "CrossEntropy":
+            ignored = [flag(field, getattr(self, field)) for field in RATIO_FLAGS if field in explicit]
+            if ignored:
+                notes.append(f"{flag('loss_calculater', name)}: {', '.join(ignored)} ignored: supervised "
+                             "training has no importance ratio")
+        recipe = RECIPES.get(name, {})
+        deviations = [flag(field, getattr(self, field)) for field, value in recipe.items()
+                      if getattr(self, field) != value]
+        if deviations:
+            notes.append(f"{flag('loss_calculater', name)} with {', '.join(deviations)}: its authors recommend "
+                         f"{' '.join(flag(field, value) for field, value in recipe.items())}")
+        return notes

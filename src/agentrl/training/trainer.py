@@ -91,8 +91,8 @@ class Trainer:
 
     def __init__(self, config: TrainConfig):
         self.cfg = config
-        self.loss_cfg = config.loss_config()
-        self.policy_gradient = loss_spec(self.loss_cfg).policy_gradient  # behaviour logprobs to compare with
+        self.loss_cfg = config.loss
+        self.policy_gradient = loss_spec(config.loss).policy_gradient  # behaviour logprobs to compare with
         self.stop = threading.Event()
         self.parallel: ParallelState | None = None
         self.io: LoopThread | None = None
@@ -135,7 +135,7 @@ class Trainer:
                     self.batch_size, self.output_dir)
         if parallel.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            snapshot = cfg.model_dump(mode="json", exclude={"db_connection_string"})
+            snapshot = cfg.flag_values(exclude=frozenset({"db_connection_string"}))
             self.io.run(self.store.runs.get_or_create(self.run_name, snapshot))
             self.io.run(self.store.runs.set_status(RunStatus.RUNNING))
             self.sink = MetricsSink(self.store, self.io, report_to=cfg.report_to,
@@ -158,7 +158,8 @@ class Trainer:
                                    f"only, and {', '.join(odd[:3])} is not one: leave it out of "
                                    "--lora_target_modules or publish merged weights")
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
-        self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.kl_coef > 0 else None
+        self.ref_model = (self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.loss.kl_coef > 0
+                          else None)
         self.min_shared = self._min_shared()
         self.optimizer = self._build_optimizer()
         from transformers import get_scheduler
