@@ -13,6 +13,7 @@ from pydantic import ValidationError
 
 from agentrl.training.batching import collate, pack_micro_batches
 from agentrl.training.losses import (
+    LOSSES,
     LossConfig,
     LossInput,
     LossMetrics,
@@ -20,6 +21,7 @@ from agentrl.training.losses import (
     count_normaliser,
     global_normaliser,
     loss_fn,
+    register_loss,
 )
 from training_core_fixtures import accumulate_gradient, rank_worker, step_samples, tiny_llama
 
@@ -266,6 +268,127 @@ def test_metrics_add_up() -> None:
     assert d["ratio_mean"] == pytest.approx(1.0) and d["ratio_max"] == 2.5
     assert LossMetrics().as_dict()["clip_fraction"] == 0.0
     assert LossMetrics().all_reduce() == LossMetrics()  # no process group: unchanged
+
+
+def test_the_registry_names_every_loss_once() -> None:
+    assert set(LOSSES) == {"GRPO", "MINIRL", "GSPO", "CrossEntropy"}
+    assert [name for name, spec in LOSSES.items() if spec.sequence_level] == ["GSPO"]
+    assert [name for name, spec in LOSSES.items() if not spec.policy_gradient] == ["CrossEntropy"]
+    with pytest.raises(ValueError, match="registered twice"):
+        register_loss("GRPO")
+    with pytest.raises(ValueError, match="'PPO' is not a LossName"):
+        register_loss("PPO")  # type: ignore[arg-type]
+
+
+# ------------------------------------------------------------------------------ verl's implementation, to 1e-9
+# verl (verl/trainer/ppo/core_algos.py) computes the same objectives with its own aggregation modes; the functions
+# below restate its formulas (vanilla PPO with dual-clip, GSPO, DPPO-TV without its trust region, low_var_kl, and
+# agg_loss) so that the losses here can be compared with them on random data, one sequence per row.
+
+def verl_agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    m = mask.to(loss_mat.dtype)
+    if mode == "token-mean":
+        return (loss_mat * m).sum() / m.sum()
+    tokens = m.sum(dim=-1)
+    rows = (tokens > 0).to(loss_mat.dtype)  # rows without a loss token are left out
+    per_row = (loss_mat * m).sum(dim=-1)
+    if mode == "seq-mean-token-mean":
+        per_row = per_row / (tokens + 1e-8)
+    return (per_row * rows).sum() / rows.sum()
+
+
+def verl_vanilla(old, logp, adv, mask, mode, low, high, clip_ratio_c):
+    ratio = torch.exp((logp - old).clamp(-20.0, 20.0))
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1 - low, 1 + high)
+    clipped = torch.maximum(loss1, loss2)
+    dual = torch.min(-adv * clip_ratio_c, clipped)
+    return verl_agg_loss(torch.where(adv < 0, dual, clipped), mask, mode)
+
+
+def verl_gspo(old, logp, adv, mask, low, high):
+    m = mask.to(logp.dtype)
+    seq_log_ratio = ((logp - old) * m).sum(dim=-1) / m.sum(dim=-1).clamp(min=1)
+    ratio = torch.exp((logp - logp.detach() + seq_log_ratio.detach().unsqueeze(-1)).clamp(max=10.0))
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1 - low, 1 + high))
+    return verl_agg_loss(loss, mask, "seq-mean-token-mean")
+
+
+def verl_dppo_tv_without_trust_region(old, logp, adv, mask, mode, clip_ratio_c):
+    ratio = torch.exp((logp - old).clamp(-20.0, 20.0))
+    return verl_agg_loss(-adv * ratio.clamp(max=clip_ratio_c).detach() * logp, mask, mode)
+
+
+def verl_low_var_kl(logp, ref):
+    kl = (ref - logp).clamp(-20.0, 20.0)
+    return (torch.exp(kl) - kl - 1).clamp(-10.0, 10.0)
+
+
+AGG_OPTIONS = {"token-mean": {"token_level_loss": True},
+               "seq-mean-token-mean": {"token_level_loss": False},
+               "seq-mean-token-sum": {"token_level_loss": False, "skip_length_normalization": True}}
+NO_BAND = {"importance_weight_cap_ratio": None, "epsilon": 0.2, "epsilon_higher": 0.08}  # verl: clip [0.8, 1.28]
+RELATIVE = {"token-mean": 1e-12, "seq-mean-token-sum": 1e-12, "seq-mean-token-mean": 1e-8}
+"""Relative tolerance per mode: verl adds 1e-8 to each sequence's token count in seq-mean-token-mean."""
+
+
+def random_rows(seed: int):
+    g = torch.Generator().manual_seed(seed)
+    rows, length = 6, 9
+    old = -3 * torch.rand(rows, length, generator=g, dtype=torch.float64)
+    new = (old + torch.randn(rows, length, generator=g, dtype=torch.float64)).requires_grad_(True)
+    adv = torch.randn(rows, length, generator=g, dtype=torch.float64)
+    mask = torch.rand(rows, length, generator=g) < 0.7
+    mask[4] = False  # a row without loss tokens
+    seq_ids = torch.arange(rows).unsqueeze(1).expand(rows, length).clone()
+    ref = old + 0.3 * torch.randn(rows, length, generator=g, dtype=torch.float64)
+    return new, old, adv, mask, seq_ids, ref
+
+
+def assert_equals_verl(config: LossConfig, verl_fn, seed: int, relative: float) -> None:
+    """Loss and gradient equal verl's within ``relative`` (and 1e-12 absolute)."""
+    new, old, adv, mask, seq_ids, ref = random_rows(seed)
+    batch = LossInput(new, mask, old, adv, seq_ids=seq_ids, ref_logprobs=ref)
+    loss, _ = loss_fn(config, batch, count_normaliser(config, mask, seq_ids))
+    (grad,) = torch.autograd.grad(loss, new)
+    verl_loss = verl_fn(old, new, adv, mask, ref)
+    (verl_grad,) = torch.autograd.grad(verl_loss, new)
+    assert loss.item() == pytest.approx(verl_loss.item(), rel=relative, abs=1e-12), config
+    assert torch.allclose(grad, verl_grad, rtol=relative, atol=1e-12), (config, (grad - verl_grad).abs().max())
+    assert grad.abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("mode", list(AGG_OPTIONS))
+@pytest.mark.parametrize("seed", range(3))
+def test_grpo_and_minirl_equal_verl(mode: str, seed: int) -> None:
+    cases = [
+        (LossConfig(loss_calculater="GRPO", truncated_is_cap=3.0, **NO_BAND, **AGG_OPTIONS[mode]),
+         lambda old, new, adv, mask, _: verl_vanilla(old, new, adv, mask, mode, 0.2, 0.28, 3.0)),
+        (LossConfig(loss_calculater="GRPO", truncated_is_cap=3.0, kl_coef=0.05, **NO_BAND, **AGG_OPTIONS[mode]),
+         lambda old, new, adv, mask, ref: verl_vanilla(old, new, adv, mask, mode, 0.2, 0.28, 3.0)
+         + 0.05 * verl_agg_loss(verl_low_var_kl(new, ref), mask, mode)),
+        (LossConfig(loss_calculater="MINIRL", truncated_is_cap=2.0, **NO_BAND, **AGG_OPTIONS[mode]),
+         lambda old, new, adv, mask, _: verl_dppo_tv_without_trust_region(old, new, adv, mask, mode, 2.0)),
+    ]
+    for config, verl_fn in cases:
+        assert_equals_verl(config, verl_fn, seed, RELATIVE[mode])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gspo_equals_verl(seed: int) -> None:
+    for options in AGG_OPTIONS.values():  # GSPO is sequence-level whatever they say
+        config = LossConfig(loss_calculater="GSPO", **NO_BAND, **options)
+        assert_equals_verl(config, lambda old, new, adv, mask, _: verl_gspo(old, new, adv, mask, 0.2, 0.28), seed,
+                           RELATIVE["seq-mean-token-mean"])
+
+
+def test_the_verl_data_clip_and_truncate() -> None:
+    """The comparison above can fail: the random data clip, dual-clip and truncate tokens."""
+    new, old, adv, mask, _, _ = random_rows(0)
+    ratio = torch.exp(new.detach() - old)[mask]
+    a = adv[mask]
+    assert ((ratio > 1.28) & (a > 0)).sum() > 3 and ((ratio < 0.8) & (a < 0)).sum() > 3
+    assert ((ratio > 3.0) & (a < 0)).sum() > 0 and (ratio > 2.0).sum() > 3
 
 
 # ------------------------------------------------------------------------------------- invariance on a real model
