@@ -158,8 +158,7 @@ class Trainer:
                                    f"only, and {', '.join(odd[:3])} is not one: leave it out of "
                                    "--lora_target_modules or publish merged weights")
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
-        self.ref_model = (self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.loss.kl_coef > 0
-                          else None)
+        self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.loss.kl_coef else None
         self.min_shared = self._min_shared()
         self.optimizer = self._build_optimizer()
         from transformers import get_scheduler
