@@ -72,19 +72,9 @@ def _warm_tokenizers(reader: RunReader, texts: TokenTexts) -> None:
         logger.debug("warming the tokenizers failed", exc_info=True)
 
 
-def create_app(client: MongoClient, *, default_database: str | None = None, auth_token: str | None = None,
-               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
-    """The dashboard over the runs ``client`` sees (``default_database``: the one to show when the user may not list
-    databases). ``allowed_hosts``: the names a request's ``Host`` must give (``agentrl.dashboard.hosts``); ``None``
-    accepts any (only safe with ``auth_token``)."""
-    reader = RunReader(client, default_database)
-    texts = TokenTexts()
-    # the first record page of a run would wait seconds for transformers and the tokenizer: load them now
-    threading.Thread(target=_warm_tokenizers, args=(reader, texts), daemon=True, name="warm-tokenizers").start()
-    templates = Jinja2Templates(directory=HERE / "templates")
-    templates.env.globals.update(urlencode=urlencode, live_refresh_s=LIVE_REFRESH_S)
-    app = FastAPI(title="AgentRL dashboard", docs_url="/api/docs", openapi_url="/api/openapi.json", redoc_url=None)
-    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+def _require_token(app: FastAPI, auth_token: str | None) -> None:
+    """With ``auth_token``, a request needs ``Authorization: Bearer TOKEN`` or the cookie that ``?token=TOKEN`` sets
+    (401 otherwise)."""
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
@@ -103,6 +93,10 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
                                            "page with ?token=TOKEN once"}, status_code=401)
         return await call_next(request)
 
+
+def _require_host(app: FastAPI, allowed_hosts: frozenset[str] | None) -> None:
+    """With ``allowed_hosts``, a request whose ``Host`` names none of them gets a 403."""
+
     @app.middleware("http")
     async def check_host(request: Request, call_next):
         if allowed_hosts is None or host_name(request.headers.get("host")) in allowed_hosts:
@@ -111,6 +105,10 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
                                        f"({request.headers.get('host', 'none')!r}); it answers to "
                                        f"{', '.join(sorted(allowed_hosts))} (add names with --allowed_hosts)"},
                             status_code=403)
+
+
+def _add_error_pages(app: FastAPI, templates: Jinja2Templates) -> None:
+    """Unknown runs, records and tasks answer 404, bad filters 400: JSON under ``/api/``, an error page elsewhere."""
 
     @app.exception_handler(NotFound)
     async def not_found(request: Request, error: NotFound) -> Response:
@@ -124,7 +122,9 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
             return _json({"detail": f"bad filter: {error}"}, 400)
         return templates.TemplateResponse(request, "error.html", {"message": f"bad filter: {error}"}, status_code=400)
 
-    # ------------------------------------------------------------------------------------------------ API
+
+def _add_api_routes(app: FastAPI, reader: RunReader) -> None:
+    """The JSON API under ``/api``."""
 
     @app.get("/api/runs")
     def api_runs() -> JSONResponse:
@@ -150,7 +150,24 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
     def api_task(run: str, task_id: str) -> JSONResponse:
         return _json(reader.task(run, task_id))
 
-    # ---------------------------------------------------------------------------------------------- pages
+
+def _token_views(reader: RunReader, texts: TokenTexts, run: str,
+                 record: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
+    """The token views of ``record`` (its training samples, else its LLM calls) with each token's text, and why
+    there are none when its calls do not fit together."""
+    model = (reader.run_config(run) or {}).get("model_name_or_path")
+    token_error = None
+    try:
+        views = [sample_view(s) for s in record["samples"]] or calls_views(record["calls"])
+    except PrefixError as error:
+        views, token_error = [], f"the LLM calls do not fit together: {error}"
+    for view in views:
+        view["texts"] = texts.texts(model, view["ids"])
+    return views, token_error
+
+
+def _add_pages(app: FastAPI, reader: RunReader, texts: TokenTexts, templates: Jinja2Templates) -> None:
+    """The HTML pages: runs, a run, its records, a record, a task's group."""
 
     @app.get("/", response_class=HTMLResponse)
     def runs_page(request: Request) -> Response:
@@ -173,14 +190,7 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
     @app.get("/runs/{run}/records/{record_id:path}", response_class=HTMLResponse)
     def record_page(request: Request, run: str, record_id: str) -> Response:
         record = reader.record(run, record_id)
-        model = (reader.run_config(run) or {}).get("model_name_or_path")
-        token_error = None
-        try:
-            views = [sample_view(s) for s in record["samples"]] or calls_views(record["calls"])
-        except PrefixError as error:
-            views, token_error = [], f"the LLM calls do not fit together: {error}"
-        for view in views:
-            view["texts"] = texts.texts(model, view["ids"])
+        views, token_error = _token_views(reader, texts, run, record)
         return templates.TemplateResponse(request, "record.html", {"run": run, "record": record, "views": views,
                                                                    "token_error": token_error})
 
@@ -188,4 +198,23 @@ def create_app(client: MongoClient, *, default_database: str | None = None, auth
     def task_page(request: Request, run: str, task_id: str) -> Response:
         return templates.TemplateResponse(request, "task.html", {"run": run, "task": reader.task(run, task_id)})
 
+
+def create_app(client: MongoClient, *, default_database: str | None = None, auth_token: str | None = None,
+               allowed_hosts: frozenset[str] | None = None) -> FastAPI:
+    """The dashboard over the runs ``client`` sees (``default_database``: the one to show when the user may not list
+    databases). ``allowed_hosts``: the names a request's ``Host`` must give (``agentrl.dashboard.hosts``); ``None``
+    accepts any (only safe with ``auth_token``)."""
+    reader = RunReader(client, default_database)
+    texts = TokenTexts()
+    # the first record page of a run would wait seconds for transformers and the tokenizer: load them now
+    threading.Thread(target=_warm_tokenizers, args=(reader, texts), daemon=True, name="warm-tokenizers").start()
+    templates = Jinja2Templates(directory=HERE / "templates")
+    templates.env.globals.update(urlencode=urlencode, live_refresh_s=LIVE_REFRESH_S)
+    app = FastAPI(title="AgentRL dashboard", docs_url="/api/docs", openapi_url="/api/openapi.json", redoc_url=None)
+    app.mount("/static", StaticFiles(directory=HERE / "static"), name="static")
+    _require_token(app, auth_token)
+    _require_host(app, allowed_hosts)
+    _add_error_pages(app, templates)
+    _add_api_routes(app, reader)
+    _add_pages(app, reader, texts, templates)
     return app

@@ -221,12 +221,34 @@ class _Paths:
         return None
 
 
-def _perceive(game: Any) -> _View:
-    """Describe the agent's view and list the actions available in it (AgentGym's text layer)."""
+@dataclass(frozen=True)
+class _Scene:
+    """The agent's view at one moment, in its egocentric grid (the agent at ``me``, facing up): the visible doors,
+    keys, balls and boxes, numbered as the observation gives them, the nearest wall or box straight ahead (text,
+    steps), what the agent carries, and the paths it can walk."""
+
+    grid: Grid
+    visible: Any
+    me: tuple[int, int]
+    carrying: WorldObj | None
+    objects: list[_Seen]
+    barrier: tuple[str, int] | None
+    paths: _Paths
+
+    @property
+    def ahead_cell(self) -> tuple[int, int]:
+        return self.me[0], self.me[1] - 1
+
+    @property
+    def in_front(self) -> WorldObj | None:
+        return self.grid.get(*self.ahead_cell)
+
+
+def _scene(game: Any) -> _Scene:
+    """What the agent of ``game`` sees now: objects labelled by a per-name counter in order of distance."""
     grid, visible = game.gen_obs_grid()
     size = game.agent_view_size
     me = (size // 2, size - 1)
-    carrying = game.carrying
     seen: list[tuple[int, int, int, WorldObj, tuple[int, int]]] = []
     barrier: tuple[str, int] | None = None
     for j in range(size):
@@ -246,30 +268,39 @@ def _perceive(game: Any) -> _View:
         name = _name(obj)
         counts[name] = counts.get(name, 0) + 1
         objects.append(_Seen(f"{name} {counts[name]}", obj, cell, -minus_ahead, right))
+    return _Scene(grid, visible, me, game.carrying, objects, barrier, _Paths(grid, visible, me))
 
+
+def _describe(scene: _Scene) -> str:
+    """The observation's text: the objects and where they are, the barrier ahead, what the agent carries."""
+    objects, barrier, carrying = scene.objects, scene.barrier, scene.carrying
     parts = [("You see: " + ", ".join(f"{o.label} ({o.where()})" for o in objects) + ".") if objects
              else "You see no objects."]
     if barrier is not None:
         parts.append(f"Straight ahead there is a {barrier[0]} {_plural(barrier[1], 'step')} away.")
     parts.append(f"You are carrying a {_name(carrying)}." if carrying else "You are not carrying anything.")
-    view = _View(" ".join(parts))
+    return " ".join(parts)
 
-    paths = _Paths(grid, visible, me)
-    ahead_cell = (me[0], me[1] - 1)
-    in_front = grid.get(*ahead_cell)
+
+def _add_moves(view: _View, scene: _Scene) -> None:
+    """``turn left``, ``turn right`` and, when the cell ahead can be stood on, ``move forward``."""
     view.actions["turn left"] = [int(Actions.left)]
     view.actions["turn right"] = [int(Actions.right)]
-    if _Paths.standable(grid, visible, ahead_cell):
+    if _Paths.standable(scene.grid, scene.visible, scene.ahead_cell):
         view.actions["move forward"] = [int(Actions.forward)]
     else:
-        blocker = _name(in_front) if in_front is not None else "wall"
+        blocker = _name(scene.in_front) if scene.in_front is not None else "wall"
         view.refusals["move forward"] = f"You cannot move forward: a {blocker} is in the way."
 
-    for o in objects:
+
+def _add_pickups(view: _View, scene: _Scene) -> None:
+    """``pickup <obj> <n>`` for every key, ball and box the empty-handed agent can walk up to."""
+    carrying = scene.carrying
+    for o in scene.objects:
         if o.obj.type == "door":
             continue
         action = f"pickup {o.label}"
-        path = paths.facing(o.cell)
+        path = scene.paths.facing(o.cell)
         if carrying:
             view.refusals[action] = f"You cannot pick up {o.label}: you are already carrying a {_name(carrying)}."
         elif path is None:
@@ -277,6 +308,10 @@ def _perceive(game: Any) -> _View:
         else:
             view.actions[action] = path + [int(Actions.pickup)]
 
+
+def _add_drop(view: _View, scene: _Scene) -> None:
+    """``drop`` when the agent carries something and the cell in front is empty."""
+    carrying, in_front = scene.carrying, scene.in_front
     if carrying is None:
         view.refusals["drop"] = "You cannot drop anything: you are not carrying anything."
     elif in_front is not None:
@@ -284,43 +319,64 @@ def _perceive(game: Any) -> _View:
     else:
         view.actions["drop"] = [int(Actions.drop)]
 
-    for o in objects:
-        if o.obj.type != "door":
-            continue
-        through, open_through = f"go through {o.label}", f"toggle and go through {o.label}"
-        if o.obj.is_open:
-            path = paths.onto(o.cell)
-            view.refusals[open_through] = f"{o.label} is already open: go through it."
-            if path is None:
-                view.refusals[through] = f"You cannot go through {o.label}: there is no path to it."
-            else:
-                view.actions[through] = path
-            continue
-        view.refusals[through] = (f"You cannot go through {o.label}: it is "
-                                  f"{'locked' if o.obj.is_locked else 'closed'}; open it first.")
-        refusal = _toggle_refusal(o.obj, carrying)
-        path = paths.facing(o.cell)
-        if refusal is not None:
-            view.refusals[open_through] = f"You cannot open {o.label}: {refusal}."
-        elif path is None:
-            view.refusals[open_through] = f"You cannot go to {o.label}: there is no path to it."
-        else:
-            view.actions[open_through] = path + [int(Actions.toggle), int(Actions.forward)]
 
+def _add_door(view: _View, scene: _Scene, door: _Seen) -> None:
+    """``go through`` an open door, ``toggle and go through`` a closed one (a locked one needs the key carried)."""
+    through, open_through = f"go through {door.label}", f"toggle and go through {door.label}"
+    if door.obj.is_open:
+        path = scene.paths.onto(door.cell)
+        view.refusals[open_through] = f"{door.label} is already open: go through it."
+        if path is None:
+            view.refusals[through] = f"You cannot go through {door.label}: there is no path to it."
+        else:
+            view.actions[through] = path
+        return
+    view.refusals[through] = (f"You cannot go through {door.label}: it is "
+                              f"{'locked' if door.obj.is_locked else 'closed'}; open it first.")
+    refusal = _toggle_refusal(door.obj, scene.carrying)
+    path = scene.paths.facing(door.cell)
+    if refusal is not None:
+        view.refusals[open_through] = f"You cannot open {door.label}: {refusal}."
+    elif path is None:
+        view.refusals[open_through] = f"You cannot go to {door.label}: there is no path to it."
+    else:
+        view.actions[open_through] = path + [int(Actions.toggle), int(Actions.forward)]
+
+
+def _add_toggle(view: _View, scene: _Scene) -> None:
+    """``toggle`` the door or box right ahead."""
+    in_front = scene.in_front
     if in_front is None or in_front.type not in ("door", "box"):
         view.refusals["toggle"] = "There is no door or box in front of you to toggle."
-    elif (refusal := _toggle_refusal(in_front, carrying)) is not None:
+    elif (refusal := _toggle_refusal(in_front, scene.carrying)) is not None:
         view.refusals["toggle"] = f"You cannot toggle the {_name(in_front)}: {refusal}."
     else:
         view.actions["toggle"] = [int(Actions.toggle)]
 
-    for o in objects:
+
+def _add_go_tos(view: _View, scene: _Scene) -> None:
+    """``go to <obj> <n>`` for every object the agent can walk up to."""
+    for o in scene.objects:
         action = f"go to {o.label}"
-        path = paths.facing(o.cell)
+        path = scene.paths.facing(o.cell)
         if path is None:
             view.refusals[action] = f"You cannot go to {o.label}: there is no path to it."
         else:  # already facing it: minigrid's no-op "done" lets the mission check see the agent there
             view.actions[action] = path or [int(Actions.done)]
+
+
+def _perceive(game: Any) -> _View:
+    """Describe the agent's view and list the actions available in it (AgentGym's text layer, in its order)."""
+    scene = _scene(game)
+    view = _View(_describe(scene))
+    _add_moves(view, scene)
+    _add_pickups(view, scene)
+    _add_drop(view, scene)
+    for door in scene.objects:
+        if door.obj.type == "door":
+            _add_door(view, scene, door)
+    _add_toggle(view, scene)
+    _add_go_tos(view, scene)
     view.actions[CHECK_ACTIONS] = []
     return view
 

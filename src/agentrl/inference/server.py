@@ -23,7 +23,7 @@ import signal
 import socket
 import sys
 from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http import HTTPStatus
 from types import FrameType
 
@@ -85,15 +85,9 @@ def require_api_key(app: FastAPI, api_key: str) -> None:
         return await call_next(request)
 
 
-def create_app(engine: InferenceEngine, registration: ServiceRegistration | None = None,
-               on_ready: Callable[[], None] | None = None, api_key: str | None = None) -> FastAPI:
-    """The FastAPI application serving ``engine``; the generation loop runs for the app's lifetime.
-
-    With ``registration``, the engine registers itself on startup (loading the run's published weights before
-    samplers may pick it), heartbeats, and is marked down on shutdown. With ``api_key``, every request but
-    ``/health`` and ``/health_generate`` must carry ``Authorization: Bearer <api_key>`` (else 401), as SGLang's
-    ``--api-key``.
-    """
+def _lifespan(engine: InferenceEngine, registration: ServiceRegistration | None,
+              on_ready: Callable[[], None] | None) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
+    """The app's lifespan: the generation loop runs (and ``registration`` registers and heartbeats) while it lasts."""
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -109,9 +103,11 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
                 await registration.stop()
             await asyncio.to_thread(engine.stop)
 
-    app = FastAPI(title="agentrl engine", lifespan=lifespan)
-    if api_key:
-        require_api_key(app, api_key)
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Every failure answers SGLang's error body: 400 for bad requests, 503 once stopped, 500 for a crash."""
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, error: RequestValidationError) -> JSONResponse:
@@ -134,6 +130,10 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(HTTPStatus.INTERNAL_SERVER_ERROR, f"{type(error).__name__}: {error}")
 
+
+def _add_generation_routes(app: FastAPI, engine: InferenceEngine) -> None:
+    """Health checks, model info, ``/generate`` and ``/v1/chat/completions``."""
+
     @app.get("/health")
     async def health() -> Response:
         return Response(status_code=200 if engine.healthy else 503)
@@ -154,6 +154,10 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
     async def chat_completions(request: ChatCompletionRequest) -> JSONResponse:
         return JSONResponse(await engine.chat(request))
 
+
+def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: ServiceRegistration | None) -> None:
+    """Weight updates from disk and LoRA adapters (``{success, ...}`` with 200 or 400)."""
+
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
         result = await engine.update_weights_from_disk(request)
@@ -171,6 +175,10 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
         result = await engine.unload_lora_adapter(request)
         return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
 
+
+def _add_memory_routes(app: FastAPI, engine: InferenceEngine) -> None:
+    """The prefix cache and the GPU memory (``/flush_cache``, ``/release_memory_occupation``, ``/resume_...``)."""
+
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
         flushed = await engine.flush_cache()
@@ -186,6 +194,23 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
         await engine.resume_memory()
         return Response(status_code=200)
 
+
+def create_app(engine: InferenceEngine, registration: ServiceRegistration | None = None,
+               on_ready: Callable[[], None] | None = None, api_key: str | None = None) -> FastAPI:
+    """The FastAPI application serving ``engine``; the generation loop runs for the app's lifetime.
+
+    With ``registration``, the engine registers itself on startup (loading the run's published weights before
+    samplers may pick it), heartbeats, and is marked down on shutdown. With ``api_key``, every request but
+    ``/health`` and ``/health_generate`` must carry ``Authorization: Bearer <api_key>`` (else 401), as SGLang's
+    ``--api-key``.
+    """
+    app = FastAPI(title="agentrl engine", lifespan=_lifespan(engine, registration, on_ready))
+    if api_key:
+        require_api_key(app, api_key)
+    _add_error_handlers(app)
+    _add_generation_routes(app, engine)
+    _add_weight_routes(app, engine, registration)
+    _add_memory_routes(app, engine)
     return app
 
 

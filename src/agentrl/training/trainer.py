@@ -102,6 +102,15 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------- set-up
 
     def _setup(self) -> None:
+        self._setup_process()
+        self._open_run()
+        resume = self._setup_models()
+        self._setup_optimizer()
+        self._restore(resume)
+        self._setup_publishing(resume)
+
+    def _setup_process(self) -> None:
+        """The launch configuration, threads, process group, precision, seed and per-step batch size."""
         from transformers.utils import logging as hf_logging
 
         self.cfg = cfg = apply_launch_config(self.cfg)
@@ -123,6 +132,10 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
 
+    def _open_run(self) -> None:
+        """Connect to the run's database; the main rank records the run (config snapshot, running) and its metrics
+        sink."""
+        cfg, parallel = self.cfg, self.parallel
         uri = parallel.broadcast_from_main(
             resolve_connection_string(cfg.db_connection_string, database=cfg.run_name) if parallel.is_main else None)
         self.run_name = database_name(uri)
@@ -144,6 +157,10 @@ class Trainer:
                                     run_name=self.run_name, config=snapshot)
         parallel.barrier()
 
+    def _setup_models(self) -> Path | None:
+        """The policy (from the checkpoint to resume, if any, else the base model; LoRA or full), the tokenizer and
+        the reference model; returns the checkpoint to resume from."""
+        cfg, parallel = self.cfg, self.parallel
         resume = parallel.broadcast_from_main(
             resolve_resume(cfg.resume_from_checkpoint, self.output_dir) if parallel.is_main else None)
         base_path = parallel.broadcast_from_main(self._base_model_path() if parallel.is_main else None)
@@ -160,12 +177,22 @@ class Trainer:
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
         self.ref_model = self._build_ref_model(cfg.ref_model_name_or_path or base_path) if cfg.loss.kl_coef else None
         self.min_shared = self._min_shared()
+        return resume
+
+    def _setup_optimizer(self) -> None:
+        """AdamW and the learning-rate schedule."""
+        cfg = self.cfg
         self.optimizer = self._build_optimizer()
         from transformers import get_scheduler
 
         self.scheduler = get_scheduler(SCHEDULERS[cfg.lr_scheduler_type], self.optimizer,
                                        num_warmup_steps=cfg.num_warmup_steps,
                                        num_training_steps=cfg.max_steps if cfg.max_steps > 0 else None)
+
+    def _restore(self, resume: Path | None) -> None:
+        """The trainer state: from checkpoint ``resume`` (its claims adopted, later metrics forgotten), else fresh
+        (stale claims released)."""
+        parallel = self.parallel
         self.state = TrainerState(dp_size=parallel.dp_size, train_batch_size=self.batch_size)
         if resume is not None:
             saved = load_checkpoint(resume, self.model, self.optimizer, self.scheduler, parallel)
@@ -181,6 +208,11 @@ class Trainer:
         else:
             self._release_stale_claims()
         self.last_checkpoint = self.state.step
+
+    def _setup_publishing(self, resume: Path | None) -> None:
+        """The run's policy version, the weight publisher (aligning the services on a resume or a later version)
+        and the sample stream."""
+        cfg, parallel = self.cfg, self.parallel
         self.version = int(parallel.broadcast_from_main(
             self.io.run(self.store.runs.policy_version()) if parallel.is_main else None))
         self.state.version_steps.setdefault(self.version, self.state.step)
