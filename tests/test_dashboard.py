@@ -144,9 +144,11 @@ def test_a_record_comes_with_its_calls_and_training_sample(run) -> None:
     (sample,) = record["samples"]
     assert sample["status"] == "trained" and sample["trainer_version"] == 0
     assert len(sample["trainer_logprobs"]) == len(sample["logprobs"]) == len(sample["input_ids"])
-    # version 0 trained these tokens: the trainer's logprobs are the engine's (token-exact merging)
-    assert max(abs(t - e) for t, e, m in zip(sample["trainer_logprobs"], sample["logprobs"], sample["loss_mask"])
-               if m) < 1e-3
+    # version 0 trained these tokens: the trainer's logprobs are the engine's (token-exact merging), within the
+    # precision bound of a bf16 trainer (--dtype auto on a CPU with bf16 units; fp32 elsewhere: ~1e-6); a token
+    # merged one position off would be off by nats
+    gaps = [abs(t - e) for t, e, m in zip(sample["trainer_logprobs"], sample["logprobs"], sample["loss_mask"]) if m]
+    assert sum(gaps) / len(gaps) < 0.02 and max(gaps) < 0.1, gaps
 
     # without its sample, the same tokens come back rebuilt from the calls by the trainer's prefix merge
     (rebuilt,) = calls_views(record["calls"])
