@@ -1,8 +1,8 @@
 """AutoRL-Bench end to end: a real `agentrl bench serve` process grading the scripted tiny model through real
-`agentrl eval` runs (engine, calculator MCP server over stdio, database), checked against seed 001's and seed
-000's endpoint tables; `agentrl bench run` with the template agent (contained: no held-out data reachable from the
-workspace; results from the grading server's record) and with an agent that outlives its timeout, contained and
-uncontained (every process it started is killed). tests/test_bench_containment.py attacks the containment."""
+`agentrl eval` runs (engine, calculator MCP server over stdio, database), checked against AutoRL-Bench's grading
+and scenario endpoint tables (docs/original.md); `agentrl bench run` with the template agent (contained: no held-out
+data reachable from the workspace; results from the grading server's record) and with an agent that outlives its
+timeout, contained and uncontained (every process it started is killed). tests/test_bench_containment.py attacks the containment."""
 
 from __future__ import annotations
 
@@ -125,7 +125,7 @@ def test_grading_and_scenario_apis(tmp_path: Path, db_uri: str, scripted_model_d
             assert [e["submission_id"] for e in history] == [1, 2, 3]
             assert not any("snapshot" in e or "detail" in e or "database" in e["metrics"] for e in history)
 
-            # Scenario API (seed 000): on a server grading a task, /evaluate is a recorded grading of the task.
+            # Scenario API: on a server grading a task, /evaluate is a recorded grading of the task.
             evaluated = http.post("/evaluate", json={"scenario_id": "scripted", "model_path": str(v1)}).json()
             assert evaluated["score"] == 100.0 and evaluated["baseline"] == 25.0 and evaluated["improvement"] == 75.0
             assert evaluated["improvement_pct"] == "+300.00%" and evaluated["details"]["correct"] == 2

@@ -1,4 +1,4 @@
-"""`agentrl train` / `python -m agentrl.train` flags: the original's names, true/false values, clear errors."""
+"""`agentrl train` / `python -m agentrl.train` flags: the original AgentRL's names, true/false values, clear errors."""
 
 from __future__ import annotations
 

@@ -84,7 +84,7 @@ def test_call_advantages_statuses_scaling_and_error_cap() -> None:
 def test_minimal_advantage_is_a_magnitude_threshold() -> None:
     cfg = AdvantageConfig(minimal_advantage=0.3)
     assert call_advantages(-0.25, ["completed"], cfg) == [None]
-    # the original compared the signed value and would have dropped this strongly negative call
+    # the original AgentRL compared the signed value and would have dropped this strongly negative call
     assert call_advantages(-0.4, ["completed"], cfg) == [-0.4]
     assert call_advantages(0.3, ["completed"], cfg) == [0.3]
     # compared after adv_scaling

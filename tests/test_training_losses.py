@@ -225,7 +225,7 @@ def test_kl_penalty_k3() -> None:
 
 
 def test_descent_raises_logprob_of_positive_advantage_tokens() -> None:
-    """A sign check for every policy loss (the original GSPO failed it)."""
+    """A sign check for every policy loss (the original AgentRL GSPO failed it)."""
     for name in ("GRPO", "MINIRL", "GSPO"):
         _, grad, _ = run(LossConfig(loss_calculater=name), 2, seq_ids=[0, 0], ratios=[1.0, 1.0], advs=[1.0, 1.0],
                          mask=[1, 1])

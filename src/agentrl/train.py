@@ -1,7 +1,7 @@
 """Trainer entry point: ``python -m agentrl.train ...``, ``torchrun ... -m agentrl.train ...``,
 ``accelerate launch --config_file assets/accelerate/<cfg>.yml -m agentrl.train ...`` and ``agentrl train ...``.
 
-Flags are the fields of :class:`agentrl.training.config.TrainConfig` (the original's names where they still make
+Flags are the fields of :class:`agentrl.training.config.TrainConfig` (the original AgentRL's names where they still make
 sense). Boolean flags take ``true``/``false`` (a bare ``--flag`` means true); optional numbers take ``none``.
 The original's example scripts parse unchanged: its flags that mean nothing to this trainer (``ORIGINAL_FLAGS``)
 are accepted with a one-line warning saying why and which command takes them, unless their value asks for

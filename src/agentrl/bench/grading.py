@@ -1,4 +1,4 @@
-"""The grading side of a run (seed 001): submissions of one task's workspace, their scores, the baseline, jobs.
+"""The grading side of a run (AutoRL-Bench's grading server): submissions of one task's workspace, their scores, the baseline, jobs.
 
 The record lives with the grading server, in its ``state_dir`` (outside the workspace, never read from anything
 the agent can write): ``grading.json`` (:class:`GradingState`: the baseline and every grading, in order,

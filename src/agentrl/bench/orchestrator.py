@@ -1,5 +1,5 @@
 """``agentrl bench run``: hand a scenario to an agent, let it post-train under a time limit, collect the best model
-(seed 001's ``run_agent.py``).
+(AutoRL-Bench's ``run_agent.py``; docs/original.md).
 
 1. **Agent**: found and configured by :mod:`agentrl.bench.agent`. Unless ``--uncontained``, containment
    (:mod:`agentrl.bench.containment`) is tried first and the run refuses to start where it cannot work.

@@ -47,7 +47,7 @@ class EvalProtocol(BaseModel):
 
 
 class Scenario(BaseModel):
-    """One scenario (seed 000's fields plus the evaluation protocol)."""
+    """One scenario (AutoRL-Bench's scenario fields, docs/original.md, plus the evaluation protocol)."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
 
@@ -80,7 +80,7 @@ class Scenario(BaseModel):
                 "baseline_score": self.baseline_score, "metric": self.metric}
 
     def public_info(self, baseline_score: float | None) -> dict[str, Any]:
-        """``GET /scenarios/{id}``: seed 000's detail payload, both spellings of the paths, no test data path."""
+        """``GET /scenarios/{id}``: AutoRL-Bench's detail payload, both spellings of the paths, no test data path."""
         base = self.base_model()
         return {"id": self.id, "name": self.name, "description": self.description, "type": self.type,
                 "base_model": base, "base_model_path": base,

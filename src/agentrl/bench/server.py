@@ -1,11 +1,11 @@
-"""``agentrl bench serve``: AutoRL-Bench's scenario API (seed 000) and grading API (seed 001) on one server.
+"""``agentrl bench serve``: AutoRL-Bench's scenario API and grading API (docs/original.md) on one server.
 
 Scenario API: ``GET /``, ``GET /scenarios``, ``GET /scenarios/{id}`` (404 naming the available ids),
 ``POST /evaluate {scenario_id, model_path}`` → ``{score, baseline, improvement, improvement_pct, details}`` (404 for an
 unknown scenario or a missing model, 500 when the evaluation fails), ``POST /interact`` (interactive scenarios).
-Errors are FastAPI's ``{"detail": ...}``, as seed 000's server.
+Errors are FastAPI's ``{"detail": ...}``, as AutoRL-Bench's scenario server.
 
-Grading API (with ``--task``; errors are ``{"error": ...}`` as seed 001's server): ``GET /health``, ``POST /validate``,
+Grading API (with ``--task``; errors are ``{"error": ...}`` as AutoRL-Bench's grading server): ``GET /health``, ``POST /validate``,
 ``POST /submit {model_path?, async?}`` (blocking by default; ``"async": true`` returns ``{job_id}`` at once, then
 ``GET /jobs/{id}``; 429 once ``max_evaluations`` gradings are used or queued), ``GET /best`` (404 before any
 submission), ``GET /history``, ``POST /set_baseline {score}`` (JSON only; 400 without a score), ``GET /time``.
@@ -54,7 +54,7 @@ class BenchServerConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    task: str | None = Field(None, description="scenario of the grading API (seed 001's --task)")
+    task: str | None = Field(None, description="scenario of the grading API (AutoRL-Bench's --task)")
     workspace: str | None = Field(None, description="the run's workspace (default: workspace/TASK)")
     output_dir: str | None = Field(None, description="default model path of /submit (default: WORKSPACE/output)")
     host: str = "127.0.0.1"
@@ -277,7 +277,7 @@ def _add_middleware(app: FastAPI, service: BenchService) -> None:
 
 
 def _evaluate_reply(result: EvaluationResult, baseline: float | None, **details: Any) -> Any:
-    """``POST /evaluate``'s reply (seed 000's fields)."""
+    """``POST /evaluate``'s reply (AutoRL-Bench's fields)."""
     if result.score is None:
         return JSONResponse({"detail": result.error, **details}, status_code=500)
     improvement = None if baseline is None else round(result.score - baseline, 4)

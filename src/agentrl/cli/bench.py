@@ -16,7 +16,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     ls.add_argument("--scenario", action="append", default=[], metavar="FILE.yaml", help="a scenario file (repeatable)")
     ls.set_defaults(func=list_scenarios)
 
-    s = bench.add_parser("serve", help="the scenario API (seed 000) and, with --task, the grading API (seed 001)",
+    s = bench.add_parser("serve", help="AutoRL-Bench's scenario API and, with --task, its grading API",
                          description="Serve AutoRL-Bench's scenario API (GET /, /scenarios, /scenarios/ID, POST "
                                      "/evaluate, /interact) and, with --task, its grading API (GET /health, POST "
                                      "/validate, /submit, GET /jobs/ID, /best, /history, POST /set_baseline, GET "

@@ -13,7 +13,7 @@ def add_db_option(parser: argparse.ArgumentParser) -> None:
 
 
 def bool_flag(value: str) -> bool:
-    """Parse ``true/false`` style flag values (the original's scripts pass ``--flag true``)."""
+    """Parse ``true/false`` style flag values (the original AgentRL's scripts pass ``--flag true``)."""
     lowered = value.strip().lower()
     if lowered in ("1", "true", "yes", "y", "on"):
         return True

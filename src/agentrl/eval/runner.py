@@ -80,7 +80,7 @@ class EvalInterrupted(RuntimeError):
 
 
 class EvalConfig(BaseModel):
-    """Everything ``agentrl eval`` needs; rollout flag names follow ``agentrl sample`` (and the original)."""
+    """Everything ``agentrl eval`` needs; rollout flag names follow ``agentrl sample`` (and the original AgentRL)."""
 
     model_config = ConfigDict(extra="forbid")
 

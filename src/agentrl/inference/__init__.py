@@ -1,4 +1,4 @@
-"""Inference (DESIGN §4): the SGLang client, the ``agentrl engine`` server and the embedded model.
+"""Inference (docs/inference-protocol.md): the SGLang client, the ``agentrl engine`` server and the embedded model.
 
 Light imports only here; the torch-based parts are imported from their modules:
 ``agentrl.inference.embedded_model.default_model_path``, ``agentrl.inference.tiny_model.build_tiny_model``,

@@ -1,6 +1,6 @@
 """Async client for SGLang's native HTTP API (and the ``agentrl engine``, which speaks the same subset).
 
-Token ids in, token ids and per-token logprobs out (DESIGN §4). Request and response shapes are those of
+Token ids in, token ids and per-token logprobs out (docs/inference-protocol.md). Request and response shapes are those of
 :mod:`agentrl.inference.protocol` (taken from SGLang's ``io_struct.py`` and ``http_server.py``, 0.5.23). Every
 sampling parameter is sent, defaults included: SGLang fills an omitted one from the server's preferred
 sampling params (``--preferred-sampling-params``), which would silently change the sampling distribution.

@@ -3,7 +3,7 @@
 transformers reads GGUF (through the ``gguf`` package) but refuses to ``save_pretrained`` a model loaded from it
 ("quantized with gguf and is not serializable"). So the conversion loads the GGUF (dequantising Q4_1 to fp32),
 drops ``quantization_config`` from the config, builds a fresh model with ``from_config``, loads the state dict
-into it and saves that (DESIGN §4). The result is a plain Hugging Face directory (~520 MB of fp32 safetensors)
+into it and saves that. The result is a plain Hugging Face directory (~520 MB of fp32 safetensors)
 cached under ``$AGENTRL_HOME/models`` (default ``~/.cache/agentrl/models``) that reloads in seconds.
 
 Conversions are atomic (written to a temporary directory next to the target, then renamed) and serialised by a

@@ -1,4 +1,4 @@
-"""Wire format of the SGLang native API subset we use (DESIGN §4), shared by the client and the engine.
+"""Wire format of the SGLang native API subset we use (docs/inference-protocol.md), shared by the client and the engine.
 
 Names, defaults and shapes follow SGLang's source (SGLang 0.5.23; the facts are pinned in
 ``tests/contracts/sglang_api.json``, extracted by ``tests/contracts/extract_sglang_api.py``):

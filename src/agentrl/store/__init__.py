@@ -1,4 +1,4 @@
-"""The MongoDB trajectory store: document models, atomic operations, the embedded server (DESIGN §3)."""
+"""The MongoDB trajectory store: document models, atomic operations, the embedded server (docs/data-model.md)."""
 
 from agentrl.store.connection import database_name, resolve_connection_string, sync_client, with_database
 from agentrl.store.errors import InvalidTransition, LeaseLost, NotFound, StoreError, VersionConflict

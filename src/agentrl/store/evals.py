@@ -1,4 +1,4 @@
-"""The ``Eval`` collection: one document per evaluation job and its result (DESIGN §3).
+"""The ``Eval`` collection: one document per evaluation job and its result (docs/data-model.md).
 
 ``_id`` is the job's *reuse key*, a hash of everything that determines the result (model identity, task content,
 sampling parameters, k, repeats, seed, tools, scorers; see :mod:`agentrl.eval.runner`). Evaluating the same

@@ -1,4 +1,4 @@
-"""Pydantic models of the documents AgentRL keeps in MongoDB (one collection per class, DESIGN §3).
+"""Pydantic models of the documents AgentRL keeps in MongoDB (one collection per class; docs/data-model.md).
 
 Documents are stored with their ``id`` as ``_id``. Dates are timezone-aware UTC datetimes, so they show as real
 dates in Mongo Compass. Every state change goes through the store's atomic operations, never through a
@@ -133,7 +133,7 @@ RECORD_TRANSITIONS: dict[RecordStatus, frozenset[RecordStatus]] = {
     RecordStatus.ABANDONED: frozenset(),
     RecordStatus.TRAINED: frozenset(),
 }
-"""Allowed Record transitions (DESIGN §3: running → completed | failed → scored → ready | abandoned → trained)."""
+"""Allowed Record transitions (docs/data-model.md: running → completed | failed → scored → ready | abandoned → trained)."""
 
 
 class FailureClass(StrEnum):

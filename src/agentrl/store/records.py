@@ -33,7 +33,7 @@ class Records:
     @retry_on_reconnect
     async def transition(self, record_id: str, target: RecordStatus, *, lease_id: str | None = None,
                          **fields: Any) -> Record:
-        """Move a Record to ``target`` (DESIGN §3 state machine); with ``lease_id``, only while that lease holds
+        """Move a Record to ``target`` (the state machine RECORD_TRANSITIONS; docs/data-model.md); with ``lease_id``, only while that lease holds
         (and then idempotent: a Record this lease already moved to ``target`` is returned as it is)."""
         extra = {"lease_id": lease_id, "leased": True} if lease_id is not None else None
         try:

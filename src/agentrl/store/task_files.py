@@ -1,6 +1,6 @@
 """Task files (JSON or JSONL) → validated ``Task`` documents, and their idempotent upload.
 
-Field aliases follow the original's dataset loader: the question may be called ``q``, ``Question``,
+Field aliases follow the original AgentRL's dataset loader: the question may be called ``q``, ``Question``,
 ``question``, ``query``, ``content``, ``instruction`` or ``traj_question`` (or be the first user message of
 ``messages`` / ``raw.messages``); the answer ``a``, ``Final answer``, ``Final Answer``, ``Final sample answer``,
 ``answer`` or ``expected_answer`` (or ``raw.expected_answer`` / ``raw.answer``). Per-task fields ``id``

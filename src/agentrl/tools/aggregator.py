@@ -1,4 +1,4 @@
-"""Client of the original's HTTP tool aggregator (``--mcp_manager_url http://host:port/mcpapi``).
+"""Client of the original AgentRL's HTTP tool aggregator (``--mcp_manager_url http://host:port/mcpapi``).
 
 Protocol (AgentCPM's MCP manager, also served by ``agentrl tools aggregate``):
 

@@ -1,4 +1,5 @@
-"""An HTTP tool aggregator (``agentrl tools aggregate``): the original's ``/mcpapi`` protocol over a ``ToolManager``.
+"""An HTTP tool aggregator (``agentrl tools aggregate``): the original AgentRL's ``/mcpapi`` protocol over a
+``ToolManager``.
 
 One process holds the MCP connections (e.g. to stdio servers) and serves every sampler of a machine or a
 cluster through ``--mcp_manager_url http://host:port/mcpapi``. Routes (see ``agentrl.tools.aggregator``):

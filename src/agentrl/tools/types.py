@@ -28,7 +28,7 @@ class ToolSpec(BaseModel):
 
 
 class ToolStatus(StrEnum):
-    """Outcome of one tool call. The error values equal the DispatchedSamplingTask statuses of DESIGN §3."""
+    """Outcome of one tool call. The error values equal the DispatchedSamplingTask statuses (agentrl.store.models.CallStatus)."""
 
     OK = "ok"
     FORMATERROR = "formaterror"

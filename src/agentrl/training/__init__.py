@@ -1,1 +1,1 @@
-"""Training: advantages, prefix merging, losses and the trainer (DESIGN §6)."""
+"""Training: advantages, prefix merging, losses and the trainer (docs/architecture.md)."""

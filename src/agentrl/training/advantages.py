@@ -4,7 +4,7 @@ Pure functions on plain floats (no database, no tensors). The pipeline per group
 
 1. ``group_advantages``: ``A_i = R_i - b_i`` with the baseline ``b_i`` the group mean, or with ``leave_one_out``
    the mean of the *other* members; with ``scale_rewards`` divided by ``std + std_epsilon``, ``std`` the group's
-   unbiased (Bessel, ``n - 1``) standard deviation, as ``torch.std`` computes it in verl and TRL (the original
+   unbiased (Bessel, ``n - 1``) standard deviation, as ``torch.std`` computes it in verl and TRL (the original AgentRL
    never divided its advantage by a std, so there is nothing of it to follow). A group of one has std 0 and
    advantage 0.
 2. ``call_advantages``: every LLM call of a trajectory inherits its trajectory's advantage; calls whose status
@@ -13,7 +13,7 @@ Pure functions on plain floats (no database, no tensors). The pipeline per group
    ``adv_scaling``, and then the drop rule (``drop_zero_advantage`` / ``minimal_advantage``) turns calls with a
    negligible advantage into ``None`` (they stay in the sequence as context, without loss).
 
-Differences from the original (agentrl-original §4.1), on purpose:
+Differences from the original AgentRL (docs/original.md), on purpose:
 
 * The group is whatever the caller passes, by position: the original's baseline used ``Task.scores``, which also
   held failed and later-abandoned samples, and removed "the first score equal to mine" by value.

@@ -139,7 +139,7 @@ def collate(
     ``min_shared`` tokens once (None: every sample on its own).
 
     ``sequence_unit`` says what a "sequence" is for per-sequence aggregation and GSPO: ``"sample"`` (a merged
-    branch, as the original) or ``"turn"`` (each call, which reproduces per-call unmerged training exactly).
+    branch, as the original AgentRL) or ``"turn"`` (each call, which reproduces per-call unmerged training exactly).
     """
     if sequence_unit not in ("sample", "turn"):
         raise ValueError(f"sequence_unit must be 'sample' or 'turn', got {sequence_unit!r}")

@@ -1,4 +1,5 @@
-"""Configuration of a trainer run (``agentrl train`` / ``python -m agentrl.train``); flag names are the original's.
+"""Configuration of a trainer run (``agentrl train`` / ``python -m agentrl.train``); flag names are the original
+AgentRL's (docs/original.md).
 
 Batch size: one optimiser step trains ``train_batch_size`` samples (merged trajectory branches) over all
 data-parallel ranks together. Left unset it is ``per_device_train_batch_size × gradient_accumulation_steps ×

@@ -1,7 +1,7 @@
 """The loss options: one pydantic model, the ``loss`` part of the trainer's configuration.
 
-Each field is a flag of ``agentrl train`` under its own name (``--loss_calculater``, ``--epsilon``...: the original's
-names and defaults). The formulas are in :mod:`agentrl.training.losses`, whose registry holds one function per
+Each field is a flag of ``agentrl train`` under its own name (``--loss_calculater``, ``--epsilon``...: the original
+AgentRL's names and defaults). The formulas are in :mod:`agentrl.training.losses`, whose registry holds one function per
 ``LossName``. This module imports no torch, so building the command-line parser stays fast.
 """
 

@@ -3,7 +3,7 @@
 Notation per token ``t`` (all tensors ``[B, T]``, aligned as in ``agentrl.training.logprobs``): ``ℓ`` the current
 policy's logprob (``LossInput.logprobs``, carries the gradient), ``ℓ_μ`` the behaviour (engine) logprob
 (``old_logprobs``), ``r = exp(ℓ - ℓ_μ)``, ``A`` the advantage, ``m`` the loss mask, ``sg`` stop-gradient,
-``ε = epsilon``, ``ε_h = epsilon + epsilon_higher`` (the original's band: defaults 0.2 and 0.1 give [0.8, 1.3]).
+``ε = epsilon``, ``ε_h = epsilon + epsilon_higher`` (the original AgentRL's band: defaults 0.2 and 0.1 give [0.8, 1.3]).
 
 * ``GRPO``: ``L = -min(r̃·A, clip(r, 1-ε, 1+ε_h)·A)`` with ``r̃ = r``, or ``min(r, C)`` with truncated importance
   sampling (``truncated_is_cap = C``: the unclipped ratio is truncated at C, which bounds the loss of negative-
