@@ -29,7 +29,7 @@ from pymongo import MongoClient
 
 from conftest import free_port
 
-from agentrl.store.connection import answers_ping
+from agentrl.store.ping import answers_ping
 
 START_TIMEOUT_S = 60.0
 MISSING = ("the test dependency secantusdb is not installed in this environment; run scripts/setup_venv.sh "

@@ -18,7 +18,7 @@ from agentrl.failpoints import ENV, EXIT_CODE, FailpointHit, reset
 from agentrl.store import DBRecordData, Record, RecordStatus, sync_client
 from agentrl.store.models import EPOCH
 from agentrl.training.checkpoint import list_checkpoints
-from agentrl.training.weights import replace_dir
+from agentrl.training.dirs import replace_dir
 
 BATCH, STEPS = 4, 4
 FLAGS = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_steps", "1", "--enable_sampling",

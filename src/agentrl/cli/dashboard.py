@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.listen import listening_socket, serve_until_stopped
     from agentrl.log import redact
     from agentrl.store import database_name, resolve_connection_string, sync_client
-    from agentrl.store.connection import answers_ping
+    from agentrl.store.ping import answers_ping
 
     def fail(message: str) -> int:
         print(f"agentrl dashboard: error: {message}", file=sys.stderr)

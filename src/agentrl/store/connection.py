@@ -6,7 +6,6 @@ import logging
 import os
 
 from pymongo import MongoClient
-from pymongo.errors import PyMongoError
 from pymongo.uri_parser import parse_uri
 
 from agentrl.log import redact
@@ -48,18 +47,6 @@ def with_database(uri: str, database: str) -> str:
     scheme, _, rest = head.partition("://")
     hosts = rest.split("/", 1)[0]
     return f"{scheme}://{hosts}/{database}" + (f"?{query}" if sep else "")
-
-
-def answers_ping(uri: str, timeout_s: float = 1.0) -> bool:
-    """Whether the server of ``uri`` answers ``ping`` within ``timeout_s``."""
-    client = MongoClient(uri, serverSelectionTimeoutMS=int(timeout_s * 1000), connectTimeoutMS=int(timeout_s * 1000))
-    try:
-        client.admin.command("ping")
-        return True
-    except PyMongoError:
-        return False
-    finally:
-        client.close()
 
 
 def sync_client(uri: str, **kwargs) -> MongoClient:

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from agentrl.store.connection import answers_ping
+from agentrl.store.ping import answers_ping
 
 DEFAULT_PORT = 27017
 DEFAULT_HOST = "127.0.0.1"

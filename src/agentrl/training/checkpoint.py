@@ -17,7 +17,7 @@ checkpoint's step; the data-stream state is complete, so every sample is still t
 
 A checkpoint is written into ``.checkpoint-<step>.tmp`` and renamed when complete, so ``latest`` (the highest
 complete step) never points at a partial one, even after a SIGKILL in the middle of saving. Directories are only
-ever replaced or deleted after being renamed aside (``weights.replace_dir``, ``weights.discard_dir``), so no crash
+ever replaced or deleted after being renamed aside (``dirs.replace_dir``, ``dirs.discard_dir``), so no crash
 leaves a half-deleted checkpoint under its name. Crash windows (failpoints): ``checkpoint.save.before_rename``,
 ``checkpoint.save.after_aside``, ``checkpoint.save.after_rename``.
 """
@@ -43,7 +43,8 @@ from torch import nn
 from agentrl.failpoints import failpoint
 from agentrl.training.parallel import ParallelState
 from agentrl.training import lora
-from agentrl.training.weights import discard_dir, export_adapter, export_pretrained, replace_dir
+from agentrl.training.dirs import discard_dir, replace_dir
+from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)
 

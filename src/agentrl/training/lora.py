@@ -23,6 +23,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from agentrl.training.dirs import replace_dir
+
 ADAPTER_NAME = "default"
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -227,8 +229,6 @@ def merge_adapter_dir(adapter: str | Path, out: Path, base_model: str | Path | N
     used."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from agentrl.training.weights import replace_dir
 
     adapter = Path(adapter)
     if not is_adapter_dir(adapter):

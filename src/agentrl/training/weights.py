@@ -20,6 +20,7 @@ from torch import nn
 
 from agentrl.failpoints import failpoint
 from agentrl.training import lora
+from agentrl.training.dirs import replace_dir
 from agentrl.training.parallel import ParallelState, materialize_from_main, shard_model
 
 logger = logging.getLogger(__name__)
@@ -225,26 +226,3 @@ def export_adapter(model: nn.Module, parallel: ParallelState, out_dir: Path, *, 
             tokenizer.save_pretrained(tmp)
         replace_dir(tmp, out_dir)
     parallel.barrier()
-
-
-def replace_dir(new: Path, target: Path, failpoint_prefix: str = "weights.replace") -> None:
-    """Put the complete directory ``new`` at ``target`` with renames only: an existing ``target`` is first renamed
-    aside to ``.<name>.old`` (so a crash never leaves a half-deleted ``target``), then ``new`` takes its place, then
-    the old one is deleted. A crash in between leaves the old directory aside and ``new`` complete under its
-    temporary name; neither matches a checkpoint or weights name, and the next save removes them."""
-    old = target.with_name(f".{target.name}.old")
-    if target.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(target, old)
-        failpoint(f"{failpoint_prefix}.after_aside")
-    os.replace(new, target)
-    failpoint(f"{failpoint_prefix}.after_rename")
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def discard_dir(path: Path) -> None:
-    """Delete ``path`` after renaming it aside, so a crash mid-delete never leaves it half-deleted in place."""
-    aside = path.with_name(f".{path.name}.old")
-    shutil.rmtree(aside, ignore_errors=True)
-    os.replace(path, aside)
-    shutil.rmtree(aside, ignore_errors=True)
