@@ -41,6 +41,7 @@ from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import FutureRequestState, GenerationOutput, RequestState
 from transformers.generation.logits_process import LogitsProcessorList
 
+from agentrl.inference import paged_attention
 from agentrl.inference.lora_adapters import Adapter, ServedAdapters
 from agentrl.inference.sampling import RowParams, penalties, sample
 
@@ -148,7 +149,11 @@ class _SGLangSamplingRunner(ModelRunner):
         if self.adapters is not None and self.adapters.adapters:
             self.adapters.route([(r.state.request_id, r.query_length)
                                  for r in self.inputs_and_outputs.requests_in_batch])
-        logits = model(**batch_data).logits
+        if model.config._attn_implementation == paged_attention.PAGED_ATTENTION:
+            with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data)):
+                logits = model(**batch_data).logits
+        else:
+            logits = model(**batch_data).logits
         if "logits_to_keep" not in batch_data:
             logits = logits[:, batch_data["logits_indices"], :]
         logits = logits[0].float()  # [rows, vocab]
@@ -175,6 +180,14 @@ class _Manager(ContinuousBatchingManager):
         super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
         self.logit_processor = _RequestValues()
         self.adapters = adapters
+
+    def switch_to_cb_friendly_attn(self, model: PreTrainedModel, auto_switch_to_flash: bool = True) -> None:
+        """Serve with :mod:`agentrl.inference.paged_attention` where the model allows (for good: outside a step it
+        is ``sdpa``), else as transformers would."""
+        if model.config._attn_implementation == "sdpa" and paged_attention.supports(model.config):
+            model.set_attn_implementation(paged_attention.PAGED_ATTENTION)
+        else:
+            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
 
     def _create_batch_processor(self):
         processor = super()._create_batch_processor()
