@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from agentrl.inference import paged_attention
 from agentrl.inference.lora_adapters import Adapter, ServedAdapters
+from agentrl.inference.packed_linear import pack_linears, repack
 from agentrl.inference.sampling import RowParams, penalties, sample
 
 
@@ -210,12 +212,14 @@ class ContinuousBatcher:
 
     def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None):
         self.model = model.eval()
+        pack_linears(self.model)
         self.config = config or BatchingConfig()
         self.adapters = ServedAdapters(self.model)
         self._manager = _Manager(self.model, self._cb_config(), self.adapters)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
+        self._prompt_pass = threading.Lock()  # one prompt pass at a time: the adapters' routing is the model's
 
     def _cb_config(self) -> ContinuousBatchingConfig:
         config = self.config
@@ -318,11 +322,12 @@ class ContinuousBatcher:
         before it (``len(input_ids) - start - 1`` values), with LoRA adapter ``adapter`` if named (blocking).
 
         One forward pass of the whole prompt between two generation steps, without the KV cache: the logits are
-        kept only from position ``start`` on and turned into logprobs ``PROMPT_LOGPROB_ROWS`` rows at a time."""
+        kept only from position ``start`` on and turned into logprobs ``PROMPT_LOGPROB_ROWS`` rows at a time.
+        Concurrent calls take turns (several may hold the loop's pause, but the LoRA routing is one per model)."""
         if start >= len(input_ids) - 1:
             return []
         request_id = f"prompt-{uuid.uuid4().hex}"
-        with self._paused(), torch.no_grad():
+        with self._prompt_pass, self._paused(), torch.no_grad():
             if adapter is not None:
                 self.adapters.assign(request_id, adapter)
             try:
@@ -343,6 +348,7 @@ class ContinuousBatcher:
         """Copy new weights into the model in place, between two generation steps (blocking)."""
         with self._paused(), torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
+            repack(self.model)
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve a LoRA adapter from the next step on (blocking)."""
