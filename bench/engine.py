@@ -14,7 +14,10 @@ In one run, with the same model, device, dtype and thread count:
 * engine: a real ``agentrl engine`` subprocess, fed through its HTTP API (``SGLangClient``) with rounds of
   N concurrent ``/generate`` requests of the same length (``ignore_eos``), for N in ``--concurrency``;
 * weight load: ``/update_weights_from_disk`` of the model directory, timed end to end;
-* logprob mismatch: the engine's logprobs vs this process's fp32 forward pass (``logprob_mismatch``).
+* logprob mismatch: the engine's logprobs vs this process's fp32 forward pass (``logprob_mismatch``);
+* the machine's limit: the rate of a bf16 (and an fp32) matmul of the model's shape, ``[256, hidden] x [hidden,
+  4 hidden]``, with the same thread count, before and after the engine rounds (the higher is kept). The engine's
+  arithmetic rate is ``2 x parameters x tokens/s``; ``fraction_of_limit`` is that over the bf16 rate.
 
 Every figure is the median over ``--repeats`` rounds. The table is printed and written as JSON under
 ``bench/results/`` (not versioned).
@@ -59,6 +62,28 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         rendered.append(tokenizer.encode(text, add_special_tokens=False))
     return rendered
+
+
+def matmul_rate(hidden: int, dtype: torch.dtype, device: torch.device, seconds: float = 1.0) -> float:
+    """GFLOP/s of ``[256, hidden] x [hidden, 4 hidden]`` matmuls in ``dtype`` (about ``seconds`` of them)."""
+    a = torch.randn(256, hidden, dtype=dtype, device=device)
+    b = torch.randn(hidden, 4 * hidden, dtype=dtype, device=device)
+    flops, count = 2 * 256 * hidden * 4 * hidden, 0
+    torch.matmul(a, b)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(8):
+            torch.matmul(a, b)
+        synchronize()
+        count += 8
+    return flops * count / (time.perf_counter() - started) / 1e9
+
+
+def machine_limit(hidden: int, device: torch.device) -> dict[str, float]:
+    return {str(dtype).removeprefix("torch."): matmul_rate(hidden, dtype, device)
+            for dtype in (torch.bfloat16, torch.float32)}
 
 
 def baseline(model, tokenizer, device: torch.device, max_new_tokens: int, repeats: int) -> list[float]:
@@ -150,6 +175,8 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
+    hidden, parameters = model.config.hidden_size, model.num_parameters()
+    limit_before = machine_limit(hidden, device)
     baseline_rates = baseline(model, tokenizer, device, args.max_new_tokens, args.repeats)
     del model
     engine_args = ["--num_threads", str(args.num_threads), "--dtype", args.dtype, "--no_register",
@@ -160,6 +187,7 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
         report = asyncio.run(run_engine(engine.url, model_dir, tokenizer, reference, args.concurrency,
                                         args.max_new_tokens, args.repeats))
 
+    limit = {dtype: max(rate, limit_before[dtype]) for dtype, rate in machine_limit(hidden, device).items()}
     base = statistics.median(baseline_rates)
     rows = [("sequential model.generate", 1, base, 1.0)]
     for concurrency, rates in report["concurrency"].items():
@@ -167,10 +195,14 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"\nmodel {model_dir}\ndevice {device} ({device_name}), dtype {dtype}, {args.num_threads} threads, "
           f"{args.max_new_tokens} new tokens per request, median of {args.repeats} rounds\n")
-    print("| mode | concurrent requests | generated tokens/s | vs baseline |")
-    print("|---|---:|---:|---:|")
+    print("| mode | concurrent requests | generated tokens/s | vs baseline | GFLOP/s | of the bf16 limit |")
+    print("|---|---:|---:|---:|---:|---:|")
     for mode, concurrency, rate, ratio in rows:
-        print(f"| {mode} | {concurrency} | {rate:.1f} | {ratio:.2f}x |")
+        gflops = 2 * parameters * rate / 1e9
+        print(f"| {mode} | {concurrency} | {rate:.1f} | {ratio:.2f}x | {gflops:.1f} | "
+              f"{gflops / limit['bfloat16']:.1%} |")
+    print(f"\nmachine limit ([256, {hidden}] x [{hidden}, {4 * hidden}] matmul): bf16 {limit['bfloat16']:.0f}, "
+          f"fp32 {limit['float32']:.0f} GFLOP/s; {parameters / 1e6:.1f}M parameters")
     load = statistics.median(report["weight_load_s"])
     print(f"\nweight load (/update_weights_from_disk, idle engine): {load:.2f} s median")
     print(f"logprob mismatch engine vs fp32 forward ({max(args.concurrency)} sampled sequences): "
@@ -185,7 +217,11 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
         "baseline_tokens_per_s": baseline_rates,
         "engine_tokens_per_s": {str(k): v for k, v in report["concurrency"].items()},
         "weight_load_s": report["weight_load_s"], "logprob_max_abs_diff": report["logprob_max_abs_diff"],
-        "logprob_mean_abs_diff": report["logprob_mean_abs_diff"]}, indent=2))
+        "logprob_mean_abs_diff": report["logprob_mean_abs_diff"], "parameters": parameters,
+        "matmul_gflops": limit,
+        "speedup_vs_baseline": {str(k): statistics.median(v) / base for k, v in report["concurrency"].items()},
+        "fraction_of_limit": {str(k): 2 * parameters * statistics.median(v) / 1e9 / limit["bfloat16"]
+                              for k, v in report["concurrency"].items()}}, indent=2))
     print(f"\nwritten to {output}")
     return 0
 
