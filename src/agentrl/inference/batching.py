@@ -11,6 +11,13 @@ The scheduler, paged KV cache, prefix sharing and batching are transformers' ``C
   penalties (over each request's generated tokens, read from its state), draws the token and reports its logprob
   exactly as SGLang does (see that module), reproducibly for a given seed.
 
+Two replace what transformers does per decoding step:
+
+* attention: :mod:`agentrl.inference.paged_attention` (each request attends to its own cached tokens; decoding
+  requests together over a padded view) instead of one packed sequence masked block-diagonally;
+* on CPU, the Linear layers multiply with oneDNN-packed weights (:mod:`agentrl.inference.packed_linear`),
+  repacked when weights are loaded.
+
 CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
 is used as is: requests are added from any thread, results come back through ``register_result_handler``.
 

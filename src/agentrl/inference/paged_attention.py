@@ -105,8 +105,9 @@ class StepLayout:
             requests = group.slots.shape[0]
             # The query heads of one key/value head become its query positions: [requests, kv_heads, group, dim].
             q = query[0, :, group.rows].transpose(0, 1).reshape(requests, kv_heads, heads // kv_heads, dim)
-            k = k_cache[group.slots].transpose(1, 2)  # [requests, kv_heads, longest, dim]
-            v = v_cache[group.slots].transpose(1, 2)
+            slots, gathered = group.slots.view(-1), (*group.slots.shape, kv_heads, dim)
+            k = k_cache.index_select(0, slots).view(gathered).transpose(1, 2)  # [requests, kv_heads, longest, dim]
+            v = v_cache.index_select(0, slots).view(gathered).transpose(1, 2)
             attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
             out[group.rows] = attended.reshape(requests, heads, dim)
         for prefill in self.prefills:
@@ -114,8 +115,8 @@ class StepLayout:
             if prefill.slots is None:
                 k, v = key[:, :, prefill.rows], value[:, :, prefill.rows]
             else:
-                k = k_cache[prefill.slots].transpose(0, 1).unsqueeze(0)
-                v = v_cache[prefill.slots].transpose(0, 1).unsqueeze(0)
+                k = k_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
+                v = v_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
             attended = torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scaling, enable_gqa=True)
             out[prefill.rows] = attended[0].transpose(0, 1)
