@@ -11,10 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
 from agentrl.inference.consistency import logprob_mismatch
+from agentrl.inference.paged_attention import supports
 
 torch.set_num_threads(1)
 GREEDY = RequestSampling(top_k=1)
@@ -84,3 +85,15 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
     assert len({c["key"][2] for c in cached_prefill}) >= 3 and 57 in {c["key"][2] for c in cached_prefill}
     assert any(c["is_causal"] for c in sdpa_calls)  # prompts with nothing cached
     assert any(c["query"][0] > 1 for c in sdpa_calls)  # requests decoding together
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "served"), [
+    ("llama", {}, True),
+    ("qwen3", {}, True),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "num_hidden_layers": 2},
+     False),
+    ("gemma2", {"layer_types": ["full_attention"] * 2, "num_hidden_layers": 2}, False),  # soft-capped scores
+    ("gpt_oss", {}, False),  # sliding layers (and attention sinks)
+])
+def test_models_it_cannot_serve_keep_transformers_attention(model_type: str, overrides: dict, served: bool) -> None:
+    assert supports(AutoConfig.for_model(model_type, **overrides)) is served

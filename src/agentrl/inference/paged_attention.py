@@ -134,6 +134,9 @@ def _decode_group(cu_k: list[int], read_slots: torch.Tensor) -> _DecodeGroup:
     return _DecodeGroup(rows=slice(0, len(cu_k) - 1), slots=slots, mask=mask[:, None, None, :])
 
 
+_MODIFIERS = ("sliding_window", "softcap", "s_aux", "position_bias")
+"""Attention arguments some models pass that change the scores: served only by transformers' path."""
+
 _STEP: ContextVar[StepLayout | None] = ContextVar("agentrl_paged_step", default=None)
 
 
@@ -157,6 +160,9 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             raise RuntimeError(f"{PAGED_ATTENTION} over a paged cache needs the step's layout (paged_step)")
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       cache=cache, **kwargs)
+    unsupported = sorted(name for name in _MODIFIERS if kwargs.get(name) is not None)
+    if unsupported:
+        raise NotImplementedError(f"{PAGED_ATTENTION} does not implement {', '.join(unsupported)}")
     return layout.attend(module.layer_idx, cache, query, key, value, scaling), None
 
 
@@ -166,8 +172,10 @@ def _paged_mask(*args, **kwargs) -> torch.Tensor | None:
 
 
 def supports(config: PretrainedConfig) -> bool:
-    """Whether the model's layers all use full attention (sliding-window caches keep transformers' path)."""
-    return set(group_layers_by_attn_type(config)) == {_FULL_ATTENTION}
+    """Whether the model's layers all use plain full attention (sliding windows and soft-capped scores keep
+    transformers' path)."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    return set(group_layers_by_attn_type(config)) == {_FULL_ATTENTION} and softcap is None
 
 
 AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
