@@ -14,7 +14,12 @@ In one run, with the same model, device, dtype and thread count:
 * engine: a real ``agentrl engine`` subprocess, fed through its HTTP API (``SGLangClient``) with rounds of
   N concurrent ``/generate`` requests of the same length (``ignore_eos``), for N in ``--concurrency``;
 * weight load: ``/update_weights_from_disk`` of the model directory, timed end to end;
-* logprob mismatch: the engine's logprobs vs this process's fp32 forward pass (``logprob_mismatch``).
+* logprob mismatch: the engine's logprobs vs this process's fp32 forward pass (``logprob_mismatch``);
+* CPU time: tokens per CPU-second of the baseline (this process) and of the engine process (all its threads), a
+  ratio that holds better than tokens/s on a machine other jobs share;
+* the machine's limit: the rate of a bf16 (and an fp32) matmul of the model's shape, ``[256, hidden] x [hidden,
+  4 hidden]``, with the same thread count, before and after the engine rounds (the higher is kept). The engine's
+  arithmetic rate is ``2 x parameters x tokens/s``; ``fraction_of_limit`` is that over the bf16 rate.
 
 Every figure is the median over ``--repeats`` rounds. The table is printed and written as JSON under
 ``bench/results/`` (not versioned).
@@ -32,6 +37,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -61,44 +67,77 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
     return rendered
 
 
-def baseline(model, tokenizer, device: torch.device, max_new_tokens: int, repeats: int) -> list[float]:
-    """Tokens/s of sequential ``model.generate`` calls, one per round (the median is reported)."""
-    rates = []
+def matmul_rate(hidden: int, dtype: torch.dtype, device: torch.device, seconds: float = 1.0) -> float:
+    """GFLOP/s of ``[256, hidden] x [hidden, 4 hidden]`` matmuls in ``dtype`` (about ``seconds`` of them)."""
+    a = torch.randn(256, hidden, dtype=dtype, device=device)
+    b = torch.randn(hidden, 4 * hidden, dtype=dtype, device=device)
+    flops, count = 2 * 256 * hidden * 4 * hidden, 0
+    torch.matmul(a, b)
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    started = time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        for _ in range(8):
+            torch.matmul(a, b)
+        synchronize()
+        count += 8
+    return flops * count / (time.perf_counter() - started) / 1e9
+
+
+def machine_limit(hidden: int, device: torch.device) -> dict[str, float]:
+    return {str(dtype).removeprefix("torch."): matmul_rate(hidden, dtype, device)
+            for dtype in (torch.bfloat16, torch.float32)}
+
+
+def baseline(model, tokenizer, device: torch.device, max_new_tokens: int,
+             repeats: int) -> tuple[list[float], list[float]]:
+    """Tokens/s and tokens per CPU-second of sequential ``model.generate`` calls, one per round."""
+    rates, cpu_rates = [], []
     for ids in prompts(tokenizer, repeats + 1):
         input_ids = torch.tensor([ids], device=device)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), time.process_time()
         with torch.no_grad():
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=True,
                                  temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=max_new_tokens,
                                  min_new_tokens=max_new_tokens, pad_token_id=tokenizer.eos_token_id)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, time.process_time() - cpu_started
         rates.append((out.shape[1] - input_ids.shape[1]) / elapsed)
-    return rates[1:]  # the first call warms up
+        cpu_rates.append((out.shape[1] - input_ids.shape[1]) / cpu)
+    return rates[1:], cpu_rates[1:]  # the first call warms up
 
 
-async def engine_rounds(client: SGLangClient, tokenizer, concurrency: int, max_new_tokens: int,
-                        repeats: int) -> tuple[list[float], list]:
-    """Tokens/s of rounds of ``concurrency`` simultaneous requests; also returns the last round's results."""
+def cpu_seconds(pid: int) -> float:
+    """CPU time (user and system, all threads) process ``pid`` has used so far."""
+    times = psutil.Process(pid).cpu_times()
+    return times.user + times.system
+
+
+async def engine_rounds(client: SGLangClient, tokenizer, concurrency: int, max_new_tokens: int, repeats: int,
+                        engine_pid: int) -> tuple[list[float], list[float], list]:
+    """Tokens/s and tokens per engine CPU-second of rounds of ``concurrency`` simultaneous requests; also returns
+    the last round's results."""
     params = {"max_new_tokens": max_new_tokens, "temperature": 1.0, "ignore_eos": True}
-    rates, results = [], []
+    rates, cpu_rates, results = [], [], []
     for round_index in range(repeats):
         batch = prompts(tokenizer, concurrency)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds(engine_pid)
         results = await asyncio.gather(*[
             client.generate(ids, {**params, "sampling_seed": round_index * 1000 + i}) for i, ids in enumerate(batch)])
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, cpu_seconds(engine_pid) - cpu_started
         rates.append(sum(r.completion_tokens for r in results) / elapsed)
-    return rates, list(zip(batch, results, strict=True))
+        cpu_rates.append(sum(r.completion_tokens for r in results) / cpu)
+    return rates, cpu_rates, list(zip(batch, results, strict=True))
 
 
-async def run_engine(url: str, model_dir: str, tokenizer, model, concurrencies: list[int], max_new_tokens: int,
-                     repeats: int) -> dict:
-    report: dict = {"concurrency": {}}
-    async with SGLangClient(url, timeout_s=3600) as client:
+async def run_engine(engine: EngineProcess, model_dir: str, tokenizer, model, concurrencies: list[int],
+                     max_new_tokens: int, repeats: int) -> dict:
+    report: dict = {"concurrency": {}, "concurrency_cpu": {}}
+    async with SGLangClient(engine.url, timeout_s=3600) as client:
         await client.generate(prompts(tokenizer, 1)[0], {"max_new_tokens": 8})  # warm up
         for concurrency in concurrencies:
-            rates, last = await engine_rounds(client, tokenizer, concurrency, max_new_tokens, repeats)
-            report["concurrency"][concurrency] = rates
+            rates, cpu_rates, last = await engine_rounds(client, tokenizer, concurrency, max_new_tokens, repeats,
+                                                         engine.process.pid)
+            report["concurrency"][concurrency], report["concurrency_cpu"][concurrency] = rates, cpu_rates
             if concurrency == max(concurrencies):
                 mismatches = [logprob_mismatch(model, ids, r.output_ids, r.output_token_logprobs) for ids, r in last]
                 report["logprob_max_abs_diff"] = max(m["max_abs_diff"] for m in mismatches)
@@ -150,42 +189,55 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
 
-    baseline_rates = baseline(model, tokenizer, device, args.max_new_tokens, args.repeats)
+    hidden, parameters = model.config.hidden_size, model.num_parameters()
+    limit_before = machine_limit(hidden, device)
+    baseline_rates, baseline_cpu_rates = baseline(model, tokenizer, device, args.max_new_tokens, args.repeats)
     del model
     engine_args = ["--num_threads", str(args.num_threads), "--dtype", args.dtype, "--no_register",
                    "--max_running_requests", str(max(args.concurrency)), "--weight_version", "0"]
     if args.device:
         engine_args += ["--device", args.device]
     with EngineProcess(model_dir, *engine_args) as engine:
-        report = asyncio.run(run_engine(engine.url, model_dir, tokenizer, reference, args.concurrency,
+        report = asyncio.run(run_engine(engine, model_dir, tokenizer, reference, args.concurrency,
                                         args.max_new_tokens, args.repeats))
 
-    base = statistics.median(baseline_rates)
-    rows = [("sequential model.generate", 1, base, 1.0)]
-    for concurrency, rates in report["concurrency"].items():
-        rows.append(("agentrl engine (HTTP)", concurrency, statistics.median(rates), statistics.median(rates) / base))
+    limit = {dtype: max(rate, limit_before[dtype]) for dtype, rate in machine_limit(hidden, device).items()}
+    median = statistics.median
+    base, base_cpu = median(baseline_rates), median(baseline_cpu_rates)
+    rows = [("sequential model.generate", 1, base, base_cpu)]
+    rows += [("agentrl engine (HTTP)", concurrency, median(rates), median(report["concurrency_cpu"][concurrency]))
+             for concurrency, rates in report["concurrency"].items()]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"\nmodel {model_dir}\ndevice {device} ({device_name}), dtype {dtype}, {args.num_threads} threads, "
           f"{args.max_new_tokens} new tokens per request, median of {args.repeats} rounds\n")
-    print("| mode | concurrent requests | generated tokens/s | vs baseline |")
-    print("|---|---:|---:|---:|")
-    for mode, concurrency, rate, ratio in rows:
-        print(f"| {mode} | {concurrency} | {rate:.1f} | {ratio:.2f}x |")
-    load = statistics.median(report["weight_load_s"])
-    print(f"\nweight load (/update_weights_from_disk, idle engine): {load:.2f} s median")
+    print("| mode | concurrent requests | generated tokens/s | vs baseline | GFLOP/s | of the bf16 limit "
+          "| tokens per CPU-second | vs baseline |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for mode, concurrency, rate, cpu_rate in rows:
+        gflops = 2 * parameters * rate / 1e9
+        print(f"| {mode} | {concurrency} | {rate:.1f} | {rate / base:.2f}x | {gflops:.1f} | "
+              f"{gflops / limit['bfloat16']:.1%} | {cpu_rate:.1f} | {cpu_rate / base_cpu:.2f}x |")
+    print(f"\nmachine limit ([256, {hidden}] x [{hidden}, {4 * hidden}] matmul): bf16 {limit['bfloat16']:.0f}, "
+          f"fp32 {limit['float32']:.0f} GFLOP/s; {parameters / 1e6:.1f}M parameters")
+    print(f"\nweight load (/update_weights_from_disk, idle engine): {median(report['weight_load_s']):.2f} s median")
     print(f"logprob mismatch engine vs fp32 forward ({max(args.concurrency)} sampled sequences): "
           f"max {report['logprob_max_abs_diff']:.2e}, mean {report['logprob_mean_abs_diff']:.2e}")
 
     output = Path(args.output) if args.output else (
         Path(__file__).parent / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
+    by_concurrency = lambda values: {str(k): v for k, v in values.items()}  # noqa: E731
     output.write_text(json.dumps({
         "model": args.model_config or model_dir, "device": str(device), "device_name": device_name, "dtype": str(dtype),
         "num_threads": args.num_threads, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
-        "baseline_tokens_per_s": baseline_rates,
-        "engine_tokens_per_s": {str(k): v for k, v in report["concurrency"].items()},
+        "baseline_tokens_per_s": baseline_rates, "engine_tokens_per_s": by_concurrency(report["concurrency"]),
         "weight_load_s": report["weight_load_s"], "logprob_max_abs_diff": report["logprob_max_abs_diff"],
-        "logprob_mean_abs_diff": report["logprob_mean_abs_diff"]}, indent=2))
+        "logprob_mean_abs_diff": report["logprob_mean_abs_diff"], "parameters": parameters, "matmul_gflops": limit,
+        "speedup_vs_baseline": {str(c): rate / base for _, c, rate, _ in rows[1:]},
+        "fraction_of_limit": {str(c): 2 * parameters * rate / 1e9 / limit["bfloat16"] for _, c, rate, _ in rows[1:]},
+        "baseline_tokens_per_cpu_s": baseline_cpu_rates,
+        "engine_tokens_per_cpu_s": by_concurrency(report["concurrency_cpu"]),
+        "speedup_per_cpu_s": {str(c): cpu_rate / base_cpu for _, c, _, cpu_rate in rows[1:]}}, indent=2))
     print(f"\nwritten to {output}")
     return 0
 

@@ -11,6 +11,13 @@ The scheduler, paged KV cache, prefix sharing and batching are transformers' ``C
   penalties (over each request's generated tokens, read from its state), draws the token and reports its logprob
   exactly as SGLang does (see that module), reproducibly for a given seed.
 
+Two replace what transformers does per decoding step:
+
+* attention: :mod:`agentrl.inference.paged_attention` (each request attends to its own cached tokens; decoding
+  requests together over a padded view) instead of one packed sequence masked block-diagonally;
+* on CPU, the Linear layers multiply with oneDNN-packed weights (:mod:`agentrl.inference.packed_linear`),
+  repacked when weights are loaded.
+
 CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
 is used as is: requests are added from any thread, results come back through ``register_result_handler``.
 
@@ -23,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -41,7 +49,9 @@ from transformers.generation.continuous_batching.model_runner import ModelRunner
 from transformers.generation.continuous_batching.requests import FutureRequestState, GenerationOutput, RequestState
 from transformers.generation.logits_process import LogitsProcessorList
 
+from agentrl.inference import paged_attention
 from agentrl.inference.lora_adapters import Adapter, ServedAdapters
+from agentrl.inference.packed_linear import pack_linears, repack
 from agentrl.inference.sampling import RowParams, penalties, sample
 
 
@@ -148,7 +158,11 @@ class _SGLangSamplingRunner(ModelRunner):
         if self.adapters is not None and self.adapters.adapters:
             self.adapters.route([(r.state.request_id, r.query_length)
                                  for r in self.inputs_and_outputs.requests_in_batch])
-        logits = model(**batch_data).logits
+        if model.config._attn_implementation == paged_attention.PAGED_ATTENTION:
+            with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data)):
+                logits = model(**batch_data).logits
+        else:
+            logits = model(**batch_data).logits
         if "logits_to_keep" not in batch_data:
             logits = logits[:, batch_data["logits_indices"], :]
         logits = logits[0].float()  # [rows, vocab]
@@ -176,6 +190,14 @@ class _Manager(ContinuousBatchingManager):
         self.logit_processor = _RequestValues()
         self.adapters = adapters
 
+    def switch_to_cb_friendly_attn(self, model: PreTrainedModel, auto_switch_to_flash: bool = True) -> None:
+        """Serve with :mod:`agentrl.inference.paged_attention` where the model allows (for good: outside a step it
+        is ``sdpa``), else as transformers would."""
+        if model.config._attn_implementation == "sdpa" and paged_attention.supports(model.config):
+            model.set_attn_implementation(paged_attention.PAGED_ATTENTION)
+        else:
+            super().switch_to_cb_friendly_attn(model, auto_switch_to_flash)
+
     def _create_batch_processor(self):
         processor = super()._create_batch_processor()
         if not isinstance(processor.model_runner, _SGLangSamplingRunner):
@@ -197,12 +219,14 @@ class ContinuousBatcher:
 
     def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None):
         self.model = model.eval()
+        pack_linears(self.model)
         self.config = config or BatchingConfig()
         self.adapters = ServedAdapters(self.model)
         self._manager = _Manager(self.model, self._cb_config(), self.adapters)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
+        self._prompt_pass = threading.Lock()  # one prompt pass at a time: the adapters' routing is the model's
 
     def _cb_config(self) -> ContinuousBatchingConfig:
         config = self.config
@@ -305,11 +329,12 @@ class ContinuousBatcher:
         before it (``len(input_ids) - start - 1`` values), with LoRA adapter ``adapter`` if named (blocking).
 
         One forward pass of the whole prompt between two generation steps, without the KV cache: the logits are
-        kept only from position ``start`` on and turned into logprobs ``PROMPT_LOGPROB_ROWS`` rows at a time."""
+        kept only from position ``start`` on and turned into logprobs ``PROMPT_LOGPROB_ROWS`` rows at a time.
+        Concurrent calls take turns (several may hold the loop's pause, but the LoRA routing is one per model)."""
         if start >= len(input_ids) - 1:
             return []
         request_id = f"prompt-{uuid.uuid4().hex}"
-        with self._paused(), torch.no_grad():
+        with self._prompt_pass, self._paused(), torch.no_grad():
             if adapter is not None:
                 self.adapters.assign(request_id, adapter)
             try:
@@ -330,6 +355,7 @@ class ContinuousBatcher:
         """Copy new weights into the model in place, between two generation steps (blocking)."""
         with self._paused(), torch.no_grad():
             self.model.load_state_dict(state_dict, strict=True)
+            repack(self.model)
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve a LoRA adapter from the next step on (blocking)."""

@@ -119,6 +119,6 @@ def _draw(logprobs_all: torch.Tensor, params: RowParams, vocab: int) -> torch.Te
         drop = (ranks >= top_k.unsqueeze(-1)) | over_top_p
         drop |= probs < (probs[:, :1] * params.min_p.unsqueeze(-1))
         probs = probs.masked_fill(drop, 0.0)
-    cdf = probs.double().cumsum(dim=-1)
+    cdf = probs.cumsum(dim=-1, dtype=torch.float64)
     index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(max=vocab - 1)
     return (order.gather(-1, index) if truncate else index).squeeze(-1)

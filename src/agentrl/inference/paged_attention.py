@@ -1,0 +1,182 @@
+"""Attention over transformers' paged KV cache, request by request, for the continuous-batching engine.
+
+transformers' ``sdpa`` path for continuous batching packs every request of a step into one sequence: the keys are
+the cached tokens of all the step's requests gathered together, every query attends to all of them through a
+block-diagonal mask ``[query tokens, all gathered tokens]`` (built and reset in Python each step) and the key/value
+heads are repeated to the query heads. A decode step of B requests of L tokens thus costs B·(B·L) scores per head
+where B·L suffice: at 16 requests of 100 tokens the attention is ~15x the work it needs to be, and it grows with B².
+
+This module is the attention implementation :data:`PAGED_ATTENTION`, registered with transformers'
+``AttentionInterface``. While a continuous-batching step runs (:func:`paged_step`, set by the engine's model
+runner with the step's :class:`StepLayout`), each layer writes its new keys and values into the paged cache and:
+
+* decode requests (one new token each; the scheduler puts them first) attend together: their cached keys and
+  values are gathered into a padded ``[requests, kv_heads, longest, head_dim]`` view with a padding mask
+  ``[requests, 1, 1, longest]``, and the query heads that share a key/value head are laid out as that head's
+  query positions (no ``repeat_kv`` copy);
+* prefill requests (a prompt or a chunk of one) attend one by one: causal over their own new keys, or, when part
+  of the prompt is already cached (prefix sharing, chunked prefill), through a causal mask aligned to the end.
+
+Outside such a step (e.g. the engine's prompt-logprob pass) it is exactly transformers' ``sdpa``, masks included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
+
+import torch
+from transformers import AttentionInterface, PretrainedConfig
+from transformers.generation.continuous_batching.cache import PagedAttentionCache, group_layers_by_attn_type
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+PAGED_ATTENTION = "agentrl_paged_sdpa"
+"""The attention implementation name (``model.set_attn_implementation``)."""
+
+_FULL_ATTENTION = "full_attention"
+
+
+@dataclass(frozen=True)
+class _DecodeGroup:
+    """The requests of a step that decode one token: attended together over a padded view of their caches."""
+
+    rows: slice  # their query rows: the first of the step's packed tokens
+    slots: torch.Tensor  # [requests, longest] cache slots of their keys (padding repeats a slot, masked)
+    mask: torch.Tensor  # [requests, 1, 1, longest] True where the key belongs to the request
+
+
+@dataclass(frozen=True)
+class _Prefill:
+    """One request that processes several tokens (or its first): attended alone."""
+
+    rows: slice  # its query rows in the step's packed tokens
+    slots: torch.Tensor | None  # cache slots of all its keys; None: its keys are this step's (nothing cached)
+    mask: torch.Tensor | None  # [1, 1, new, all] causal mask aligned to the end; None: plain causal
+
+
+@dataclass(frozen=True)
+class StepLayout:
+    """Where each request of a continuous-batching step finds its queries and keys (computed once per step)."""
+
+    tokens: int  # query tokens in the step
+    write_slots: torch.Tensor  # [tokens] cache slots the step's keys and values go to
+    decode: _DecodeGroup | None
+    prefills: tuple[_Prefill, ...]
+
+    @classmethod
+    def from_batch(cls, batch: dict) -> StepLayout:
+        """The layout of a batch made by transformers' ``ContinuousBatchingIOs.get_model_kwargs``."""
+        cu_q = batch["cu_seq_lens_q"].tolist()
+        cu_k = batch["cu_seq_lens_k"][_FULL_ATTENTION].tolist()
+        read_slots, write_slots = batch["read_index"][0], batch["write_index"][0]
+        reads_cache = read_slots.numel() > 0  # else no request has cached tokens: keys are the step's own
+        decoding = 0  # the scheduler puts decoding requests first: they form the decode group
+        prefills = []
+        for i in range(len(cu_q) - 1):
+            new, total = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
+            if new == 1 and reads_cache and decoding == i:
+                decoding += 1
+                continue
+            past = total - new
+            slots = read_slots[cu_k[i]:cu_k[i + 1]] if past > 0 else None
+            mask = None
+            if past > 0:
+                keys = torch.arange(total, device=read_slots.device)
+                mask = (keys[None, :] <= keys[past:, None])[None, None]
+            prefills.append(_Prefill(rows=slice(cu_q[i], cu_q[i + 1]), slots=slots, mask=mask))
+        decode = _decode_group(cu_k[:decoding + 1], read_slots) if decoding else None
+        return cls(tokens=cu_q[-1], write_slots=write_slots[:cu_q[-1]], decode=decode, prefills=tuple(prefills))
+
+    def attend(self, layer_idx: int, cache: PagedAttentionCache, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """Store the layer's new keys and values, then attend; ``query`` [1, heads, tokens, dim], ``key`` and
+        ``value`` [1, kv_heads, tokens, dim]; returns [1, tokens, heads, dim]."""
+        k_pages, v_pages = cache.layer_to_allocator[layer_idx].get_cache_for_block_table(layer_idx)
+        k_cache, v_cache = k_pages.flatten(0, 1), v_pages.flatten(0, 1)  # [slots, kv_heads, dim]
+        k_cache.index_copy_(0, self.write_slots, key[0, :, :self.tokens].transpose(0, 1))
+        v_cache.index_copy_(0, self.write_slots, value[0, :, :self.tokens].transpose(0, 1))
+        heads, kv_heads, dim = query.shape[1], key.shape[1], query.shape[-1]
+        out = query.new_empty(query.shape[2], heads, dim)
+        if self.decode is not None:
+            group = self.decode
+            requests = group.slots.shape[0]
+            # The query heads of one key/value head become its query positions: [requests, kv_heads, group, dim].
+            q = query[0, :, group.rows].transpose(0, 1).reshape(requests, kv_heads, heads // kv_heads, dim)
+            slots, gathered = group.slots.view(-1), (*group.slots.shape, kv_heads, dim)
+            k = k_cache.index_select(0, slots).view(gathered).transpose(1, 2)  # [requests, kv_heads, longest, dim]
+            v = v_cache.index_select(0, slots).view(gathered).transpose(1, 2)
+            attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
+            out[group.rows] = attended.reshape(requests, heads, dim)
+        for prefill in self.prefills:
+            q = query[:, :, prefill.rows]
+            if prefill.slots is None:
+                k, v = key[:, :, prefill.rows], value[:, :, prefill.rows]
+            else:
+                k = k_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
+                v = v_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
+            attended = torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scaling, enable_gqa=True)
+            out[prefill.rows] = attended[0].transpose(0, 1)
+        return out.unsqueeze(0)
+
+
+def _decode_group(cu_k: list[int], read_slots: torch.Tensor) -> _DecodeGroup:
+    """The first ``len(cu_k) - 1`` requests of the step, one query token each, whose keys start at ``cu_k``."""
+    device = read_slots.device
+    starts = torch.tensor(cu_k[:-1], device=device)
+    lengths = torch.tensor(cu_k[1:], device=device) - starts
+    positions = torch.arange(max(b - a for a, b in zip(cu_k, cu_k[1:])), device=device)
+    mask = positions[None, :] < lengths[:, None]
+    slots = read_slots[torch.where(mask, starts[:, None] + positions[None, :], starts[:, None])]
+    return _DecodeGroup(rows=slice(0, len(cu_k) - 1), slots=slots, mask=mask[:, None, None, :])
+
+
+_MODIFIERS = ("sliding_window", "softcap", "s_aux", "position_bias")
+"""Attention arguments some models pass that change the scores: served only by transformers' path."""
+
+_STEP: ContextVar[StepLayout | None] = ContextVar("agentrl_paged_step", default=None)
+
+
+@contextmanager
+def paged_step(layout: StepLayout) -> Iterator[None]:
+    """Run a continuous-batching forward pass with ``layout`` (in this thread)."""
+    token = _STEP.set(layout)
+    try:
+        yield
+    finally:
+        _STEP.reset(token)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                            cache: PagedAttentionCache | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: the step's layout inside :func:`paged_step`, else ``sdpa``."""
+    layout = _STEP.get()
+    if layout is None:
+        if isinstance(cache, PagedAttentionCache):
+            raise RuntimeError(f"{PAGED_ATTENTION} over a paged cache needs the step's layout (paged_step)")
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      cache=cache, **kwargs)
+    unsupported = sorted(name for name in _MODIFIERS if kwargs.get(name) is not None)
+    if unsupported:
+        raise NotImplementedError(f"{PAGED_ATTENTION} does not implement {', '.join(unsupported)}")
+    return layout.attend(module.layer_idx, cache, query, key, value, scaling), None
+
+
+def _paged_mask(*args, **kwargs) -> torch.Tensor | None:
+    """No mask inside a step (the layout holds what each request sees); ``sdpa``'s mask otherwise."""
+    return None if _STEP.get() is not None else sdpa_mask(*args, **kwargs)
+
+
+def supports(config: PretrainedConfig) -> bool:
+    """Whether the model's layers all use plain full attention (sliding windows and soft-capped scores keep
+    transformers' path)."""
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    return set(group_layers_by_attn_type(config)) == {_FULL_ATTENTION} and softcap is None
+
+
+AttentionInterface.register(PAGED_ATTENTION, paged_attention_forward)
+ALL_MASK_ATTENTION_FUNCTIONS.register(PAGED_ATTENTION, _paged_mask)

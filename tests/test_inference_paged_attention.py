@@ -1,0 +1,99 @@
+"""The engine's attention over the paged KV cache (agentrl.inference.paged_attention), on an in-process batcher.
+
+Every call to SDPA is recorded (and run) by a spy on ``torch.nn.functional.scaled_dot_product_attention``, which
+the attention code looks up at call time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
+from agentrl.inference.consistency import logprob_mismatch
+from agentrl.inference.paged_attention import supports
+
+torch.set_num_threads(1)
+GREEDY = RequestSampling(top_k=1)
+
+
+@pytest.fixture
+def sdpa_calls(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
+    """Shapes and masking of every SDPA call from now on."""
+    calls: list[dict] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, *args, is_causal=False, **kwargs):
+        calls.append({"query": tuple(query.shape), "key": tuple(key.shape), "is_causal": is_causal,
+                      "mask": None if attn_mask is None else tuple(attn_mask.shape)})
+        return real(query, key, value, attn_mask, *args, is_causal=is_causal, **kwargs)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return calls
+
+
+async def generate(batcher: ContinuousBatcher, prompts: list[list[int]], max_new_tokens: int) -> list:
+    return await asyncio.gather(*[batcher.generate(p, max_new_tokens=max_new_tokens, stop_token_ids=[],
+                                                   sampling=GREEDY) for p in prompts])
+
+
+def prompt(length: int, offset: int) -> list[int]:
+    return [(offset + 37 * i) % 5000 + 10 for i in range(length)]
+
+
+async def test_decode_attends_to_each_request_alone(tiny_model_dir: Path, sdpa_calls: list[dict]) -> None:
+    # transformers' sdpa path gathered the keys of all running requests for every query (and repeated the key/value
+    # heads): 8 requests of 34 tokens gave keys [1, 4, 272, 16]; each request needs only its own 34.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048))
+    batcher.start()
+    try:
+        outputs = await generate(batcher, [prompt(10, i) for i in range(8)], max_new_tokens=24)
+    finally:
+        batcher.stop()
+    assert all(len(o.generated_tokens) == 24 for o in outputs)
+    decode = [c for c in sdpa_calls if c["query"][0] > 1]  # one row per decoding request
+    assert decode and max(c["query"][0] for c in decode) == 8
+    assert max(c["key"][2] for c in sdpa_calls) <= 10 + 24
+    assert {c["key"][1] for c in sdpa_calls} == {model.config.num_key_value_heads}  # no repeated heads
+
+
+async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_calls: list[dict]) -> None:
+    # 16-token steps: the long prompt is prefilled in chunks (the later ones over cached keys) while the short ones
+    # decode in the same steps; then a prompt sharing its first 48 tokens starts from the prefix cache.
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048, max_batch_tokens=16,
+                                                      max_running_requests=8, page_size=16))
+    reference = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    long = prompt(60, 3)
+    prompts = [prompt(5, 1), long, prompt(7, 2)]
+    batcher.start()
+    try:
+        first = await generate(batcher, prompts, max_new_tokens=12)
+        shared = [*long[:48], *prompt(9, 4)]
+        second = await generate(batcher, [shared, prompt(6, 5)], max_new_tokens=12)
+    finally:
+        batcher.stop()
+    for ids, output in zip([*prompts, shared, prompt(6, 5)], [*first, *second], strict=True):
+        mismatch = logprob_mismatch(reference, ids, output.generated_tokens, output.logprobs)
+        assert mismatch["num_tokens"] == 12 and mismatch["max_abs_diff"] <= 1e-4, mismatch
+    cached_prefill = [c for c in sdpa_calls if c["mask"] and c["query"][2] > 1 and c["key"][2] > c["query"][2]]
+    assert len({c["key"][2] for c in cached_prefill}) >= 3 and 57 in {c["key"][2] for c in cached_prefill}
+    assert any(c["is_causal"] for c in sdpa_calls)  # prompts with nothing cached
+    assert any(c["query"][0] > 1 for c in sdpa_calls)  # requests decoding together
+
+
+@pytest.mark.parametrize(("model_type", "overrides", "served"), [
+    ("llama", {}, True),
+    ("qwen3", {}, True),
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1, "num_hidden_layers": 2},
+     False),
+    ("gemma2", {"layer_types": ["full_attention"] * 2, "num_hidden_layers": 2}, False),  # soft-capped scores
+    ("gpt_oss", {}, False),  # sliding layers (and attention sinks)
+])
+def test_models_it_cannot_serve_keep_transformers_attention(model_type: str, overrides: dict, served: bool) -> None:
+    assert supports(AutoConfig.for_model(model_type, **overrides)) is served
