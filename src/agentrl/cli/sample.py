@@ -153,5 +153,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"sampler done: {stats.trajectories} trajectories, {stats.scored} scored, {stats.score_errors} scoring "
           f"errors, {stats.group_stages} group stages, {stats.samples_queued} samples queued; outcomes "
-          + (", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "none"))
+          + (", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "none")
+          + f"; database commands per trajectory: {stats.median_trajectory_commands or 0:g} (median) from its claim "
+            f"to its settlement, {stats.commands_per_trajectory():.1f} in all (admission control, group stages, "
+            "polling)")
     return 0

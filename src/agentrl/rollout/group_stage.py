@@ -47,6 +47,7 @@ from agentrl.store import (
     Store,
 )
 from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
+from agentrl.store.transitions import sources_of
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
 from agentrl.training.merge import CallTokens, merge_trajectory
 
@@ -156,21 +157,22 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     was_scored = reachable_from(RecordStatus.SCORED)
     scored = [r for r in latest.values() if r.score is not None and str(r.status) in was_scored]
     if task.split != "train":
-        for record in scored:
-            await _move(store, record, RecordStatus.READY, group_decision="evaluation sample")
+        await _move_many(store, RecordStatus.READY, {r.id: {"group_decision": "evaluation sample"} for r in scored})
         await store.slots.complete_group(group)
         return outcome
     kept, dropped, rewards = decide(scored, cfg)
     advantages = dict(zip(rewards, group_advantages(list(rewards.values()), adv_cfg)))
+    calls = await store.calls.for_records([r.id for r in scored if r.id in kept])
+    abandon: dict[str, dict] = {}
     for record in scored:
         failure = OUTCOME_FAILURES.get(str(record.outcome), FailureClass.FILTERED)
         if record.id in kept:
-            calls = await store.calls.for_record(record.id)
-            samples = _convert(record, calls, advantages[record.id], rewards[record.id], adv_cfg, outcome)
+            samples = _convert(record, calls[record.id], advantages[record.id], rewards[record.id], adv_cfg, outcome)
             too_large = max((_oversize(sample) for sample in samples), default=0)
             if samples and too_large <= MAX_SAMPLE_BYTES:
-                await _move(store, record, RecordStatus.READY, advantage=advantages[record.id],
-                            group_decision=kept[record.id], meta={**record.meta, "reward": rewards[record.id]})
+                await _move_many(store, RecordStatus.READY, {record.id: {
+                    "advantage": advantages[record.id], "group_decision": kept[record.id],
+                    "meta": {**record.meta, "reward": rewards[record.id]}}})
                 failpoint("group_stage.after_ready")
                 await store.samples.enqueue(samples)
                 outcome.samples_queued += len(samples)
@@ -182,10 +184,10 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
                 failure = FailureClass.SAMPLE_TOO_LARGE
             else:
                 dropped[record.id] = "no trainable tokens (advantage dropped on every call)"
-                failure = _untrainable(calls)
-        await _move(store, record, RecordStatus.ABANDONED, group_decision=dropped[record.id],
-                    failure_class=str(failure))
+                failure = _untrainable(calls[record.id])
+        abandon[record.id] = {"group_decision": dropped[record.id], "failure_class": str(failure)}
         outcome.dropped[record.id] = dropped[record.id]
+    await _move_many(store, RecordStatus.ABANDONED, abandon)
     failpoint("group_stage.before_complete")
     await store.slots.complete_group(group)
     return outcome
@@ -231,10 +233,11 @@ def reachable_from(state: RecordStatus) -> set[str]:
     return seen
 
 
-async def _move(store: Store, record: Record, target: RecordStatus, **fields) -> None:
-    try:
-        await store.records.transition(record.id, target, **fields)
-    except InvalidTransition as error:
-        # At or past the target: the stage is being redone after a crash (and e.g. the trainer trained the Record).
-        if error.current not in reachable_from(target):
-            raise
+async def _move_many(store: Store, target: RecordStatus, updates: dict[str, dict]) -> None:
+    """Move Records to ``target`` in one command. One already at or past it is left as it is: the stage is being
+    redone after a crash (and e.g. the trainer trained the Record)."""
+    states = await store.records.transition_many(target, updates)
+    for record_id, state in states.items():
+        if state not in reachable_from(target):
+            raise InvalidTransition(Record.collection, record_id, state, str(target),
+                                    sources_of(RECORD_TRANSITIONS, target))

@@ -107,6 +107,7 @@ class Task(Document):
     group_lease_owner: str | None = None
     group_lease_id: str | None = None
     group_lease_expires_at: UTCDatetime = Field(default_factory=lambda: EPOCH)
+    claimed_at: UTCDatetime | None = Field(None, description="when a never-claimed slot was last claimed")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
 
