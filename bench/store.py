@@ -80,7 +80,7 @@ async def raw_claims(uri: str, concurrency: int, total: int) -> float:
             {"split": "train", "status": {"$in": ["created", "running"]}, "unclaimed": {"$gt": 0}},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
              "$set": {"status": "running", "updated_at": utcnow()}},
-            sort=[("order", 1)], return_document=ReturnDocument.AFTER)
+            sort=[("round", 1), ("order", 1)], return_document=ReturnDocument.AFTER)
         slot = doc["claim_ids"].index(lease_id)
         await db.Record.insert_one({
             "_id": f"{doc['_id']}/{slot}/1", "task_id": doc["_id"], "split": "train", "slot": slot, "attempt": 1,

@@ -31,11 +31,13 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import bson
 
 from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
+from agentrl.rollout.curriculum import CurriculumConfig, next_round, round_task
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.store import (
     DBRecordData,
@@ -45,6 +47,7 @@ from agentrl.store import (
     Record,
     RecordStatus,
     Store,
+    Task,
 )
 from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
 from agentrl.store.transitions import sources_of
@@ -99,12 +102,18 @@ def efficiency_shifts(turns: list[float], prefer_short: bool, spread: float = 0.
     return [sign * (rank - mean) * spread / (n - 1) for rank in ranks]
 
 
+def zero_variance(records: list[Record], cfg: GroupConfig) -> bool:
+    """Whether a group's rewards span less than ``zero_variance_threshold`` (or fewer than two were scored): all
+    solved or all failed, it teaches nothing."""
+    scores = [r.score for r in records if r.score is not None]
+    return len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold
+
+
 def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
     """``(kept, dropped, rewards)`` for the scored records of one train group (ids → decision / reason / reward)."""
     kept: dict[str, str] = {}
     dropped: dict[str, str] = {}
-    scores = [r.score for r in records if r.score is not None]
-    if len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold:
+    if zero_variance(records, cfg):
         return {}, {r.id: ZERO_VARIANCE_DECISION for r in records}, {}
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
     candidates = []
@@ -144,9 +153,10 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
     return kept, dropped, rewards
 
 
-async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv_cfg: AdvantageConfig
-                          ) -> GroupOutcome:
-    """Apply the group stage to ``group``'s Task and close it (see the module docstring)."""
+async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv_cfg: AdvantageConfig,
+                          curriculum: CurriculumConfig | None = None) -> GroupOutcome:
+    """Apply the group stage to ``group``'s Task and close it (see the module docstring); with ``curriculum``, a
+    train Task's next round is scheduled first."""
     task = group.task
     outcome = GroupOutcome(task_id=task.id)
     latest: dict[int, Record] = {}
@@ -188,9 +198,23 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
         abandon[record.id] = {"group_decision": dropped[record.id], "failure_class": str(failure)}
         outcome.dropped[record.id] = dropped[record.id]
     await _move_many(store, RecordStatus.ABANDONED, abandon)
+    fields = await _schedule_next_round(store, task, scored, cfg, curriculum or CurriculumConfig())
     failpoint("group_stage.before_complete")
-    await store.slots.complete_group(group)
+    await store.slots.complete_group(group, **fields)
     return outcome
+
+
+async def _schedule_next_round(store: Store, task: Task, scored: list[Record], cfg: GroupConfig,
+                               curriculum: CurriculumConfig) -> dict[str, Any]:
+    """Create the Task of the round its content is sampled in next, if any (``agentrl.rollout.curriculum``);
+    returns what the closing Task records: its pass rate, next round and the rounds skipped until then."""
+    solved = [r.score >= SUCCESS_SCORE for r in scored if r.score is not None]
+    following = next_round(curriculum, task.first_round_id or task.id, task.round, not zero_variance(scored, cfg))
+    if following is not None:
+        await store.slots.add_task(round_task(task, following))
+    skipped = (following if following is not None else curriculum.rounds + 1) - task.round - 1
+    return {"pass_rate": sum(solved) / len(solved) if solved else None, "next_round": following,
+            "rounds_skipped": max(skipped, 0)}
 
 
 def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float, reward: float,

@@ -340,7 +340,8 @@ class Sampler:
 
     async def _group_stage(self, group: GroupLease) -> None:
         """Run ``group``'s stage in its own task, heartbeating its lease; stop it if another sampler took it over."""
-        stage = asyncio.create_task(run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage))
+        stage = asyncio.create_task(run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage,
+                                                    self.cfg.curriculum))
         beat = asyncio.create_task(self._keep_alive(lambda: self.res.store.slots.heartbeat_group(group), stage,
                                                     f"the group stage of Task {group.task.id}"))
         try:

@@ -5,7 +5,7 @@ already started (what admission control never holds back); ``claim`` hands it on
 
 1. an expired lease (its sampler died or stalled) is taken over as a new attempt of the same slot — looked for
    at most every ``lease_s / 4`` seconds per process, or whenever no never-claimed slot is left;
-2. else a never-claimed slot of the oldest open Task (groups fill up in upload order);
+2. else a never-claimed slot of the first open Task by round, then upload order (groups fill up in that order);
 3. else a slot whose claim was interrupted by a crash is recovered (``sweep``).
 
 Every path ends with inserting the slot's Record ``{task_id}/{slot}/{attempt}``; its unique ``_id`` is what makes
@@ -189,7 +189,7 @@ class SlotLeases:
         return None
 
     async def _claim_unclaimed(self, split: str, owner: str, states: tuple[str, ...]) -> SlotLease | None:
-        """Claim a never-claimed slot of the first Task in ``states`` (in upload order): two writes, the
+        """Claim a never-claimed slot of the first Task in ``states`` (by round, then upload order): two writes, the
         slot on the Task (which also marks it ``running``: the write an interrupter looks after, see
         ``interrupt_idle``) and then its Record."""
         lease_id = uuid.uuid4().hex
@@ -198,7 +198,7 @@ class SlotLeases:
             {"split": split, "status": status, "unclaimed": {"$gt": 0}},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
              "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now(), "claimed_at": self.now()}},
-            sort=[("order", 1)],
+            sort=[("round", 1), ("order", 1)],
             return_document=ReturnDocument.AFTER,
         )
         self._started_may_have_slots = doc is not None and doc["unclaimed"] > 0
@@ -511,6 +511,16 @@ class SlotLeases:
         return result.modified_count == 1
 
     # ------------------------------------------------------------------------------------------------ group stage
+
+    @retry_on_reconnect
+    async def add_task(self, task: Task) -> bool:
+        """Insert a Task (the next round of a content, from a group stage); ``False`` if it exists already (the
+        stage is being redone after a crash)."""
+        try:
+            await self.tasks.insert_one(task.to_mongo())
+        except DuplicateKeyError:
+            return False
+        return True
 
     @retry_on_reconnect
     async def settle(self, task_id: str, slot: int, *, failed: bool) -> bool:
