@@ -63,7 +63,7 @@ class CallLog:
         if target not in CALL_TRANSITIONS[CallStatus(call.status)]:
             raise InvalidTransition(DispatchedSamplingTask.collection, call_id, str(call.status), str(target),
                                     sources_of(CALL_TRANSITIONS, target))
-        return self._set(call, {**fields, "status": target})
+        return self._set(call, {**fields, "status": target, "updated_at": utcnow()})  # as ``transition`` stamps it
 
     @staticmethod
     def _set(call: DispatchedSamplingTask, fields: dict[str, Any]) -> DispatchedSamplingTask:
