@@ -46,11 +46,6 @@ class CommandCounter(monitoring.CommandListener):
         with self._lock:
             return Counter(self._counts)
 
-    @property
-    def total(self) -> int:
-        with self._lock:
-            return sum(self._counts.values())
-
     @staticmethod
     @contextlib.contextmanager
     def tally() -> Iterator[Counter[str]]:

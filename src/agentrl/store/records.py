@@ -8,7 +8,7 @@ from pymongo import UpdateOne
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import BulkWriteError
 
-from agentrl.store.errors import DUPLICATE_KEY, InvalidTransition, LeaseLost
+from agentrl.store.errors import DUPLICATE_KEY, LeaseLost
 from agentrl.store.models import RECORD_TRANSITIONS, DispatchedSamplingTask, Record, RecordStatus, utcnow
 from agentrl.store.outage import retry_on_reconnect
 from agentrl.store.transitions import sources_of, transition
@@ -24,21 +24,11 @@ class Records:
         return Record.from_mongo(await self.collection.find_one({"_id": record_id}))
 
     @retry_on_reconnect
-    async def transition(self, record_id: str, target: RecordStatus, *, lease_id: str | None = None,
-                         **fields: Any) -> Record:
-        """Move a Record to ``target`` (DESIGN §3 state machine); with ``lease_id``, only while that lease holds
-        (and then idempotent: a Record this lease already moved to ``target`` is returned as it is)."""
-        extra = {"lease_id": lease_id, "leased": True} if lease_id is not None else None
-        try:
-            doc = await transition(self.collection, RECORD_TRANSITIONS, record_id, target, extra_filter=extra,
-                                   set_fields=fields)
-        except InvalidTransition as error:
-            if lease_id is None or error.current != str(target):
-                raise
-            doc = await self.collection.find_one({"_id": record_id, **extra})
-            if doc is None:
-                raise
-        return Record.from_mongo(doc)
+    async def transition(self, record_id: str, target: RecordStatus, **fields: Any) -> Record:
+        """Move a Record to ``target`` (the state machine ``RECORD_TRANSITIONS``), setting ``fields``. (A lease
+        holder's writes go through ``SlotLeases``, fenced on its lease.)"""
+        return Record.from_mongo(await transition(self.collection, RECORD_TRANSITIONS, record_id, target,
+                                                  set_fields=fields))
 
     @retry_on_reconnect
     async def transition_many(self, target: RecordStatus, updates: dict[str, dict[str, Any]]) -> dict[str, str]:
