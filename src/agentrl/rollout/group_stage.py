@@ -13,7 +13,12 @@ Run by exactly one sampler per Task (the store's group-stage lease). For the ``t
 5. each kept trajectory is merged into DBRecordData samples (one per branch); its Record becomes ``ready`` (with
    ``advantage`` and ``reward``) and then its samples are queued for the trainer. The others become
    ``abandoned`` with the reason and a failure class (how the trajectory ended, else ``filtered``; a kept one
-   without a trainable token or with a sample over the database's document size limit is dropped too).
+   without a trainable token or with a sample over the database's document size limit is dropped too);
+6. with rounds left (``agentrl.rollout.curriculum``), the Task of the round its content is sampled in next is
+   created; then the Task is closed with its pass rate and next round.
+
+Round trips: the group's Records and the kept ones' calls are read in one query each; each kept Record costs two
+writes (``ready``, its samples queued), the dropped ones one bulk write in all.
 
 Other splits (evaluation) only mark their scored Records ``ready``. Redoing the stage after a crash is safe:
 the decisions are deterministic, queued samples have deterministic ids (queueing them twice, even from two
@@ -21,8 +26,9 @@ overlapping runs of the stage, queues each once), and a Record already at or pas
 (``ready`` and since trained by the trainer, or abandoned as stale) is left as it is. A Record is ``ready`` before
 any of its samples is queued, so the trainer, which moves the Records of the samples it trained from ``ready`` to
 ``trained``, always finds it ``ready``. Crash windows (failpoints): after a kept Record is ``ready`` but before its
-samples are queued (``group_stage.after_ready``; the redo queues them), and after every Record moved but before
-the Task is closed (``group_stage.before_complete``); the trainer may train the queued samples in either window.
+samples are queued (``group_stage.after_ready``; the redo queues them), and after every Record moved and the next
+round created but before the Task is closed (``group_stage.before_complete``; the redo creates the next round once:
+its id is deterministic); the trainer may train the queued samples in either window.
 """
 
 from __future__ import annotations
