@@ -25,9 +25,11 @@ one with a schema-violating call), ``--generations`` samples each, greedy decodi
   tool-call parsing, tool calls, scoring or group stage. Timed from the start of the workers to the last reply.
 
 The ratio sampler / baseline (trajectories/s and generated tokens/s) is the sampler's throughput left after its
-overhead (target >= 0.9). With greedy decoding both sides generate the same tokens; the table says whether the
-token counts matched in every run. Figures are medians over ``--repeats`` runs per concurrency; the order of
-the two sides alternates between repeats. Results are also written as JSON under ``bench/results/``.
+overhead (target >= 0.9). A second table gives the sampler's database round trips per trajectory, as ``agentrl
+sample`` counts them (PyMongo command monitoring): from a trajectory's claim to its settlement, and in all. With
+greedy decoding both sides generate the same tokens; the table says whether the token counts matched in every run.
+Figures are medians over ``--repeats`` runs per concurrency; the order of the two sides alternates between repeats.
+Results are also written as JSON under ``bench/results/``.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -198,6 +201,8 @@ class RunResult:
     cpu: dict[str, float | None] = field(default_factory=dict)  # CPU seconds in the window, by process
     call_latency_s: float = 0.0  # mean seconds per LLM call
     outputs: dict[str, list[list[int]]] = field(default_factory=dict)  # trajectory key -> output ids per turn
+    commands: float | None = None  # the sampler's database commands per trajectory, claim to settlement (median)
+    commands_all: float | None = None  # ... and all its commands per trajectory
 
     @property
     def traj_rate(self) -> float:
@@ -290,6 +295,10 @@ def run_sampler(args: argparse.Namespace, server_uri: str, database: str, model:
         raise SystemExit(f"agentrl sample failed ({returncode}); see {workdir / f'{database}.log'}:\n"
                          + (workdir / f"{database}.log").read_text()[-3000:])
     result, workload = read_run(uri)
+    output = (workdir / f"{database}.log").read_text()
+    counted = re.search(r"database commands per trajectory: ([\d.]+) \(median\).*?, ([\d.]+) in all", output)
+    if counted:
+        result.commands, result.commands_all = float(counted.group(1)), float(counted.group(2))
     result.startup_s = result.started - started
     end = result.started + result.seconds
     result.cpu = {name: monitor.between(name, result.started, end) for name in ("engine", "database", "sampler")}
@@ -420,7 +429,8 @@ def main() -> int:
                         r = results[side]
                         row[side].append({"trajectories": r.trajectories, "tokens": r.tokens, "seconds": r.seconds,
                                           "startup_s": r.startup_s, "cpu_s": r.cpu,
-                                          "call_latency_s": r.call_latency_s})
+                                          "call_latency_s": r.call_latency_s, "db_commands": r.commands,
+                                          "db_commands_all": r.commands_all})
                 rows.append(row)
         finally:
             if engine is not None:
@@ -459,8 +469,18 @@ def main() -> int:
     startup = statistics.median(r["startup_s"] for row in rows for r in row["sampler"])
     print(f"\nlowest token-rate ratio {worst:.2f} (target >= 0.90); sampler process start-up (excluded) "
           f"{startup:.1f}s median")
-    print("\nWhere the time goes (medians): mean LLM call latency (the sampler's includes the service acquire/release "
-          "in the database), and CPU per trajectory (ms) within the timed window of the engine and of each side")
+    print("\nDatabase round trips of the sampler per trajectory (medians over the repeats): from its claim to its "
+          "settlement (the median trajectory), and all the sampler's commands (admission control, group stages, "
+          "polling, the inference pool's load syncs) divided by its trajectories")
+    print("| concurrency | claim to settlement | in all |")
+    print("|---:|---:|---:|")
+    for row in rows:
+        counts = {key: [r[key] for r in row["sampler"] if r[key] is not None] for key in ("db_commands",
+                                                                                           "db_commands_all")}
+        print(f"| {row['concurrency']} | " + " | ".join(
+            f"{statistics.median(values):.1f}" if values else "n/a" for values in counts.values()) + " |")
+    print("\nWhere the time goes (medians): mean LLM call latency, and CPU per trajectory (ms) within the timed "
+          "window of the engine and of each side")
     print("| concurrency | call ms baseline | call ms sampler | engine CPU baseline | engine CPU sampler "
           "| plain client CPU | sampler + MCP server CPU | database CPU |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -5,8 +5,8 @@
 * claims/s: ``Store.slots.claim`` (lease on a Task slot: one ``find_one_and_update`` on Task + one ``insert_one``
   of the slot's Record, plus pydantic models and the periodic expired-lease probe) versus a raw loop issuing the
   same ``find_one_and_update`` + ``insert_one`` with ``AsyncMongoClient``;
-* record writes/s: an LLM call stored and finished through ``Store.calls`` (``insert_one`` + a
-  state-guarded ``find_one_and_update``) versus the same two raw operations.
+* record writes/s: a trajectory's LLM calls (two turns) logged in a ``CallLog`` and written by
+  ``Store.calls.insert`` (one ``insert_many``) versus the same raw ``insert_many`` of the same documents.
 
 Each figure is the median of ``--repeats`` runs at 1, 4 and 16 concurrent async claimers. Without a connection
 string, an embedded NX-27017 server is started on a free port in a temporary directory.
@@ -28,6 +28,7 @@ from pathlib import Path
 from pymongo import AsyncMongoClient, ReturnDocument
 
 from agentrl.store import CallStatus, DispatchedSamplingTask, Store, with_database
+from agentrl.store.call_log import CallLog
 from agentrl.store.embedded import EmbeddedServer
 from agentrl.store.models import Record, utcnow
 from agentrl.store.task_files import UploadDefaults, parse_entry
@@ -79,7 +80,7 @@ async def raw_claims(uri: str, concurrency: int, total: int) -> float:
             {"split": "train", "status": {"$in": ["created", "running"]}, "unclaimed": {"$gt": 0}},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
              "$set": {"status": "running", "updated_at": utcnow()}},
-            sort=[("order", 1)], return_document=ReturnDocument.AFTER)
+            sort=[("round", 1), ("order", 1)], return_document=ReturnDocument.AFTER)
         slot = doc["claim_ids"].index(lease_id)
         await db.Record.insert_one({
             "_id": f"{doc['_id']}/{slot}/1", "task_id": doc["_id"], "split": "train", "slot": slot, "attempt": 1,
@@ -92,16 +93,22 @@ async def raw_claims(uri: str, concurrency: int, total: int) -> float:
         await client.close()
 
 
-def _call(i: int) -> DispatchedSamplingTask:
-    return DispatchedSamplingTask(id=f"r{i}#0", record_id=f"r{i}", task_id="t", turn=0, input_ids=list(range(300)))
+def _calls(i: int) -> CallLog:
+    """A two-turn trajectory's calls, finished."""
+    calls = CallLog()
+    for turn in range(2):
+        call = calls.start(DispatchedSamplingTask(id=f"r{i}#{turn}", record_id=f"r{i}", task_id="t", turn=turn,
+                                                  input_ids=list(range(300)) if turn == 0 else None,
+                                                  previous_call_id=f"r{i}#0" if turn else None))
+        calls.finish(call.id, CallStatus.COMPLETED, output_ids=list(range(100)), output_logprobs=[-0.5] * 100,
+                     weight_version=1, finish_reason="stop")
+    return calls
 
 
 async def store_writes(uri: str, concurrency: int, total: int) -> float:
     async with Store(uri) as store:
         async def op(i: int) -> None:
-            call = await store.calls.start(_call(i))
-            await store.calls.finish(call.id, CallStatus.COMPLETED, output_ids=list(range(100)),
-                                     output_logprobs=[-0.5] * 100, weight_version=1, finish_reason="stop")
+            await store.calls.insert(_calls(i).calls())
 
         return await run_workers(concurrency, total, op)
 
@@ -109,16 +116,9 @@ async def store_writes(uri: str, concurrency: int, total: int) -> float:
 async def raw_writes(uri: str, concurrency: int, total: int) -> float:
     client = AsyncMongoClient(uri, tz_aware=True)
     collection = client.get_default_database().DispatchedSamplingTask
-    template = _call(0).to_mongo()
 
     async def op(i: int) -> None:
-        await collection.insert_one({**template, "_id": f"r{i}#0", "record_id": f"r{i}"})
-        await collection.find_one_and_update(
-            {"_id": f"r{i}#0", "status": {"$in": ["running"]}},
-            {"$set": {"status": "completed", "output_ids": list(range(100)), "output_logprobs": [-0.5] * 100,
-                      "weight_version": 1, "finish_reason": "stop", "finished_at": utcnow(),
-                      "updated_at": utcnow()}},
-            return_document=ReturnDocument.AFTER)
+        await collection.insert_many([call.to_mongo() for call in _calls(i).calls()], ordered=False)
 
     try:
         return await run_workers(concurrency, total, op)

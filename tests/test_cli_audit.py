@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 from agentrl.store import CallStatus, DispatchedSamplingTask, RecordStatus, Store
+from agentrl.store.call_log import CallLog
 from cli_helpers import agentrl
 from store_helpers import insert_tasks
 
@@ -14,19 +15,19 @@ async def _trajectory(store: Store) -> str:
     lease = await store.slots.claim("train", "s1")
     first = DispatchedSamplingTask(id=f"{lease.record_id}#0", record_id=lease.record_id, task_id=lease.task.id,
                                    turn=0, input_ids=[1, 2, 3], prompt_delta_text="<user>What is 0 + 1?")
-    await store.calls.start(first)
-    await store.calls.finish(first.id, CallStatus.COMPLETED, output_ids=[4, 5], output_logprobs=[-0.1, -0.2],
-                             output_text='<tool_call>{"name": "calculator"}</tool_call>',
-                             tool_calls=[{"id": "c1", "name": "calculator", "arguments": {"expression": "0+1"}}],
-                             tool_results=[{"id": "c1", "name": "calculator", "content": "1"}])
+    calls = CallLog()
+    calls.start(first)
+    calls.finish(first.id, CallStatus.COMPLETED, output_ids=[4, 5], output_logprobs=[-0.1, -0.2],
+                 output_text='<tool_call>{"name": "calculator"}</tool_call>',
+                 tool_calls=[{"id": "c1", "name": "calculator", "arguments": {"expression": "0+1"}}],
+                 tool_results=[{"id": "c1", "name": "calculator", "content": "1"}])
     second = DispatchedSamplingTask(id=f"{lease.record_id}#1", record_id=lease.record_id, task_id=lease.task.id,
                                     turn=1, previous_call_id=first.id, prompt_delta_ids=[6])
-    await store.calls.start(second)
-    await store.calls.finish(second.id, CallStatus.COMPLETED, output_ids=[7], output_logprobs=[-0.3],
-                             output_text="The answer is \\boxed{1}.")
-    await store.records.transition(lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id, num_turns=2,
-                                   outcome="answer", final_answer="1")
-    await store.slots.finish(lease, RecordStatus.SCORED, score=1.0)
+    calls.start(second)
+    calls.finish(second.id, CallStatus.COMPLETED, output_ids=[7], output_logprobs=[-0.3],
+                 output_text="The answer is \\boxed{1}.")
+    await store.calls.insert(calls.calls())
+    await store.slots.finish(lease, RecordStatus.SCORED, score=1.0, num_turns=2, outcome="answer", final_answer="1")
     return lease.record_id
 
 

@@ -117,13 +117,15 @@ async def test_a_killed_samplers_requests_are_reclaimed_and_the_service_is_picke
                 assert "." not in owner_key(victim_owner)
                 held = asyncio.create_task(live.generate([HOLD, 2], PARAMS))
                 await until(lambda: doc(4))
-                assert await store.services.acquire("probe", max_running=4) is None  # full: not picked
+                waiting = asyncio.create_task(live.generate([1, 2], PARAMS))
+                await asyncio.sleep(0.5)
+                assert not waiting.done() and service["requests"] == 4  # full: not picked
                 victim.kill()  # SIGKILL with 3 requests in flight: nothing releases them
                 victim.wait(30)
 
                 # Once the victim has not been seen for the owner TTL, the live pool reclaims its share, and the
                 # service is picked again.
-                result, service_id = await live.generate([1, 2], PARAMS)
+                result, service_id = await waiting
                 assert (service_id, result.output_ids) == (service["url"], [1, 2])
                 await asyncio.sleep(2 * OWNER_TTL_S)  # the live owner's held request outlives the TTL...
                 after = await until(lambda: doc(1))
@@ -146,8 +148,8 @@ async def test_re_registration_keeps_the_counts_of_other_samplers(db_uri: str) -
         url = service["url"]
         async with Store(db_uri) as store:
             await store.services.register(url, kind="agentrl-engine", models=["m"], weight_version=3)
-            await store.services.acquire("sampler-a")
-            await store.services.acquire("sampler-b")
+            await store.services.sync_share(url, "sampler-a", 1, started=1)
+            await store.services.sync_share(url, "sampler-b", 1, started=1)
 
             # A sampler started with --inference_urls URL registers (and heartbeats) the service again.
             pool = InferencePool(store, owner="sampler-c")
@@ -164,13 +166,16 @@ async def test_re_registration_keeps_the_counts_of_other_samplers(db_uri: str) -
             assert (again.models, again.weight_version) == (["m"], 3)  # not given: kept
 
             # An engine that (re)starts has nothing in flight: its own registration starts the counts afresh, and
-            # the releases of requests sent to its previous process change nothing (never below zero).
+            # the requests sent to its previous process count no more (never below zero): each sampler's next
+            # write finds its share gone and counts only what it has in flight then.
             fresh = await store.services.register(url, kind="agentrl-engine", models=["m"], weight_version=0,
                                                   fresh_start=True)
             assert (fresh.running_requests, fresh.running_by, fresh.weight_version) == (0, {}, 0)
-            await store.services.acquire("sampler-a")
-            for owner in ("sampler-a", "sampler-a", "sampler-b"):
-                await store.services.release(url, owner)
+            assert await store.services.sync_share(url, "sampler-a", 1, started=1, expected=1) == 1  # a new one
+            assert await store.services.sync_share(url, "sampler-b", 0, expected=1) == 0  # its old one failed
+            doc = await store.db.InferenceService.find_one({"_id": url})
+            assert doc["running_requests"] == 1 and doc["total_requests"] == 3  # (the total is never reset)
+            await store.services.sync_share(url, "sampler-a", 0, expected=1)
             doc = await store.db.InferenceService.find_one({"_id": url})
             assert doc["running_requests"] == 0 and doc["running_by"]["sampler-a"]["n"] == 0
 
@@ -182,7 +187,7 @@ async def test_a_service_that_refuses_connections_is_marked_down_at_once(db_uri:
         async with Store(db_uri) as store:
             await store.services.register(dead, kind="sglang")
             await store.services.register(alive["url"], kind="sglang")
-            await store.services.acquire("other", exclude=[dead])  # the dead one is now the least loaded
+            await store.services.sync_share(alive["url"], "other", 1, started=1)  # the dead one is the least loaded
             pool = InferencePool(store, owner="sampler", wait_for_service_s=5, timeout_s=0.5, max_attempts=2)
             try:
                 result, service_id = await pool.generate([1, 2], PARAMS)  # fails over to the live one

@@ -93,7 +93,7 @@ def test_a_short_run_stores_every_timestamp_as_a_date(db_uri: str, tmp_path: Pat
 
     asyncio.run(train_one_step())
     assert_all_dates(db_uri, {
-        "Task": {"created_at", "updated_at", "group_lease_expires_at"},
+        "Task": {"created_at", "updated_at", "group_lease_expires_at", "claimed_at"},
         "Record": {"created_at", "updated_at", "lease_expires_at", "finished_at"},
         "DispatchedSamplingTask": {"created_at", "updated_at", "finished_at"},
         "DBRecordData": {"created_at", "claimed_at", "trained_at"},

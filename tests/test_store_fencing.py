@@ -30,6 +30,7 @@ from agentrl.rollout.inference_pool import InferencePool
 from agentrl.rollout.sampler import Sampler
 from agentrl.rollout.tool_parsers import get_parser
 from agentrl.store import CallStatus, DispatchedSamplingTask, GroupLease, LeaseLost, Record, RecordStatus, Store
+from agentrl.store.call_log import CallLog
 from agentrl.store.models import FailureClass
 from agentrl.training.advantages import AdvantageConfig
 from agentrl.training.data import move_record
@@ -132,13 +133,14 @@ async def _scored_group(store: Store, scores: list[float]) -> GroupLease:
         task_id = lease.task.id
         call = DispatchedSamplingTask(id=f"{lease.record_id}#0", record_id=lease.record_id, task_id=task_id, turn=0,
                                       branch=0, input_ids=[1, 2, 3], prompt_delta_text="p", sampling_params={})
-        await store.calls.start(call)
+        calls = CallLog()
+        calls.start(call)
         output = [10 + lease.slot] * (3 + lease.slot)
-        await store.calls.finish(call.id, CallStatus.COMPLETED, output_ids=output,
-                                 output_logprobs=[-0.5] * len(output), weight_version=0, output_text="o")
-        await store.records.transition(lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id,
-                                       num_turns=1, outcome="answer", final_answer="x", policy_version=0)
-        group = await store.slots.finish(lease, RecordStatus.SCORED, score=score)
+        calls.finish(call.id, CallStatus.COMPLETED, output_ids=output, output_logprobs=[-0.5] * len(output),
+                     weight_version=0, output_text="o")
+        await store.calls.insert(calls.calls())
+        group = await store.slots.finish(lease, RecordStatus.SCORED, score=score, num_turns=1, outcome="answer",
+                                         final_answer="x", policy_version=0)
     assert group is not None and group.task.id == task_id
     return group
 

@@ -9,6 +9,7 @@ import asyncio
 
 import pytest
 
+from agentrl import failpoints
 from agentrl.dashboard.queries import RecordFilters
 from agentrl.store import LeaseLost, RecordStatus, Store, Task, TaskStatus, sync_client
 from agentrl.store.models import FailureClass
@@ -147,6 +148,31 @@ async def test_a_claim_racing_the_interruption_leaves_the_task_running(db_uri: s
             assert (await _task(store)).status == TaskStatus.RUNNING
             await store.slots.release(results[1])
         assert await store.slots.interrupt_idle("train") == ["train:t0000"]
+
+
+async def test_a_claim_between_its_two_writes_keeps_its_task_running(db_uri: str,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh claim writes the Task (its slot; status ``running``) and then its Record, and never the Task again:
+    the interrupter counts a slot claimed without a Record as worked on, for a lease after the claim (a claim cut
+    off by a crash then counts like an expired lease: the Task is interrupted and the sweep recovers the slot)."""
+    async with Store(db_uri, lease_s=2.0) as store:  # (NX-27017 compares dates at one-second resolution)
+        await insert_tasks(store, 1, num_generations=2)
+        await store.slots.release(await store.slots.claim("train", "stopping"))  # slot 0: given back
+        monkeypatch.setenv(failpoints.ENV, "slots.claim.before_record=raise")
+        failpoints.reset()
+        try:
+            with pytest.raises(failpoints.FailpointHit):
+                await store.slots.claim_started("train", "claimer")  # slot 1 claimed on the Task only
+        finally:
+            monkeypatch.delenv(failpoints.ENV)
+            failpoints.reset()
+        assert await store.slots.interrupt_idle("train") == []
+        assert (await _task(store)).status == TaskStatus.RUNNING
+        await asyncio.sleep(2.0 + 1.1)  # the claimer died there
+        assert await store.slots.interrupt_idle("train") == ["train:t0000"]
+        recovered = {(lease.slot, lease.attempt) for lease in [await store.slots.recover("train", "s"),
+                                                                await store.slots.recover("train", "s")]}
+        assert recovered == {(0, 2), (1, 1)} and (await _task(store)).status == TaskStatus.RUNNING
 
 
 async def test_old_documents_without_a_failure_class_read_as_unknown(db_uri: str) -> None:

@@ -19,6 +19,7 @@ from agentrl.store import (
     StoreError,
     VersionConflict,
 )
+from agentrl.store.call_log import CallLog
 from agentrl.store.indexes import INDEXES
 from agentrl.store.models import utcnow
 from store_helpers import insert_tasks
@@ -28,14 +29,12 @@ async def test_record_transitions_follow_the_state_machine(db_uri: str) -> None:
     async with Store(db_uri) as store:
         await insert_tasks(store, 1, num_generations=1)
         lease = await store.slots.claim("train", "s")
-        record = await store.records.transition(lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id,
-                                                num_turns=3, outcome="answer")
+        record = await store.records.transition(lease.record_id, RecordStatus.COMPLETED, num_turns=3,
+                                                outcome="answer")
         assert record.status == RecordStatus.COMPLETED and record.num_turns == 3
         with pytest.raises(InvalidTransition) as error:
             await store.records.transition(lease.record_id, RecordStatus.TRAINED)
         assert "'completed' -> 'trained'" in str(error.value)
-        with pytest.raises(NotFound):  # right state, wrong lease: refused too
-            await store.records.transition(lease.record_id, RecordStatus.SCORED, lease_id="not-mine")
         unchanged = await store.records.get(lease.record_id)
         assert unchanged.status == RecordStatus.COMPLETED and unchanged.score is None
         await store.slots.finish(lease, RecordStatus.SCORED, score=1.0)
@@ -49,21 +48,34 @@ async def test_record_transitions_follow_the_state_machine(db_uri: str) -> None:
             await store.records.transition("nope", RecordStatus.COMPLETED)
 
 
-async def test_call_transitions_and_relabels(db_uri: str) -> None:
+async def test_call_transitions_and_relabels_then_one_write(db_uri: str) -> None:
+    """A trajectory's calls move through their states in memory and are written once, in one command."""
     async with Store(db_uri) as store:
-        call = DispatchedSamplingTask(id="r/0/1#0", record_id="r/0/1", task_id="t", turn=0, input_ids=[1, 2, 3])
-        await store.calls.start(call)
-        done = await store.calls.finish(call.id, CallStatus.COMPLETED, output_ids=[4, 5], output_logprobs=[-0.1, -0.2],
-                                        weight_version=3, finish_reason="stop")
+        calls = CallLog()
+        call = calls.start(DispatchedSamplingTask(id="r/0/1#0", record_id="r/0/1", task_id="t", turn=0,
+                                                  input_ids=[1, 2, 3]))
+        done = calls.finish(call.id, CallStatus.COMPLETED, output_ids=[4, 5], output_logprobs=[-0.1, -0.2],
+                            weight_version=3, finish_reason="stop")
         assert done.output_ids == [4, 5] and done.finished_at is not None
-        relabelled = await store.calls.relabel(call.id, CallStatus.FORMATERROR, error="bad json")
+        relabelled = calls.relabel(call.id, CallStatus.FORMATERROR, error="bad json")
         assert relabelled.status == CallStatus.FORMATERROR
         with pytest.raises(InvalidTransition):
-            await store.calls.relabel(call.id, CallStatus.TOOLFAILED)
+            calls.relabel(call.id, CallStatus.TOOLFAILED)
         with pytest.raises(InvalidTransition):
-            await store.calls.finish(call.id, CallStatus.COMPLETED, output_ids=[9])
-        assert (await store.calls.for_record("r/0/1"))[0].output_ids == [4, 5]
-
+            calls.finish(call.id, CallStatus.COMPLETED, output_ids=[9])
+        with pytest.raises(ValueError):
+            calls.annotate(call.id, status=CallStatus.COMPLETED)
+        cut = calls.start(DispatchedSamplingTask(id="r/0/1#1", record_id="r/0/1", task_id="t", turn=1,
+                                                 previous_call_id=call.id, prompt_delta_ids=[6]))
+        calls.end_running("cancelled")  # the trajectory was cut off mid-generation
+        before = sum(store.commands.snapshot().values())
+        await store.calls.insert(calls.calls())
+        assert sum(store.commands.snapshot().values()) - before == 1
+        await store.calls.insert(calls.calls())  # a retry after a broken connection writes nothing new
+        stored = (await store.calls.for_records(["r/0/1"]))["r/0/1"]
+        assert [(c.id, c.status, c.output_ids) for c in stored] == [
+            (call.id, CallStatus.FORMATERROR, [4, 5]), (cut.id, CallStatus.FAILED, [])]
+        assert stored[1].error == "cancelled" and stored[0].error == "bad json"
 
 def _sample(i: int) -> DBRecordData:
     return DBRecordData(id=f"s{i}", record_id=f"r{i}", task_id="t", seq=0, input_ids=[1, 2, 3], loss_mask=[0, 1, 1],
@@ -126,26 +138,31 @@ async def test_trainers_claim_the_oldest_policy_version_first(db_uri: str) -> No
         assert [s.id for s in claimed] == ["sft", "old", "context-only", "young", "young-2"]
 
 
-async def test_services_least_loaded_live_pick(db_uri: str) -> None:
+async def test_service_load_shares_and_the_live_view(db_uri: str) -> None:
     async with Store(db_uri) as store:
-        await store.services.register("http://127.0.0.1:1/", kind="agentrl-engine", models=["m"])
-        await store.services.register("http://127.0.0.1:2", kind="sglang", models=["m"])
-        first = await store.services.acquire("sampler-a")
-        second = await store.services.acquire("sampler-a")
-        assert {first.id, second.id} == {"http://127.0.0.1:1", "http://127.0.0.1:2"}
-        third = await store.services.acquire("sampler-a")
-        assert third.running_requests == 2
-        await store.services.release(third.id, "sampler-a")
-        await store.services.release(third.id, "sampler-a")
-        assert (await store.services.acquire("sampler-a")).id == third.id  # back to the least loaded
-        await store.services.mark_down("http://127.0.0.1:2")
-        assert [s.id for s in await store.services.live()] == ["http://127.0.0.1:1"]
-        # a service whose heartbeat stopped is not picked
-        await store.services.heartbeat("http://127.0.0.1:2", weight_version=4, engine_load={"running": 0})
-        await store.db.InferenceService.update_one(
-            {"_id": "http://127.0.0.1:1"}, {"$set": {"heartbeat_at": utcnow() - timedelta(minutes=5)}})
-        picks = {(await store.services.acquire("sampler-a")).id for _ in range(3)}
-        assert picks == {"http://127.0.0.1:2"}
+        one, two = "http://127.0.0.1:1", "http://127.0.0.1:2"
+        await store.services.register(one + "/", kind="agentrl-engine", models=["m"])
+        await store.services.register(two, kind="sglang", models=["m"])
+        assert await store.services.sync_share(one, "sampler-a", 2, started=2) == 2
+        assert await store.services.sync_share(one, "sampler-b", 1, started=1) == 1
+        assert [s.id for s in await store.services.live()] == [two, one]  # least loaded first
+        assert await store.services.sync_share(one, "sampler-a", 0, expected=2) == 0
+        doc = await store.db.InferenceService.find_one({"_id": one})
+        assert (doc["running_requests"], doc["total_requests"]) == (1, 3)
+        # A share that is not what its owner last wrote (here: reset by the engine's fresh registration) is read
+        # and replaced: the total never counts a change its owner did not see.
+        await store.services.register(one, kind="agentrl-engine", fresh_start=True)
+        assert await store.services.sync_share(one, "sampler-b", 2, started=1, expected=1) == 2
+        doc = await store.db.InferenceService.find_one({"_id": one})
+        assert doc["running_requests"] == 2 and {k: v["n"] for k, v in doc["running_by"].items()} == {"sampler-b": 2}
+        assert await store.services.sync_share("http://127.0.0.1:9", "sampler-b", 1) is None  # not registered
+        await store.services.mark_down(two)
+        assert [s.id for s in await store.services.live()] == [one]
+        # a service whose heartbeat stopped is not live
+        await store.services.heartbeat(two, weight_version=4, engine_load={"running": 0})
+        await store.db.InferenceService.update_one({"_id": one},
+                                                   {"$set": {"heartbeat_at": utcnow() - timedelta(minutes=5)}})
+        assert [s.id for s in await store.services.live()] == [two]
         assert not await store.services.heartbeat("http://127.0.0.1:9")
 
 

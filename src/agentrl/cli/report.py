@@ -81,9 +81,15 @@ def render(summary: dict[str, Any]) -> list[str]:
     wall = f" in {summary['wall_s'] / 60:.1f} min" if summary.get("wall_s") else ""
     dropped = summary["groups_dropped"]
     why = (" (" + ", ".join(f"{n} {reason_label(reason)}" for reason, n in dropped.items()) + ")") if dropped else ""
+    share = f" (kept share {summary['kept_share']:.0%})" if summary.get("kept_share") is not None else ""
     lines = [f"{summary['steps']} trainer steps{wall}: {summary['trajectories']} trajectories, "
              f"{summary['samples_trained']} samples trained, {summary['samples_skipped_stale']} skipped as stale; "
-             f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}"]
+             f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}{share}"]
+    curriculum = summary.get("curriculum") or {}
+    if curriculum.get("tasks_deferred") or curriculum.get("revisits"):
+        lines.append(f"curriculum: {curriculum['tasks_deferred']} tasks skipped after an all-solved or all-failed "
+                     f"group ({curriculum['rounds_skipped']} task rounds skipped in all), {curriculum['revisits']} "
+                     "revisited after skipping")
     failures = summary["failures"]
     if failures:
         lines.append(f"{sum(failures.values())} records not trained, by failure class: {failure_line(failures)}")

@@ -77,6 +77,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="exit with an error after N trajectories in a row failed for infrastructure (inference, "
                         "environment, judge or database unavailable, aborted generation, environment error); "
                         "default: 4 × --max_concurrent_samples_per_process; 0: never")
+    k = p.add_argument_group("rounds and curriculum (train split)")
+    k.add_argument("--rounds", type=int, default=1,
+                   help="rounds each Task's group is sampled in: the group stage of round r creates the Task of the "
+                        "next round it is sampled in; claims take Tasks by round, then upload order (default 1)")
+    k.add_argument("--curriculum", choices=("pass_rate", "none"), default="pass_rate",
+                   help="pass_rate: a Task whose last group was all solved or all failed (zero reward variance) skips "
+                        "each next round with probability 1 - --curriculum_revisit_prob; none: every round samples "
+                        "every Task (default pass_rate; it acts from round 2 on)")
+    k.add_argument("--curriculum_revisit_prob", type=float, default=0.1,
+                   help="with --curriculum pass_rate: the chance that such a Task is sampled in each next round "
+                        "(seeded by --seed, reproducible)")
     r = p.add_argument_group("group stage and advantages")
     r.add_argument("--zero_variance_threshold", type=float, default=0.1)
     r.add_argument("--balance_sample", type=bool_flag, default=False)
@@ -101,6 +112,7 @@ def config_from_args(args: argparse.Namespace):
         SamplerConfig,
         resolve_sampling,
     )
+    from agentrl.rollout.curriculum import CurriculumConfig
     from agentrl.training.advantages import AdvantageConfig
 
     group = GroupConfig(zero_variance_threshold=args.zero_variance_threshold, balance_sample=args.balance_sample,
@@ -109,14 +121,18 @@ def config_from_args(args: argparse.Namespace):
     advantage = AdvantageConfig(scale_rewards=args.scale_rewards, leave_one_out=args.leave_one_out,
                                 adv_scaling=args.adv_scaling, drop_zero_advantage=args.drop_zero_advantage,
                                 minimal_advantage=args.minimal_advantage)
+    curriculum = CurriculumConfig(rounds=args.rounds, mode=args.curriculum, revisit_prob=args.curriculum_revisit_prob,
+                                  seed=args.seed or 0)
     sampling = resolve_sampling({k: getattr(args, k) for k in PREFERRED_KEYS}, args.preferred_sampling_params,
                                 SAMPLER_SAMPLING_DEFAULTS)
     skip = {"func", "command", "verbose", "inference_urls", "zero_variance_threshold", "balance_sample",
             "min_turns", "efficient_rewarding", "reserve_context_error_count", "scale_rewards", "leave_one_out",
-            "adv_scaling", "drop_zero_advantage", "minimal_advantage", "preferred_sampling_params", *PREFERRED_KEYS}
+            "adv_scaling", "drop_zero_advantage", "minimal_advantage", "preferred_sampling_params", "rounds",
+            "curriculum", "curriculum_revisit_prob", *PREFERRED_KEYS}
     fields = {k: v for k, v in vars(args).items() if k not in skip}
     urls = [u.strip() for u in (args.inference_urls or "").split(",") if u.strip()]
-    return SamplerConfig(**fields, **sampling, inference_urls=urls, group=group, advantage=advantage)
+    return SamplerConfig(**fields, **sampling, inference_urls=urls, group=group, advantage=advantage,
+                         curriculum=curriculum)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -153,5 +169,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     print(f"sampler done: {stats.trajectories} trajectories, {stats.scored} scored, {stats.score_errors} scoring "
           f"errors, {stats.group_stages} group stages, {stats.samples_queued} samples queued; outcomes "
-          + (", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "none"))
+          + (", ".join(f"{k} {v}" for k, v in sorted(stats.outcomes.items())) or "none")
+          + f"; database commands per trajectory: {stats.median_trajectory_commands or 0:g} (median) from its claim "
+            f"to its settlement, {stats.commands_per_trajectory():.1f} in all (admission control, group stages, "
+            "polling)")
     return 0

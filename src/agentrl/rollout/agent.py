@@ -1,18 +1,20 @@
 """One trajectory, token in / token out: generate, parse tool calls, call tools, append the token delta, repeat.
 
-Every LLM call is stored as a ``DispatchedSamplingTask`` before it is sent (``running``) and finished with its
-output ids, per-token logprobs, weight version (the run's policy version: a service's non-numeric version, such as
-SGLang's ``"default"``, is the initial policy 0) and timing; the tool stage may re-label it ``formaterror``,
-``toolfailed`` or ``repeaterror``. The trajectory ends with an answer, or with ``turns_limit_error``,
-``length_limit_error``, ``repetition_error`` or ``failed_error`` (a request the service rejects, or an aborted
-generation). When no live inference service answers (:class:`NoInferenceService`, an infrastructure failure) the
-call is finished ``failed`` and the error propagates: the attempt is not the policy's fault and is not scored. The
-same holds for a database error while choosing the service (the pool's load counters live in the database).
+Every LLM call is noted in the trajectory's ``CallLog`` as a ``DispatchedSamplingTask`` before it is sent
+(``running``) and finished with its output ids, per-token logprobs, weight version (the run's policy version: a
+service's non-numeric version, such as SGLang's ``"default"``, is the initial policy 0) and timing; the tool stage
+may re-label it ``formaterror``, ``toolfailed`` or ``repeaterror``. The sampler writes the log in one command when
+the trajectory ends (``agentrl.store.call_log``). Every LLM and tool call first passes the lease's fence
+(``SlotLeases.fence``), which costs a database round trip only when the lease is not known to hold for long enough.
+The trajectory ends with an answer, or with ``turns_limit_error``, ``length_limit_error``, ``repetition_error`` or
+``failed_error`` (a request the service rejects, or an aborted generation). When no live inference service answers
+(:class:`NoInferenceService`, an infrastructure failure) the call is finished ``failed`` and the error propagates: the
+attempt is not the policy's fault and is not scored. The same holds for a database error while choosing the service
+(the pool syncs its load counters with the database).
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import time
@@ -32,6 +34,7 @@ from agentrl.rollout.prompting import initial_messages
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, ToolParser, TrajectoryOutcome
 from agentrl.scoring import AgentConfig, extract_answer
 from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store
+from agentrl.store.call_log import CallLog
 from agentrl.tools import ToolManager
 
 logger = logging.getLogger(__name__)
@@ -120,9 +123,9 @@ class TurnState:
         self.pending_delta = None
 
 
-async def generate_turn(res: AgentResources, lease: SlotLease, conversation: TokenConversation, turn: int,
-                        state: TurnState) -> Generated:
-    """Store, send and finish turn ``turn``'s LLM call on ``conversation``'s prompt; ``GenerationFailed`` if the
+async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, conversation: TokenConversation,
+                        turn: int, state: TurnState) -> Generated:
+    """Log, send and finish turn ``turn``'s LLM call on ``conversation``'s prompt; ``GenerationFailed`` if the
     service rejects or aborts it; ``NoInferenceService`` / ``PyMongoError`` (infrastructure) propagate."""
     pending, sampling = state.pending_delta, res.config.sampling_params()
     call = DispatchedSamplingTask(
@@ -133,8 +136,8 @@ async def generate_turn(res: AgentResources, lease: SlotLease, conversation: Tok
         prompt_delta_ids=pending[0] if pending else [],
         prompt_delta_text=pending[1] if pending else res.tokenizer.decode(conversation.prompt_ids),
         sampling_params=sampling)
-    await res.store.slots.heartbeat(lease)  # the fence: a retired attempt makes no LLM call (LeaseLost)
-    await res.store.calls.start(call)
+    await res.store.slots.fence(lease)  # a retired attempt makes no LLM call (LeaseLost)
+    calls.start(call)
     started = time.monotonic()
     params = dict(sampling)
     if res.config.seed is not None:
@@ -142,23 +145,19 @@ async def generate_turn(res: AgentResources, lease: SlotLease, conversation: Tok
     try:
         result, service_id = await res.inference.generate(conversation.prompt_ids, params)
     except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
-        with contextlib.suppress(PyMongoError):
-            await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
-                                         latency_s=time.monotonic() - started)
+        calls.finish(call.id, CallStatus.FAILED, error=str(error), latency_s=time.monotonic() - started)
         raise
     except Exception as error:  # noqa: BLE001 - any other generation failure ends the trajectory as failed_error
-        await res.store.calls.finish(call.id, CallStatus.FAILED, error=str(error),
-                                     latency_s=time.monotonic() - started)
+        calls.finish(call.id, CallStatus.FAILED, error=str(error), latency_s=time.monotonic() - started)
         raise GenerationFailed(str(error)) from error
     if result.finish_reason == "abort":  # the service stopped the generation (shutdown, /abort_request)
         error = f"the inference service aborted the generation: {result.meta_info.get('finish_reason')}"
-        await res.store.calls.finish(call.id, CallStatus.FAILED, output_ids=result.output_ids,
-                                     output_logprobs=result.output_token_logprobs, error=error,
-                                     latency_s=time.monotonic() - started)
+        calls.finish(call.id, CallStatus.FAILED, output_ids=result.output_ids,
+                     output_logprobs=result.output_token_logprobs, error=error, latency_s=time.monotonic() - started)
         raise GenerationFailed(error)
     version = result.policy_version
     state.first_version = version if state.first_version is None else state.first_version
-    await res.store.calls.finish(
+    calls.finish(
         call.id, CallStatus.COMPLETED, output_ids=result.output_ids, output_logprobs=result.output_token_logprobs,
         output_text=result.text, weight_version=version, finish_reason=result.finish_reason, service_id=service_id,
         latency_s=time.monotonic() - started)
@@ -166,13 +165,13 @@ async def generate_turn(res: AgentResources, lease: SlotLease, conversation: Tok
     return Generated(call.id, result.text, list(result.output_ids), version)
 
 
-async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
-    """Roll out the trajectory of ``lease``'s slot, storing every call; returns how it ended. A Task with
-    ``metadata.mcp_state`` gets its own state on a stateful MCP server (:mod:`agentrl.rollout.mcp_state`)."""
+async def run_trajectory(res: AgentResources, lease: SlotLease, calls: CallLog) -> TrajectoryResult:
+    """Roll out the trajectory of ``lease``'s slot, logging every call in ``calls``; returns how it ended. A Task
+    with ``metadata.mcp_state`` gets its own state on a stateful MCP server (:mod:`agentrl.rollout.mcp_state`)."""
     task = lease.task
     mcp_state = McpState.of(task.metadata, lease.record_id)
     if mcp_state is None:
-        return await _roll_out(res, lease, None)
+        return await _roll_out(res, lease, calls, None)
     if res.tools is None:
         raise McpStateError("the Task keeps its state on an MCP server (metadata.mcp_state) but the sampler has no "
                             "tools: give --mcp_config")
@@ -180,7 +179,7 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
         await mcp_state.call(res.tools, "reset", res.config.tool_timeout)
     except McpStateError as error:
         return TrajectoryResult(TrajectoryOutcome.ENV_START_ERROR, None, 0, 1, None, error=str(error))
-    result = await _roll_out(res, lease, mcp_state)
+    result = await _roll_out(res, lease, calls, mcp_state)
     if result.outcome not in NO_VERDICT_OUTCOMES:
         try:
             result.final_state = await mcp_state.call(res.tools, "final", res.config.tool_timeout)
@@ -189,7 +188,8 @@ async def run_trajectory(res: AgentResources, lease: SlotLease) -> TrajectoryRes
     return result
 
 
-async def _roll_out(res: AgentResources, lease: SlotLease, mcp_state: McpState | None) -> TrajectoryResult:
+async def _roll_out(res: AgentResources, lease: SlotLease, calls: CallLog, mcp_state: McpState | None
+                    ) -> TrajectoryResult:
     cfg, task = res.config, lease.task
     tools = mcp_state.visible_tools(res.tool_specs) if mcp_state is not None else res.tool_specs
     messages, template_tools = initial_messages(
@@ -200,7 +200,7 @@ async def _roll_out(res: AgentResources, lease: SlotLease, mcp_state: McpState |
     outputs_seen: list[str] = []
     for turn in range(cfg.max_turns):
         try:
-            generated = await generate_turn(res, lease, conversation, turn, state)
+            generated = await generate_turn(res, lease, calls, conversation, turn, state)
         except GenerationFailed as error:
             return TrajectoryResult(FAILED, None, turn, state.branches, state.first_version, error=str(error))
         text = generated.text
@@ -212,12 +212,11 @@ async def _roll_out(res: AgentResources, lease: SlotLease, mcp_state: McpState |
         repeats = outputs_seen.count(text.strip())
         outputs_seen.append(text.strip())
         if repeats >= 1:
-            await res.store.calls.relabel(generated.call_id, CallStatus.REPEATERROR,
-                                          error=f"output repeated {repeats} time(s)")
+            calls.relabel(generated.call_id, CallStatus.REPEATERROR, error=f"output repeated {repeats} time(s)")
             if cfg.repetition_early_stop_times > 0 and repeats + 1 >= cfg.repetition_early_stop_times:
                 return TrajectoryResult(REPETITION, None, turn + 1, state.branches, state.first_version)
 
-        new_messages = await _tool_stage(res, lease, generated.call_id, text, repeated=repeats >= 1,
+        new_messages = await _tool_stage(res, lease, calls, generated.call_id, text, repeated=repeats >= 1,
                                          mcp_state=mcp_state)
         state.appended(conversation.append(generated.output_ids, text, new_messages))
         if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
@@ -230,11 +229,11 @@ async def _roll_out(res: AgentResources, lease: SlotLease, mcp_state: McpState |
     return TrajectoryResult(TURNS_LIMIT, None, cfg.max_turns, state.branches, state.first_version)
 
 
-async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text: str, *, repeated: bool,
-                      mcp_state: McpState | None = None) -> list[dict[str, Any]]:
+async def _tool_stage(res: AgentResources, lease: SlotLease, log: CallLog, call_id: str, text: str, *,
+                      repeated: bool, mcp_state: McpState | None = None) -> list[dict[str, Any]]:
     """Parse and run the tool calls of ``text``; returns the messages to append (one per call: its result or why
     it could not run). The call is labelled with the worst status of its tool calls (``formaterror`` first).
-    Each tool call is fenced by a heartbeat: a retired attempt runs no (possibly non-idempotent) tool call."""
+    Each tool call is fenced (``SlotLeases.fence``): a retired attempt runs no (possibly non-idempotent) tool call."""
     parsed = res.parser.parse(text)
     if not parsed.calls:
         return []
@@ -253,7 +252,7 @@ async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text:
             error = f"Unknown tool {tool_call.name!r}."
             status, content, elapsed = CallStatus.FORMATERROR, error, 0.0
         else:
-            await res.store.slots.heartbeat(lease)
+            await res.store.slots.fence(lease)
             arguments = mcp_state.arguments(tool_call.arguments) if mcp_state is not None else tool_call.arguments
             result = await res.tools.call_tool(tool_call.name, arguments, timeout=res.config.tool_timeout)
             status = CallStatus.COMPLETED if result.ok else CallStatus(str(result.status))
@@ -267,7 +266,7 @@ async def _tool_stage(res: AgentResources, lease: SlotLease, call_id: str, text:
     worst = next((s for s in (CallStatus.FORMATERROR, CallStatus.TOOLFAILED) if s in statuses), None)
     if worst is not None and not repeated:
         error = "; ".join(r["error"] for r in results if r["status"] == str(worst) and r["error"])
-        await res.store.calls.relabel(call_id, worst, error=error, **update)
+        log.relabel(call_id, worst, error=error, **update)
     else:
-        await res.store.calls.annotate(call_id, **update)
+        log.annotate(call_id, **update)
     return messages

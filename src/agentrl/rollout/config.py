@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.rollout.curriculum import CurriculumConfig
 from agentrl.training.advantages import AdvantageConfig
 
 # The sampling parameters ``--preferred_sampling_params`` may set (each also has its own flag).
@@ -113,6 +114,7 @@ class SamplerConfig(BaseModel):
                                 "infrastructure; None: 4 × max_concurrent_samples_per_process; 0: never")
     group: GroupConfig = Field(default_factory=GroupConfig)
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig)
+    curriculum: CurriculumConfig = Field(default_factory=CurriculumConfig)
 
     def sampling_params(self) -> dict[str, Any]:
         """The ``sampling_params`` of every LLM call (all sent: a server's preferred defaults never apply)."""

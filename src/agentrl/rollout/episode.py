@@ -45,6 +45,7 @@ from agentrl.rollout.agent import AgentResources, GenerationFailed, TrajectoryRe
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.tool_parsers import TrajectoryOutcome
 from agentrl.store import CallStatus, SlotLease
+from agentrl.store.call_log import CallLog
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +72,8 @@ class Episode:
                 "steps": len(self.steps)}
 
 
-async def run_episode(res: AgentResources, lease: SlotLease) -> TrajectoryResult:
-    """Roll out ``lease``'s Task as an environment episode (see the module docstring)."""
+async def run_episode(res: AgentResources, lease: SlotLease, calls: CallLog) -> TrajectoryResult:
+    """Roll out ``lease``'s Task as an environment episode (see the module docstring), logging its calls."""
     if res.envs is None:
         raise EnvError("this sampler has no environments; Task metadata names one")
     env = episode_of(lease.task.metadata) or {}
@@ -92,12 +93,12 @@ async def run_episode(res: AgentResources, lease: SlotLease) -> TrajectoryResult
             observation = await client.reset(instance, episode.data_idx)
         except EnvServerError as error:
             return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, episode, f"environment reset failed: {error}")
-        return await _play(res, lease, client, instance, observation, state, episode)
+        return await _play(res, lease, calls, client, instance, observation, state, episode)
     finally:
         await asyncio.shield(_close(res, lease.record_id, client, instance))
 
 
-async def _play(res: AgentResources, lease: SlotLease, client: Any, instance: int, observation: str,
+async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: Any, instance: int, observation: str,
                 state: TurnState, episode: Episode) -> TrajectoryResult:
     cfg, task, spec = res.config, lease.task, episode.spec
     env = episode_of(task.metadata) or {}
@@ -107,17 +108,16 @@ async def _play(res: AgentResources, lease: SlotLease, client: Any, instance: in
         res.tokenizer, episode_messages(task.system_prompt or spec.instruction, observation), None)
     for turn in range(max_turns):
         try:
-            generated = await generate_turn(res, lease, conversation, turn, state)
+            generated = await generate_turn(res, lease, calls, conversation, turn, state)
         except GenerationFailed as error:
             return _ended(TrajectoryOutcome.FAILED_ERROR, turn, state, episode, str(error))
         action = parse_action(generated.text, action_format)
         if action is None:
             observation, done = NO_ACTION_HINT[action_format], False
-            await res.store.calls.relabel(generated.call_id, CallStatus.FORMATERROR, error="no action in the reply",
-                                          env_step={"action": None, "observation": observation, "reward": 0.0,
-                                                    "done": False})
+            calls.relabel(generated.call_id, CallStatus.FORMATERROR, error="no action in the reply",
+                          env_step={"action": None, "observation": observation, "reward": 0.0, "done": False})
         else:
-            await res.store.slots.heartbeat(lease)  # the fence: a retired attempt steps no environment
+            await res.store.slots.fence(lease)  # a retired attempt steps no environment
             try:
                 step = await client.step(instance, action)
             except EnvServerError as error:
@@ -125,7 +125,7 @@ async def _play(res: AgentResources, lease: SlotLease, client: Any, instance: in
                               f"environment step failed: {error}")
             episode.steps.append(step)
             observation, done = step.observation, step.done
-            await res.store.calls.annotate(generated.call_id, env_step={
+            calls.annotate(generated.call_id, env_step={
                 "action": action, "observation": observation, "reward": step.reward, "done": done,
                 **({"score": step.info["score"]} if "score" in step.info else {})})
         if done:

@@ -13,7 +13,12 @@ Run by exactly one sampler per Task (the store's group-stage lease). For the ``t
 5. each kept trajectory is merged into DBRecordData samples (one per branch); its Record becomes ``ready`` (with
    ``advantage`` and ``reward``) and then its samples are queued for the trainer. The others become
    ``abandoned`` with the reason and a failure class (how the trajectory ended, else ``filtered``; a kept one
-   without a trainable token or with a sample over the database's document size limit is dropped too).
+   without a trainable token or with a sample over the database's document size limit is dropped too);
+6. with rounds left (``agentrl.rollout.curriculum``), the Task of the round its content is sampled in next is
+   created; then the Task is closed with its pass rate and next round.
+
+Round trips: the group's Records and the kept ones' calls are read in one query each; each kept Record costs two
+writes (``ready``, its samples queued), the dropped ones one bulk write in all.
 
 Other splits (evaluation) only mark their scored Records ``ready``. Redoing the stage after a crash is safe:
 the decisions are deterministic, queued samples have deterministic ids (queueing them twice, even from two
@@ -21,8 +26,9 @@ overlapping runs of the stage, queues each once), and a Record already at or pas
 (``ready`` and since trained by the trainer, or abandoned as stale) is left as it is. A Record is ``ready`` before
 any of its samples is queued, so the trainer, which moves the Records of the samples it trained from ``ready`` to
 ``trained``, always finds it ``ready``. Crash windows (failpoints): after a kept Record is ``ready`` but before its
-samples are queued (``group_stage.after_ready``; the redo queues them), and after every Record moved but before
-the Task is closed (``group_stage.before_complete``); the trainer may train the queued samples in either window.
+samples are queued (``group_stage.after_ready``; the redo queues them), and after every Record moved and the next
+round created but before the Task is closed (``group_stage.before_complete``; the redo creates the next round once:
+its id is deterministic); the trainer may train the queued samples in either window.
 """
 
 from __future__ import annotations
@@ -31,11 +37,13 @@ import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import bson
 
 from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
+from agentrl.rollout.curriculum import CurriculumConfig, next_round, round_task
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.store import (
     DBRecordData,
@@ -45,8 +53,10 @@ from agentrl.store import (
     Record,
     RecordStatus,
     Store,
+    Task,
 )
 from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
+from agentrl.store.transitions import sources_of
 from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
 from agentrl.training.merge import CallTokens, merge_trajectory
 
@@ -98,12 +108,18 @@ def efficiency_shifts(turns: list[float], prefer_short: bool, spread: float = 0.
     return [sign * (rank - mean) * spread / (n - 1) for rank in ranks]
 
 
+def zero_variance(records: list[Record], cfg: GroupConfig) -> bool:
+    """Whether a group's rewards span less than ``zero_variance_threshold`` (or fewer than two were scored): all
+    solved or all failed, it teaches nothing."""
+    scores = [r.score for r in records if r.score is not None]
+    return len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold
+
+
 def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
     """``(kept, dropped, rewards)`` for the scored records of one train group (ids → decision / reason / reward)."""
     kept: dict[str, str] = {}
     dropped: dict[str, str] = {}
-    scores = [r.score for r in records if r.score is not None]
-    if len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold:
+    if zero_variance(records, cfg):
         return {}, {r.id: ZERO_VARIANCE_DECISION for r in records}, {}
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
     candidates = []
@@ -143,9 +159,10 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
     return kept, dropped, rewards
 
 
-async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv_cfg: AdvantageConfig
-                          ) -> GroupOutcome:
-    """Apply the group stage to ``group``'s Task and close it (see the module docstring)."""
+async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv_cfg: AdvantageConfig,
+                          curriculum: CurriculumConfig | None = None) -> GroupOutcome:
+    """Apply the group stage to ``group``'s Task and close it (see the module docstring); with ``curriculum``, a
+    train Task's next round is scheduled first."""
     task = group.task
     outcome = GroupOutcome(task_id=task.id)
     latest: dict[int, Record] = {}
@@ -156,21 +173,22 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     was_scored = reachable_from(RecordStatus.SCORED)
     scored = [r for r in latest.values() if r.score is not None and str(r.status) in was_scored]
     if task.split != "train":
-        for record in scored:
-            await _move(store, record, RecordStatus.READY, group_decision="evaluation sample")
+        await _move_many(store, RecordStatus.READY, {r.id: {"group_decision": "evaluation sample"} for r in scored})
         await store.slots.complete_group(group)
         return outcome
     kept, dropped, rewards = decide(scored, cfg)
     advantages = dict(zip(rewards, group_advantages(list(rewards.values()), adv_cfg)))
+    calls = await store.calls.for_records([r.id for r in scored if r.id in kept])
+    abandon: dict[str, dict] = {}
     for record in scored:
         failure = OUTCOME_FAILURES.get(str(record.outcome), FailureClass.FILTERED)
         if record.id in kept:
-            calls = await store.calls.for_record(record.id)
-            samples = _convert(record, calls, advantages[record.id], rewards[record.id], adv_cfg, outcome)
+            samples = _convert(record, calls[record.id], advantages[record.id], rewards[record.id], adv_cfg, outcome)
             too_large = max((_oversize(sample) for sample in samples), default=0)
             if samples and too_large <= MAX_SAMPLE_BYTES:
-                await _move(store, record, RecordStatus.READY, advantage=advantages[record.id],
-                            group_decision=kept[record.id], meta={**record.meta, "reward": rewards[record.id]})
+                await _move_many(store, RecordStatus.READY, {record.id: {
+                    "advantage": advantages[record.id], "group_decision": kept[record.id],
+                    "meta": {**record.meta, "reward": rewards[record.id]}}})
                 failpoint("group_stage.after_ready")
                 await store.samples.enqueue(samples)
                 outcome.samples_queued += len(samples)
@@ -182,13 +200,27 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
                 failure = FailureClass.SAMPLE_TOO_LARGE
             else:
                 dropped[record.id] = "no trainable tokens (advantage dropped on every call)"
-                failure = _untrainable(calls)
-        await _move(store, record, RecordStatus.ABANDONED, group_decision=dropped[record.id],
-                    failure_class=str(failure))
+                failure = _untrainable(calls[record.id])
+        abandon[record.id] = {"group_decision": dropped[record.id], "failure_class": str(failure)}
         outcome.dropped[record.id] = dropped[record.id]
+    await _move_many(store, RecordStatus.ABANDONED, abandon)
+    fields = await _schedule_next_round(store, task, scored, cfg, curriculum or CurriculumConfig())
     failpoint("group_stage.before_complete")
-    await store.slots.complete_group(group)
+    await store.slots.complete_group(group, **fields)
     return outcome
+
+
+async def _schedule_next_round(store: Store, task: Task, scored: list[Record], cfg: GroupConfig,
+                               curriculum: CurriculumConfig) -> dict[str, Any]:
+    """Create the Task of the round its content is sampled in next, if any (``agentrl.rollout.curriculum``);
+    returns what the closing Task records: its pass rate, next round and the rounds skipped until then."""
+    solved = [r.score >= SUCCESS_SCORE for r in scored if r.score is not None]
+    following = next_round(curriculum, task.first_round_id or task.id, task.round, not zero_variance(scored, cfg))
+    if following is not None:
+        await store.slots.add_task(round_task(task, following))
+    skipped = (following if following is not None else curriculum.rounds + 1) - task.round - 1
+    return {"pass_rate": sum(solved) / len(solved) if solved else None, "next_round": following,
+            "rounds_skipped": max(skipped, 0)}
 
 
 def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float, reward: float,
@@ -231,10 +263,11 @@ def reachable_from(state: RecordStatus) -> set[str]:
     return seen
 
 
-async def _move(store: Store, record: Record, target: RecordStatus, **fields) -> None:
-    try:
-        await store.records.transition(record.id, target, **fields)
-    except InvalidTransition as error:
-        # At or past the target: the stage is being redone after a crash (and e.g. the trainer trained the Record).
-        if error.current not in reachable_from(target):
-            raise
+async def _move_many(store: Store, target: RecordStatus, updates: dict[str, dict]) -> None:
+    """Move Records to ``target`` in one command. One already at or past it is left as it is: the stage is being
+    redone after a crash (and e.g. the trainer trained the Record)."""
+    states = await store.records.transition_many(target, updates)
+    for record_id, state in states.items():
+        if state not in reachable_from(target):
+            raise InvalidTransition(Record.collection, record_id, state, str(target),
+                                    sources_of(RECORD_TRANSITIONS, target))

@@ -1,15 +1,20 @@
 """Requests spread over the live inference services registered in the store (least loaded first).
 
-The pool counts its in-flight requests on each service under its ``owner`` (``ServiceRegistry.acquire`` /
-``release``), refreshes that share while requests run, and reclaims the shares of owners not seen for
-``owner_ttl_s`` (samplers that died with requests in flight). A service it cannot connect to is marked DOWN at
-once, so that no sampler picks it until its own heartbeat (the engine's, or the static-URL health watcher's)
-marks it UP again. When no live service answers, ``generate`` raises :class:`NoInferenceService`: an
-infrastructure failure, which the sampler does not score (it gives the slot back and waits in
-:meth:`InferencePool.wait_until_live`).
+The pick costs no database round trip: the pool keeps a view of the live services (their load, ``running_requests``,
+as last read) and counts its own in-flight requests per service locally. A request goes to the service with the
+least ``others' load as last read + this pool's requests now`` (below ``target_concurrency``). In the background,
+at most every ``sync_s`` while the pool is in use, it writes its share on each service whose count changed
+(``ServiceRegistry.sync_share``: one update per service, fenced on the share it last wrote), then reads the view
+again (and the Run's adapter). So other samplers see this pool's load, and it sees theirs, ``sync_s`` late at
+most. Shares are also refreshed every third of ``owner_ttl_s`` while requests run, and the pool reclaims the shares
+of owners not seen for ``owner_ttl_s`` (samplers that died with requests in flight). A service it cannot connect
+to is marked DOWN at once (and dropped from its view), so that no sampler picks it until its own heartbeat (the
+engine's, or the static-URL health watcher's) marks it UP again. When no live service answers, ``generate`` raises
+:class:`NoInferenceService`: an infrastructure failure, which the sampler does not score (it gives the slot back
+and waits in :meth:`InferencePool.wait_until_live`).
 
 When the trainer publishes LoRA adapters (``Run.lora_name``), every request names the current adapter in
-``lora_path`` (read from the Run at most every ``ADAPTER_REFRESH_S``). A service that does not have it (it started
+``lora_path`` (read from the Run with the view). A service that does not have it (it started
 or restarted after the publish) is given it from ``Run.weights_path`` and the request is sent again.
 """
 
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import math
 import os
@@ -27,11 +33,10 @@ from collections import Counter
 from typing import Any
 
 import httpx
-from pymongo.errors import PyMongoError
 
 from agentrl.inference.client import GenerateResult, InferenceRequestError, InferenceServiceError, SGLangClient
 from agentrl.log import redact
-from agentrl.store import Store
+from agentrl.store import InferenceService, Store
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +45,7 @@ CONNECT_PROBE_S = 5.0
 OUTAGE_PAUSE_S = 1.0
 MAX_OUTAGE_PAUSE_S = 60.0
 LIVE_POLL_MAX_S = 5.0
-ADAPTER_REFRESH_S = 1.0
+LOAD_SYNC_S = 1.0
 _NOT_LOADED = ("not loaded", "never been loaded")  # SGLang's (and the engine's) errors for an unknown adapter
 
 
@@ -59,7 +64,7 @@ class InferencePool:
 
     def __init__(self, store: Store, *, owner: str | None = None, owner_ttl_s: float = DEFAULT_OWNER_TTL_S,
                  target_concurrency: int = 32, timeout_s: float = 600.0, wait_for_service_s: float = 120.0,
-                 max_attempts: int = 6):
+                 max_attempts: int = 6, sync_s: float = LOAD_SYNC_S):
         self.store = store
         self.owner = owner or default_owner()
         self.owner_ttl_s = owner_ttl_s
@@ -67,15 +72,22 @@ class InferencePool:
         self.timeout_s = timeout_s
         self.wait_for_service_s = wait_for_service_s
         self.max_attempts = max_attempts
+        self.sync_s = sync_s
         self._clients: dict[str, SGLangClient] = {}
-        self._in_flight: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()  # this pool's requests in flight, per service
+        self._shares: dict[str, int] = {}  # this pool's share as last written, per service (absent: none stored)
+        self._started: Counter[str] = Counter()  # requests started since the last sync (``total_requests``)
+        self._share_seen_at: dict[str, float] = {}  # when each share's ``seen`` was last written (monotonic)
+        self._view: list[InferenceService] | None = None  # the live services as last read
+        self._view_shares: dict[str, int] = {}  # this pool's shares included in the view's loads
+        self._used = False  # a request was sent since the view was last read
+        self._sync_lock = asyncio.Lock()
         self._keeper: asyncio.Task | None = None
         self._next_reclaim = 0.0
         self._outages = 0  # NoInferenceService raised since the last successful generation
         self._live_lock = asyncio.Lock()
         self._paused = False
         self._adapter: tuple[str, str] | None = None  # (name, path) of the policy's adapter, if it is one
-        self._adapter_read_at = -math.inf
 
     def client(self, base_url: str) -> SGLangClient:
         if base_url not in self._clients:
@@ -89,15 +101,15 @@ class InferencePool:
         failed one. Raises :class:`InferenceRequestError` when a service rejects the request,
         :class:`NoInferenceService` when no live service answered within ``wait_for_service_s`` or every attempt
         failed."""
-        if self._keeper is None or self._keeper.done():
-            self._keeper = asyncio.create_task(self._keep_alive(), name=f"inference-load-{self.owner}")
+        if self._keeper is None or self._keeper.done():  # its own context: not counted as any trajectory's
+            self._keeper = asyncio.create_task(self._keep_alive(), name=f"inference-load-{self.owner}",
+                                               context=contextvars.Context())
         failed: list[str] = []
         errors: list[str] = []
         deadline = time.monotonic() + self.wait_for_service_s
         delay = 0.05
         while len(errors) < self.max_attempts:
-            service = await self.store.services.acquire(self.owner, exclude=failed or None,
-                                                        max_running=self.target_concurrency)
+            service = await self._pick(failed)
             if service is None:
                 failed.clear()  # every other service is busy or failed already: any may be tried again
                 if time.monotonic() > deadline:
@@ -105,11 +117,13 @@ class InferencePool:
                     raise NoInferenceService(
                         f"no live inference service within {self.wait_for_service_s:g} s"
                         + (f"; errors: {'; '.join(errors)}" if errors else ""))
-                await self._reclaim()  # a dead sampler's requests may be what keeps the services full
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, 1.0)
+                await self._reclaim()  # a dead sampler's requests may be what keeps the services full
+                await self._refresh()
                 continue
             self._in_flight[service.id] += 1
+            self._started[service.id] += 1
             try:
                 result = await self._generate_on(service.base_url, input_ids, sampling_params)
                 if result.finish_reason == "abort":  # the service stopped it (shutting down): not the policy's doing
@@ -130,36 +144,73 @@ class InferencePool:
                     logger.warning("cannot connect to inference service %s: marking it DOWN (its heartbeat marks "
                                    "it UP again)", redact(service.base_url))
                     await self.store.services.mark_down(service.id)
+                    self._view = [s for s in self._view or [] if s.id != service.id]
             finally:
                 self._in_flight[service.id] -= 1
                 if not self._in_flight[service.id]:
                     del self._in_flight[service.id]
-                try:
-                    await self.store.services.release(service.id, self.owner)
-                except PyMongoError as error:  # not retried (not idempotent): the share stays one high meanwhile
-                    logger.warning("could not count a request on %s as finished (%s)", service.id, error)
         self._outages += 1
         raise NoInferenceService("generation failed on every attempt: " + "; ".join(errors))
 
-    async def _current_adapter(self, refresh: bool = False) -> tuple[str, str] | None:
-        """The policy's published adapter ``(name, path)``, or ``None`` when the services serve full weights."""
-        if refresh or time.monotonic() - self._adapter_read_at > ADAPTER_REFRESH_S:
-            run = await self.store.runs.get()
-            self._adapter = (run.lora_name, run.weights_path) if run and run.lora_name and run.weights_path else None
-            self._adapter_read_at = time.monotonic()
-        return self._adapter
+    async def _pick(self, exclude: list[str]) -> InferenceService | None:
+        """The least-loaded service of the view not in ``exclude`` and below ``target_concurrency``; ``None`` when
+        there is none. Reads the view first if it was never read."""
+        if self._view is None:
+            await self._refresh()
+        self._used = True
+
+        def load(service: InferenceService) -> int:
+            return service.running_requests - self._view_shares.get(service.id, 0) + self._in_flight[service.id]
+
+        candidates = [s for s in self._view or [] if s.id not in exclude and load(s) < self.target_concurrency]
+        return min(candidates, key=load, default=None)
+
+    async def _refresh(self) -> None:
+        """Write this pool's changed shares, then read the view of the live services and the Run's adapter."""
+        async with self._sync_lock:
+            await self._sync_shares()
+            self._used = False
+            self._view = await self.store.services.live()
+            self._view_shares = dict(self._shares)
+            await self._read_adapter()
+
+    async def _sync_shares(self) -> None:
+        """Write the shares that changed since the last sync (and, while requests run, refresh their ``seen``
+        every third of the owner TTL), one update per service."""
+        now = time.monotonic()
+        for service_id in sorted(set(self._shares) | set(self._in_flight) | set(self._started)):
+            n, stored, started = self._in_flight[service_id], self._shares.get(service_id), self._started[service_id]
+            seen_due = n > 0 and now - self._share_seen_at.get(service_id, -math.inf) >= self.owner_ttl_s / 3
+            if not started and not seen_due and n == (stored or 0):
+                continue
+            written = await self.store.services.sync_share(service_id, self.owner, n, started=started,
+                                                           expected=stored)
+            self._started[service_id] -= started
+            if not self._started[service_id]:
+                del self._started[service_id]
+            if written is None:  # the service is not registered any more
+                self._shares.pop(service_id, None)
+            else:
+                self._shares[service_id] = written
+                self._share_seen_at[service_id] = now
+
+    async def _read_adapter(self) -> None:
+        """Read the policy's published adapter ``(name, path)`` (``None`` when the services serve full weights)."""
+        run = await self.store.runs.get()
+        self._adapter = (run.lora_name, run.weights_path) if run and run.lora_name and run.weights_path else None
 
     async def _generate_on(self, base_url: str, input_ids: list[int], sampling_params: dict[str, Any]
                            ) -> GenerateResult:
         """Generate on one service with the policy's adapter, giving the service the adapter if it lacks it."""
         client = self.client(base_url)
-        adapter = await self._current_adapter()
+        adapter = self._adapter
         try:
             return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None)
         except InferenceRequestError as error:
             if adapter is None or not any(text in error.cause for text in _NOT_LOADED):
                 raise
-        adapter = await self._current_adapter(refresh=True)  # a newer one, or the service restarted
+        await self._read_adapter()  # a newer one, or the service restarted
+        adapter = self._adapter
         if adapter is not None:
             with contextlib.suppress(InferenceRequestError):  # "already loaded": another sampler was first
                 await client.load_lora_adapter(*adapter)
@@ -178,6 +229,7 @@ class InferencePool:
             while not (live := await self.store.services.live()):
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, LIVE_POLL_MAX_S)
+            self._view = None  # the next pick reads the services afresh
             if self._paused:
                 self._paused = False
                 logger.info("inference service %s is live: sampler %s resumes", redact(live[0].base_url),
@@ -205,15 +257,16 @@ class InferencePool:
         await self.store.services.reclaim(self.owner_ttl_s, keep=self.owner)
 
     async def _keep_alive(self) -> None:
-        """Keep this owner's shares seen while requests run, and reclaim dead owners' shares."""
+        """Every ``sync_s``: write the shares that changed and read the view again when the pool was used (so it
+        stays idle when idle), and reclaim dead owners' shares."""
         while True:
-            await asyncio.sleep(self.owner_ttl_s / 3)
+            await asyncio.sleep(self.sync_s)
             try:
-                if self._in_flight:
-                    await self.store.services.keep_alive(list(self._in_flight), self.owner)
+                if self._used or self._in_flight or self._started or any(self._shares.values()):
+                    await self._refresh()
                 await self._reclaim()
             except Exception as error:  # noqa: BLE001 - the database may come back; keep going
-                logger.warning("inference load keep-alive of %s failed: %s", self.owner, redact(str(error)))
+                logger.warning("inference load sync of %s failed: %s", self.owner, redact(str(error)))
 
     async def close(self) -> None:
         if self._keeper is not None:
@@ -221,6 +274,8 @@ class InferencePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._keeper
         with contextlib.suppress(Exception):
+            async with self._sync_lock:
+                await self._sync_shares()
             await self.store.services.forget(self.owner)
         for client in self._clients.values():
             await client.close()

@@ -1,10 +1,13 @@
 """A sampler process: claims Task slots, rolls out trajectories concurrently, scores them, runs group stages.
 
 Run as many as you like, anywhere (``agentrl sample``). Each claims sample slots as leases (heartbeated while it
-works), runs up to ``max_concurrent_samples_per_process`` trajectories on one asyncio loop, and settles each
-slot with its score; the sampler that settles a Task's last slot runs that Task's group stage. On SIGTERM/SIGINT
-it stops claiming, cancels its trajectories (their Records end ``failed`` as ``cancelled`` and their slots are
-given back), lets group stages already running finish, and marks the started Tasks nobody works on any more
+works), runs up to ``max_concurrent_samples_per_process`` trajectories on one asyncio loop, and settles each slot with
+its score; the sampler that settles a Task's last slot runs that Task's group stage. A trajectory's calls are kept in
+memory (``CallLog``) and written in one command when it ends — before its outcome, or before its slot is given back —
+so a trajectory costs 6 database round trips from its claim to its settlement (the sequence is in
+``agentrl.store.slots``); the sampler counts them (``SamplerStats``, the last line of ``agentrl sample``). On
+SIGTERM/SIGINT it stops claiming, cancels its trajectories (their Records end ``failed`` as ``cancelled`` and their
+slots are given back), lets group stages already running finish, and marks the started Tasks nobody works on any more
 ``interrupted``, so nothing is left ``running``.
 
 Failures of the infrastructure are not the policy's: a trajectory cut off by no live inference service, an
@@ -16,21 +19,23 @@ fail for infrastructure (given back, or ended without a verdict: aborted generat
 sampler with ``SamplerHalted``, which names the failure classes and the count; a trajectory with a verdict resets
 the count.
 
-Admission control (train split): a new group (Task) is started only while every slot of the groups being
-sampled plus the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started
-group's remaining slots are always claimed, so every group completes. Counting whole groups (not only the
-trajectories running now) keeps finished trajectories that wait for their siblings in the count, which bounds
-how stale a trained sample gets.
+Admission control (train split): a new group (Task) is started only while every slot of the groups being sampled plus
+the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started group's remaining
+slots are always claimed (first, without asking admission control), so every group completes. Counting whole groups
+(not only the trajectories running now) keeps finished trajectories that wait for their siblings in the count, which
+bounds how stale a trained sample gets.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
 import socket
+import statistics
 import time
 import uuid
 from collections import Counter
@@ -48,6 +53,7 @@ from agentrl.rollout.inference_pool import NoInferenceService
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
 from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
+from agentrl.store.call_log import CallLog
 from agentrl.store.models import FailureClass
 from agentrl.store.outage import is_transient
 
@@ -111,6 +117,25 @@ class SamplerStats:
     samples_queued: int = 0
     reward_sum: float = 0.0
     outcomes: dict[str, int] = field(default_factory=dict)
+    db_commands: Counter[str] = field(default_factory=Counter)
+    """Database commands the sampler sent while it ran, by name."""
+    commands_by_part: Counter[str] = field(default_factory=Counter)
+    """The same, by what sent them: ``claim`` (claims that got a slot), ``admission`` (admission control, before a
+    claim starts a new group), ``trajectory`` (rolling out and settling it; the group's last also claims the group
+    stage), ``group_stage``; the rest (``other``) is polling, recovery and the inference pool's load syncs."""
+    trajectory_commands: Counter[int] = field(default_factory=Counter)
+    """How many trajectories cost how many commands from their claim to their settlement (a histogram)."""
+
+    def commands_per_trajectory(self, *parts: str) -> float:
+        """Commands of ``parts`` (all when none is named) per finished trajectory."""
+        counts = [self.commands_by_part[part] for part in parts] if parts else self.db_commands.values()
+        return sum(counts) / max(self.trajectories, 1)
+
+    @property
+    def median_trajectory_commands(self) -> float | None:
+        """The median number of commands from a trajectory's claim to its settlement."""
+        values = sorted(self.trajectory_commands.elements())
+        return statistics.median(values) if values else None
 
     def line(self, elapsed: float, active: int) -> str:
         mean = self.reward_sum / self.scored if self.scored else 0.0
@@ -132,6 +157,8 @@ class Sampler:
         self._active: set[asyncio.Task] = set()
         self._staging: set[asyncio.Task] = set()  # trajectory tasks that went on to their group stage
         self._leases: dict[asyncio.Task, SlotLease] = {}
+        self._next_slot_recovery = 0.0  # while admission control holds new groups back
+        self._admission_commands = 0  # what admission control cost the last claim
 
     def stop(self) -> None:
         """Ask the loop to stop: no new claims; running trajectories are cancelled and their slots released."""
@@ -146,7 +173,8 @@ class Sampler:
         """Sample until stopped (or, with ``exit_when_done``, until the split has no open Task left); raises
         ``SamplerHalted`` after ``max_consecutive_failures`` infrastructure failures in a row."""
         started = last_status = time.monotonic()
-        next_group_probe = next_slot_recovery = 0.0
+        commands_before = self.res.store.commands.snapshot()
+        next_group_probe = 0.0
         backoff = 0.5
         logger.info("sampler %s started on split %s", self.owner, self.cfg.split)
         try:
@@ -161,18 +189,13 @@ class Sampler:
                         await self._recover_group_stages()
                     claimed = False
                     if len(self._active) < self.cfg.max_concurrent_samples_per_process:
-                        slots, lease = self.res.store.slots, None
-                        if await self._admit():
-                            lease = await slots.claim(self.cfg.split, self.owner)
-                        elif now >= next_slot_recovery:
-                            # Not admitted: no new slot, but lost slots of started groups are still recovered
-                            # (they count against admission, so waiting for admission could wait forever). A lease
-                            # is lost only once it expires, so looking every quarter lease is soon enough.
-                            lease = await slots.recover(self.cfg.split, self.owner)
-                            if lease is None:
-                                next_slot_recovery = now + self.cfg.lease_s / 4
+                        self._admission_commands = 0
+                        with self.res.store.commands.tally() as used:
+                            lease = await self._claim(now)
                         if lease is not None:
-                            task = asyncio.create_task(self._sample(lease), name=lease.record_id)
+                            self.stats.commands_by_part["claim"] += sum(used.values())
+                            self.stats.commands_by_part["admission"] += self._admission_commands
+                            task = asyncio.create_task(self._sample(lease, sum(used.values())), name=lease.record_id)
                             self._active.add(task)
                             self._leases[task] = lease
                             task.add_done_callback(self._forget)
@@ -199,8 +222,15 @@ class Sampler:
                 await self._wait(0.5 if self._active else 1.0)
         finally:
             await self._shutdown()
-            logger.info("sampler %s stopped: %s", self.owner,
-                        self.stats.line(time.monotonic() - started, len(self._active)))
+            self.stats.db_commands = self.res.store.commands.snapshot() - commands_before
+            self.stats.commands_by_part["other"] = max(
+                sum(self.stats.db_commands.values()) - sum(self.stats.commands_by_part.values()), 0)
+            logger.info("sampler %s stopped: %s; database commands: %s (%s); trajectories by their commands from "
+                        "claim to settlement: %s", self.owner,
+                        self.stats.line(time.monotonic() - started, len(self._active)),
+                        ", ".join(f"{name} {n}" for name, n in self.stats.db_commands.most_common()) or "none",
+                        ", ".join(f"{part} {n}" for part, n in self.stats.commands_by_part.most_common()),
+                        json.dumps(dict(sorted(self.stats.trajectory_commands.items()))))
         if self._halted is not None:
             raise SamplerHalted(self._halted)
         return self.stats
@@ -248,6 +278,29 @@ class Sampler:
                 logger.info("sampler %s: %d started Tasks left for a later sampler (interrupted)", self.owner,
                             len(interrupted))
 
+    async def _claim(self, now: float) -> SlotLease | None:
+        """One claim: a slot of a started group (never held back), else, once admission control lets a new group
+        start, any open slot (``SlotLeases.claim``: an expired lease first, then the first open Task, then a lost
+        slot), else only a lost slot of a started group."""
+        slots, split = self.res.store.slots, self.cfg.split
+        lease = await slots.claim_started(split, self.owner)
+        if lease is not None:
+            return lease
+        with self.res.store.commands.tally() as used:  # per new group, not per trajectory
+            admitted = await self._admit()
+        self._admission_commands = sum(used.values())
+        if admitted:
+            return await slots.claim(split, self.owner)
+        if now < self._next_slot_recovery:
+            return None
+        # Not admitted: no new slot, but lost slots of started groups are still recovered (they count against
+        # admission, so waiting for admission could wait forever). A lease is lost only once it expires, so looking
+        # every quarter lease is soon enough.
+        lease = await slots.recover(split, self.owner)
+        if lease is None:
+            self._next_slot_recovery = now + self.cfg.lease_s / 4
+        return lease
+
     async def _admit(self) -> bool:
         if self.cfg.split != "train":
             return True
@@ -259,22 +312,36 @@ class Sampler:
     async def _recover_group_stages(self) -> None:
         """Run the group stages whose sampler died (their lease expired) or that no one started."""
         while (group := await self.res.store.slots.claim_group_stage(None, self.owner, split=self.cfg.split)):
-            try:
-                await self._group_stage(group)
-            except ConnectionFailure:
-                raise  # the run loop rides out (or stops on) an unreachable database
-            # A stage that fails must not stop the sampler (nor every sampler that takes it over next): its lease
-            # expires and it is retried.
-            except PyMongoError as error:  # permanent (its message may quote whole samples: cut short)
-                logger.error("group stage of Task %s failed: %s: %.500s; another attempt follows when its lease "
-                             "expires", group.task.id, type(error).__name__, error)
-            except Exception:  # noqa: BLE001
-                logger.exception("group stage of Task %s failed; another attempt follows when its lease expires",
-                                 group.task.id)
+            with self.res.store.commands.tally() as used:
+                try:
+                    await self._run_group_stage(group, outage_raises=True)
+                finally:
+                    self.stats.commands_by_part["group_stage"] += sum(used.values())
+
+    async def _run_group_stage(self, group: GroupLease, *, outage_raises: bool) -> None:
+        """Run ``group``'s stage. A stage that fails must not stop the sampler (nor every sampler that takes it over
+        next): the failure is logged, its lease expires and another attempt follows. With ``outage_raises``, an
+        unreachable database is raised (the run loop rides it out, or stops on it)."""
+        try:
+            await self._group_stage(group)
+        except ConnectionFailure as error:
+            if outage_raises:
+                raise
+            logger.error("group stage of Task %s cut off by the database (%s); another attempt follows when its "
+                         "lease expires", group.task.id, error)
+        except LeaseLost as error:
+            logger.warning("%s", error)
+        except PyMongoError as error:  # permanent (its message may quote whole samples: cut short)
+            logger.error("group stage of Task %s failed: %s: %.500s; another attempt follows when its lease "
+                         "expires", group.task.id, type(error).__name__, error)
+        except Exception:  # noqa: BLE001
+            logger.exception("group stage of Task %s failed; another attempt follows when its lease expires",
+                             group.task.id)
 
     async def _group_stage(self, group: GroupLease) -> None:
         """Run ``group``'s stage in its own task, heartbeating its lease; stop it if another sampler took it over."""
-        stage = asyncio.create_task(run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage))
+        stage = asyncio.create_task(run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage,
+                                                    self.cfg.curriculum))
         beat = asyncio.create_task(self._keep_alive(lambda: self.res.store.slots.heartbeat_group(group), stage,
                                                     f"the group stage of Task {group.task.id}"))
         try:
@@ -314,67 +381,95 @@ class Sampler:
                 logger.warning("could not extend the lease on %s (%s); retrying", what, error)
                 interval = min(self.cfg.lease_s / 3, 2.0)
 
-    async def _sample(self, lease: SlotLease) -> None:
+    async def _sample(self, lease: SlotLease, claim_commands: int) -> None:
+        """Roll out, score and settle ``lease``'s slot (see the module docstring for the writes), then run the
+        Task's group stage if this settlement completed it. ``claim_commands``: what its claim cost."""
         store = self.res.store
         worker = asyncio.current_task()
-        beat = asyncio.create_task(self._heartbeat(lease, worker))
+        calls = CallLog()
         given_back: Exception | None = None  # an infrastructure failure, which may call for a pause
-        try:
-            episode = episode_of(lease.task.metadata) is not None
-            result = await (run_episode if episode else run_trajectory)(self.res, lease)
-            await store.records.transition(
-                lease.record_id, RecordStatus.COMPLETED, lease_id=lease.lease_id, num_turns=result.num_turns,
-                outcome=result.outcome, final_answer=result.final_answer, policy_version=result.policy_version,
-                error=result.error, meta={"branches": result.num_branches})
-            failpoint("sampler.sample.before_finish")
-            score, score_error, details = await self._score(lease, result)
-            self.stats.trajectories += 1
-            self.stats.outcomes[result.outcome] = self.stats.outcomes.get(result.outcome, 0) + 1
-            if score_error is None:
-                self.stats.scored += 1
-                self.stats.reward_sum += score
-                group = await store.slots.finish(lease, RecordStatus.SCORED, score=score, score_details=details)
-            else:
-                self.stats.score_errors += 1
-                group = await store.slots.finish(lease, RecordStatus.FAILED, score_error=score_error,
-                                                 score_details=details, failure_class=str(FailureClass.SCORE_ERROR))
-            beat.cancel()
-            self._count(result)
-            if group is not None:
-                self._staging.add(worker)  # a shutdown lets the stage finish
-                await self._group_stage(group)
-        except LeaseLost as error:
-            self.stats.lost_leases += 1
-            logger.warning("%s", error)
-        except (NoInferenceService, ScorerUnavailable, EnvUnavailable, PyMongoError) as error:
-            # Infrastructure (no inference service, the judge, an environment server, the database), not the policy:
-            # no score; the attempt is given back without counting as failed. If the database stays unreachable,
-            # the lease expires and the slot is taken over just the same.
-            beat.cancel()
-            await asyncio.wait([beat])  # no heartbeat may extend the lease after it is given back
-            given_back = error
-            logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
-                           "; pausing until an inference service is live" if isinstance(error, NoInferenceService)
-                           else f"; pausing {ENV_RETRY_PAUSE_S:.0f} s" if isinstance(error, EnvUnavailable) else "")
-            failure, reason = infrastructure_failure(error), f"{type(error).__name__}: {error}"
-            with contextlib.suppress(Exception):
-                await store.slots.release(lease, reason, failure)
-            self._failed(failure, reason)
-        except asyncio.CancelledError:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(store.slots.release(lease))
-            raise
-        except Exception as error:  # noqa: BLE001 - one broken trajectory must not stop the sampler
-            logger.exception("trajectory %s failed", lease.record_id)
-            with contextlib.suppress(Exception):
-                await store.slots.abandon(lease, f"{type(error).__name__}: {error}")
-        finally:
-            beat.cancel()
+        group: GroupLease | None = None
+        with store.commands.tally() as used:  # this trajectory's commands, its heartbeat task's included
+            beat = asyncio.create_task(self._heartbeat(lease, worker))
+            try:
+                episode = episode_of(lease.task.metadata) is not None
+                result = await (run_episode if episode else run_trajectory)(self.res, lease, calls)
+                await store.calls.insert(calls.calls())
+                failpoint("sampler.sample.before_finish")
+                score, score_error, details = await self._score(lease, result)
+                self.stats.trajectories += 1
+                self.stats.outcomes[result.outcome] = self.stats.outcomes.get(result.outcome, 0) + 1
+                ended = {"num_turns": result.num_turns, "outcome": result.outcome, "final_answer": result.final_answer,
+                         "policy_version": result.policy_version, "error": result.error,
+                         "meta": {"branches": result.num_branches}, "score_details": details}
+                if score_error is None:
+                    self.stats.scored += 1
+                    self.stats.reward_sum += score
+                    group = await store.slots.finish(lease, RecordStatus.SCORED, **ended, score=score)
+                else:
+                    self.stats.score_errors += 1
+                    group = await store.slots.finish(lease, RecordStatus.FAILED, **ended, score_error=score_error,
+                                                     failure_class=str(FailureClass.SCORE_ERROR))
+                beat.cancel()
+                self._count(result)
+                self.stats.trajectory_commands[claim_commands + sum(used.values())] += 1
+            except LeaseLost as error:
+                self.stats.lost_leases += 1
+                logger.warning("%s", error)
+                await self._write_calls(calls, f"the lease was lost: {error}")
+            except (NoInferenceService, ScorerUnavailable, EnvUnavailable, PyMongoError) as error:
+                # Infrastructure (no inference service, the judge, an environment server, the database), not the
+                # policy: no score; the attempt is given back without counting as failed. If the database stays
+                # unreachable, the lease expires and the slot is taken over just the same.
+                beat.cancel()
+                await asyncio.wait([beat])  # no heartbeat may extend the lease after it is given back
+                given_back = error
+                logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
+                               "; pausing until an inference service is live" if isinstance(error, NoInferenceService)
+                               else f"; pausing {ENV_RETRY_PAUSE_S:.0f} s" if isinstance(error, EnvUnavailable) else "")
+                failure, reason = infrastructure_failure(error), f"{type(error).__name__}: {error}"
+                await self._write_calls(calls, reason)
+                with contextlib.suppress(Exception):
+                    await store.slots.release(lease, reason, failure)
+                self._failed(failure, reason)
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await asyncio.shield(self._give_back_cancelled(lease, calls))
+                raise
+            except Exception as error:  # noqa: BLE001 - one broken trajectory must not stop the sampler
+                logger.exception("trajectory %s failed", lease.record_id)
+                reason = f"{type(error).__name__}: {error}"
+                await self._write_calls(calls, reason)
+                with contextlib.suppress(Exception):
+                    await store.slots.abandon(lease, reason)
+            finally:
+                beat.cancel()
+        self.stats.commands_by_part["trajectory"] += sum(used.values())
+        if group is not None:
+            self._staging.add(worker)  # a shutdown lets the stage finish
+            with store.commands.tally() as used:
+                try:
+                    await self._run_group_stage(group, outage_raises=False)
+                finally:
+                    self.stats.commands_by_part["group_stage"] += sum(used.values())
         # this task stays active while it pauses, so a sampler whose tasks all wait claims nothing
         if isinstance(given_back, NoInferenceService):
             await self.res.inference.wait_until_live()
         elif isinstance(given_back, EnvUnavailable):
             await asyncio.sleep(ENV_RETRY_PAUSE_S)
+
+    async def _write_calls(self, calls: CallLog, error: str) -> None:
+        """Write the calls of a trajectory that ended early (best effort: its slot is retried anyway); a call cut off
+        mid-generation is written ``failed`` with ``error``."""
+        calls.end_running(error)
+        try:
+            await self.res.store.calls.insert(calls.calls())
+        except PyMongoError as failure:
+            logger.warning("could not write the %d calls of an ended trajectory: %s", len(calls), failure)
+
+    async def _give_back_cancelled(self, lease: SlotLease, calls: CallLog) -> None:
+        await self._write_calls(calls, "cancelled: the sampler is shutting down")
+        await self.res.store.slots.release(lease)
 
     def _count(self, result: TrajectoryResult) -> None:
         """Feed the failure streak with a finished trajectory: no verdict (aborted generation, environment error)

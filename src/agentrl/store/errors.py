@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+DUPLICATE_KEY = 11000
+"""The server's error code of a write refused for a duplicate ``_id`` (or unique key)."""
+
 
 class StoreError(RuntimeError):
     """Base class of the store's errors."""

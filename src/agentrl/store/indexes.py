@@ -13,8 +13,8 @@ def _index(*fields: str, name: str) -> IndexModel:
 
 INDEXES: dict[str, list[IndexModel]] = {
     "Task": [
-        # free-slot claim: {split, status $in, unclaimed $gt} sorted by order
-        _index("split", "status", "unclaimed", "order", name="claim_free_slot"),
+        # free-slot claim: {split, status (one, or $in), unclaimed $gt} sorted by round, then order
+        _index("split", "status", "unclaimed", "round", "order", name="claim_free_slot_by_round"),
         # group-stage (re)claim: {split, remaining 0, group_stage_done false, group_lease_expires_at $lt}
         _index("split", "remaining", "group_stage_done", "group_lease_expires_at", name="claim_group_stage"),
         # orphan sweep: {split, status running | interrupted (a query each), updated_at $lt} sorted by updated_at

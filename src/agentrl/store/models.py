@@ -72,7 +72,8 @@ STARTED_TASK_STATES: tuple[str, ...] = (str(TaskStatus.RUNNING), str(TaskStatus.
 
 
 class Task(Document):
-    """One prompt to be sampled ``num_generations`` times (a GRPO group).
+    """One prompt to be sampled ``num_generations`` times (a GRPO group), in one round (``round``: a content
+    sampled in several rounds has one Task per round, see ``agentrl.rollout.curriculum``).
 
     A claim appends a lease id to ``claim_ids``; its index is the slot number. The lease itself (owner, expiry,
     heartbeats) lives on the slot's ``Record``. ``unclaimed`` counts slots never handed out, ``remaining`` slots
@@ -83,7 +84,10 @@ class Task(Document):
     collection: ClassVar[str] = "Task"
 
     split: str = "train"
-    order: int = Field(0, description="upload sequence number; claims fill groups in this order")
+    order: int = Field(0, description="upload sequence number; claims fill groups in this order (within a round)")
+    round: int = Field(1, description="the round this Task samples its content in (``agentrl.rollout.curriculum``)")
+    first_round_id: str | None = Field(None, description="the id of the content's round-1 Task (None: this one)")
+    skipped_rounds: int = Field(0, description="rounds the curriculum skipped right before this one")
     query: str
     answer: str | None = None
     system_prompt: str | None = None
@@ -107,6 +111,11 @@ class Task(Document):
     group_lease_owner: str | None = None
     group_lease_id: str | None = None
     group_lease_expires_at: UTCDatetime = Field(default_factory=lambda: EPOCH)
+    claimed_at: UTCDatetime | None = Field(None, description="when a never-claimed slot was last claimed")
+    pass_rate: float | None = Field(None, description="set by the group stage: share of its scored samples solved")
+    next_round: int | None = Field(None, description="set by the group stage: the round its content is sampled in "
+                                                     "next (None: not again)")
+    rounds_skipped: int = Field(0, description="set by the group stage: rounds the curriculum skips after it")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
 

@@ -20,6 +20,7 @@ from agentrl.store.models import (
     RecordStatus,
     Run,
     SampleStatus,
+    Task,
 )
 from agentrl.store.runs import RUN_ID
 from agentrl.store.summary import failure_counts
@@ -44,6 +45,12 @@ class Progress:
     groups_dropped: Counter[str] = field(default_factory=Counter)
     zero_variance_solved: int = 0
     """of the groups dropped for zero variance, those whose samples all succeeded (the others all failed)"""
+    tasks_deferred: int = 0
+    """groups after which the curriculum skipped rounds of their Task (``agentrl.rollout.curriculum``)"""
+    rounds_skipped: int = 0
+    """Task rounds the curriculum skipped, in all"""
+    revisits: int = 0
+    """Task rounds sampled after skipped rounds (the curriculum's revisits)"""
     failures: dict[str, int] = field(default_factory=dict)
     """Records that did not train, per failure class (most first)"""
     samples_queued: int = 0
@@ -60,6 +67,11 @@ class Progress:
     @property
     def groups_done(self) -> int:
         return self.groups_kept + sum(self.groups_dropped.values())
+
+    @property
+    def kept_share(self) -> float | None:
+        """The share of the judged groups that were kept (trained)."""
+        return self.groups_kept / self.groups_done if self.groups_done else None
 
     @property
     def eta_s(self) -> float | None:
@@ -119,6 +131,12 @@ def read_progress(db: Database, split: str = "train") -> Progress:
         if task_id not in kept_groups:
             progress.groups_dropped[ZERO_VARIANCE_DECISION if ZERO_VARIANCE_DECISION in reasons else sorted(reasons)[0]] += 1
     progress.failures = failure_counts(records, split)
+    tasks = db[Task.collection]
+    for doc in tasks.find({"split": split, "$or": [{"rounds_skipped": {"$gt": 0}}, {"skipped_rounds": {"$gt": 0}}]},
+                          {"rounds_skipped": 1, "skipped_rounds": 1}):
+        progress.tasks_deferred += int((doc.get("rounds_skipped") or 0) > 0)
+        progress.rounds_skipped += int(doc.get("rounds_skipped") or 0)
+        progress.revisits += int((doc.get("skipped_rounds") or 0) > 0)
     samples = db[DBRecordData.collection]
     for row in samples.aggregate([{"$match": {"split": split}}, {"$group": {"_id": "$status", "n": {"$sum": 1}}}]):
         if row["_id"] == str(SampleStatus.QUEUED):
@@ -185,7 +203,10 @@ def diagnose(progress: Progress) -> list[str]:
 def progress_fields(progress: Progress) -> dict[str, Any]:
     """The JSON form used by run summaries."""
     return {"trajectories": progress.trajectories, "groups_kept": progress.groups_kept,
-            "groups_dropped": dict(progress.groups_dropped), "samples_trained": progress.samples_trained,
+            "groups_dropped": dict(progress.groups_dropped), "kept_share": progress.kept_share,
+            "curriculum": {"tasks_deferred": progress.tasks_deferred, "rounds_skipped": progress.rounds_skipped,
+                           "revisits": progress.revisits},
+            "samples_trained": progress.samples_trained,
             "samples_skipped_stale": progress.samples_skipped, "failures": dict(progress.failures),
             "steps": progress.step,
             "policy_version": progress.policy_version, "reward_mean": progress.reward_mean}

@@ -1,24 +1,17 @@
-"""Records (trajectories) and DispatchedSamplingTasks (LLM calls): creation and atomic state transitions."""
+"""Records (trajectories): atomic state transitions; DispatchedSamplingTasks (LLM calls): written per trajectory."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from pymongo import UpdateOne
 from pymongo.asynchronous.database import AsyncDatabase
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import BulkWriteError
 
-from agentrl.store.errors import InvalidTransition, LeaseLost
-from agentrl.store.models import (
-    CALL_TRANSITIONS,
-    RECORD_TRANSITIONS,
-    CallStatus,
-    DispatchedSamplingTask,
-    Record,
-    RecordStatus,
-    utcnow,
-)
+from agentrl.store.errors import DUPLICATE_KEY, LeaseLost
+from agentrl.store.models import RECORD_TRANSITIONS, DispatchedSamplingTask, Record, RecordStatus, utcnow
 from agentrl.store.outage import retry_on_reconnect
-from agentrl.store.transitions import transition
+from agentrl.store.transitions import sources_of, transition
 
 
 class Records:
@@ -31,21 +24,29 @@ class Records:
         return Record.from_mongo(await self.collection.find_one({"_id": record_id}))
 
     @retry_on_reconnect
-    async def transition(self, record_id: str, target: RecordStatus, *, lease_id: str | None = None,
-                         **fields: Any) -> Record:
-        """Move a Record to ``target`` (the state machine RECORD_TRANSITIONS; docs/data-model.md); with ``lease_id``, only while that lease holds
-        (and then idempotent: a Record this lease already moved to ``target`` is returned as it is)."""
-        extra = {"lease_id": lease_id, "leased": True} if lease_id is not None else None
-        try:
-            doc = await transition(self.collection, RECORD_TRANSITIONS, record_id, target, extra_filter=extra,
-                                   set_fields=fields)
-        except InvalidTransition as error:
-            if lease_id is None or error.current != str(target):
-                raise
-            doc = await self.collection.find_one({"_id": record_id, **extra})
-            if doc is None:
-                raise
-        return Record.from_mongo(doc)
+    async def transition(self, record_id: str, target: RecordStatus, **fields: Any) -> Record:
+        """Move a Record to ``target`` (the state machine ``RECORD_TRANSITIONS``; docs/data-model.md), setting ``fields``. (A lease
+        holder's writes go through ``SlotLeases``, fenced on its lease.)"""
+        return Record.from_mongo(await transition(self.collection, RECORD_TRANSITIONS, record_id, target,
+                                                  set_fields=fields))
+
+    @retry_on_reconnect
+    async def transition_many(self, target: RecordStatus, updates: dict[str, dict[str, Any]]) -> dict[str, str]:
+        """Move each Record of ``updates`` (id → its fields) to ``target`` in one command, each only from a state
+        that leads there (as ``transition``). Returns ``{}`` when every one moved, else the current state of each
+        Record that exists (those not moved stayed as they were). Idempotent: a re-run finds them at ``target``."""
+        if not updates:
+            return {}
+        allowed = sources_of(RECORD_TRANSITIONS, target)
+        now = utcnow()
+        result = await self.collection.bulk_write([
+            UpdateOne({"_id": rid, "status": {"$in": allowed}},
+                      {"$set": {**fields, "status": str(target), "updated_at": now}})
+            for rid, fields in updates.items()], ordered=False)
+        if result.matched_count == len(updates):
+            return {}
+        return {doc["_id"]: doc["status"]
+                async for doc in self.collection.find({"_id": {"$in": list(updates)}}, {"status": 1})}
 
     @retry_on_reconnect
     async def set_env_instance(self, record_id: str, lease_id: str, instance: dict[str, Any]) -> None:
@@ -73,51 +74,31 @@ class Records:
 
 
 class Calls:
-    """``DispatchedSamplingTask`` documents: one per LLM call."""
+    """``DispatchedSamplingTask`` documents: one per LLM call, written by ``insert`` when their trajectory ends
+    (``agentrl.store.call_log``)."""
 
     def __init__(self, db: AsyncDatabase):
         self.collection = db[DispatchedSamplingTask.collection]
 
     @retry_on_reconnect
-    async def start(self, call: DispatchedSamplingTask) -> DispatchedSamplingTask:
-        """Store a call about to be sent (status ``running``). Idempotent: call ids are deterministic (Record id
-        and turn) and only the attempt holding the Record's lease writes them."""
+    async def insert(self, calls: list[DispatchedSamplingTask]) -> None:
+        """Write the calls of one trajectory (a ``CallLog``) in one command. Idempotent: call ids are
+        deterministic (Record id and turn) and each Record's calls are written once, by the attempt that made them,
+        so a call already stored (a retry after a broken connection) is left as it is."""
+        if not calls:
+            return
         try:
-            await self.collection.insert_one(call.to_mongo())
-        except DuplicateKeyError:
-            if await self.collection.count_documents({"_id": call.id, "record_id": call.record_id,
-                                                      "status": str(CallStatus.RUNNING)}) != 1:
+            await self.collection.insert_many([call.to_mongo() for call in calls], ordered=False)
+        except BulkWriteError as error:
+            if any(e.get("code") != DUPLICATE_KEY for e in error.details.get("writeErrors", [])) or (
+                    error.details.get("writeConcernErrors")):
                 raise
-        return call
 
-    async def finish(self, call_id: str, target: CallStatus, **fields: Any) -> DispatchedSamplingTask:
-        """``running → completed | failed`` with the response fields (output ids, logprobs, ...)."""
-        fields.setdefault("finished_at", utcnow())
-        return await self._move(call_id, target, fields)
-
-    async def relabel(self, call_id: str, target: CallStatus, **fields: Any) -> DispatchedSamplingTask:
-        """``completed → formaterror | toolfailed | repeaterror`` after the tool stage looked at the output."""
-        return await self._move(call_id, target, fields)
-
-    @retry_on_reconnect
-    async def _move(self, call_id: str, target: CallStatus, fields: dict[str, Any]) -> DispatchedSamplingTask:
-        """One call transition; a call already in ``target`` is returned as it is (a retry after a broken
-        connection: a call has one writer, the attempt holding its Record's lease)."""
-        try:
-            doc = await transition(self.collection, CALL_TRANSITIONS, call_id, target, set_fields=fields)
-        except InvalidTransition as error:
-            if error.current != str(target):
-                raise
-            doc = await self.collection.find_one({"_id": call_id})
-        return DispatchedSamplingTask.from_mongo(doc)
-
-    @retry_on_reconnect
-    async def annotate(self, call_id: str, **fields: Any) -> None:
-        """Add non-state fields (e.g. tool calls and results) to a call; its status is left as it is."""
-        if "status" in fields:
-            raise ValueError("annotate does not change a call's status; use finish or relabel")
-        await self.collection.update_one({"_id": call_id}, {"$set": fields})
-
-    async def for_record(self, record_id: str) -> list[DispatchedSamplingTask]:
-        cursor = self.collection.find({"record_id": record_id}, sort=[("turn", 1)])
-        return [DispatchedSamplingTask.from_mongo(doc) async for doc in cursor]
+    async def for_records(self, record_ids: list[str]) -> dict[str, list[DispatchedSamplingTask]]:
+        """The calls of several Records in one query, by Record, in turn order."""
+        calls: dict[str, list[DispatchedSamplingTask]] = {rid: [] for rid in record_ids}
+        if record_ids:
+            async for doc in self.collection.find({"record_id": {"$in": record_ids}},
+                                                  sort=[("record_id", 1), ("turn", 1)]):
+                calls[doc["record_id"]].append(DispatchedSamplingTask.from_mongo(doc))
+        return calls

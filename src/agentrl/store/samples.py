@@ -17,11 +17,9 @@ from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import BulkWriteError
 
 from agentrl.failpoints import failpoint
-from agentrl.store.errors import StoreError
+from agentrl.store.errors import DUPLICATE_KEY, StoreError
 from agentrl.store.models import DBRecordData, SampleStatus, utcnow
 from agentrl.store.outage import retry_on_reconnect
-
-DUPLICATE_KEY = 11000
 
 
 class SampleQueue:
@@ -32,13 +30,10 @@ class SampleQueue:
     async def enqueue(self, samples: list[DBRecordData]) -> int:
         """Insert samples (``seq`` is assigned in enqueue order when left at 0). Returns how many were queued.
 
-        Idempotent: samples whose ``_id`` is already stored are skipped (a group stage redone after a crash
-        enqueues nothing twice), also when two runs of the same group stage (one that outlived its lease and the
-        one that took it over) queue them at the same time: the duplicate keys are ignored.
+        One command. Idempotent: samples whose ``_id`` is already stored are skipped (a group stage redone after a
+        crash enqueues nothing twice), also when two runs of the same group stage (one that outlived its lease and
+        the one that took it over) queue them at the same time: the duplicate keys are ignored.
         """
-        existing = {doc["_id"] async for doc in self.collection.find(
-            {"_id": {"$in": [sample.id for sample in samples]}}, {"_id": 1})} if samples else set()
-        samples = [sample for sample in samples if sample.id not in existing]
         if not samples:
             return 0
         base = time.time_ns()

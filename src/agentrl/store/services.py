@@ -2,8 +2,10 @@
 
 Load counters are owned. ``running_requests`` is the total of the in-flight requests of every owner (a sampler's
 inference pool); ``running_by.<owner key>`` holds each owner's share ``n`` and when it was last ``seen`` (epoch
-seconds, refreshed by the owner while it has requests in flight). Every update moves an owner's ``n`` and the total
-together in one atomic update, so the total is always the sum of the shares. An owner that dies (SIGKILL) leaves its
+seconds, refreshed by the owner while it has requests in flight). An owner counts its requests itself and writes
+its share when it changed (``sync_share``, at most every second or so: see ``agentrl.rollout.inference_pool``);
+every update moves an owner's ``n`` and the total together in one atomic update, fenced on the share it replaces,
+so the total is always the sum of the shares. An owner that dies (SIGKILL) leaves its
 share behind; any live owner reclaims it once it has not been seen for the owner TTL (:meth:`reclaim`), with one
 update fenced on the share and ``seen`` it read, so a share that moved meanwhile is never taken.
 """
@@ -14,7 +16,6 @@ import logging
 from datetime import timedelta
 from typing import Any
 
-from pymongo import ReturnDocument
 from pymongo.asynchronous.database import AsyncDatabase
 
 from agentrl.store.clock import ServerClock
@@ -46,10 +47,11 @@ class ServiceRegistry:
         """Register (or re-register) a service as UP (or ``status``: STARTING while it loads the run's weights).
 
         The descriptive fields are set (``models`` and ``weight_version`` only when given). The load counters are
-        created at zero and otherwise kept: other samplers' in-flight requests stay counted until they release
-        them. ``fresh_start`` (the engine registering itself as it starts: nothing is in flight on it) resets
-        the total and every share together, so the owners' later releases of old requests find no share and
-        change nothing; it also forgets the last policy probe (a new process serves what it loaded itself).
+        created at zero and otherwise kept: other samplers' in-flight requests stay counted until they write their
+        shares again. ``fresh_start`` (the engine registering itself as it starts: nothing is in flight on it)
+        resets the total and every share together; an owner's next ``sync_share`` finds its share gone and counts
+        only what it has in flight then. It also forgets the last policy probe (a new process serves what it
+        loaded itself).
         """
         service_id = base_url.rstrip("/")
         now = self.clock.now()
@@ -81,7 +83,7 @@ class ServiceRegistry:
 
     async def mark_down(self, base_url: str) -> None:
         """Mark the service DOWN (not picked until its next heartbeat); in-flight requests stay counted until their
-        owners release them."""
+        owners write their shares again."""
         await self.collection.update_one({"_id": base_url.rstrip("/")},
                                          {"$set": {"status": str(ServiceStatus.DOWN)}})
 
@@ -109,43 +111,37 @@ class ServiceRegistry:
     @retry_on_reconnect
     async def record_probe(self, base_url: str, probe: PolicyProbe) -> None:
         """Store the trainer's check of the policy the service serves; a failed one keeps it out of :meth:`live`
-        (and :meth:`acquire`) until a later check passes or the service registers afresh."""
+        (the samplers' choice) until a later check passes or the service registers afresh."""
         await self.collection.update_one({"_id": base_url.rstrip("/")}, {"$set": {
             "policy_probe": probe.model_dump(mode="python"), "probe_failed": not probe.ok}})
 
-    async def acquire(self, owner: str, exclude: list[str] | None = None, max_running: int | None = None
-                      ) -> InferenceService | None:
-        """Pick the least-loaded live service and count one more request of ``owner`` on it (``release`` it
-        afterwards).
+    async def sync_share(self, service_id: str, owner: str, n: int, *, started: int = 0,
+                         expected: int | None = None) -> int | None:
+        """Set ``owner``'s share on the service to ``n`` in-flight requests (the total moves with it) and count
+        ``started`` more requests in ``total_requests``; returns ``n``, or ``None`` when the service is not
+        registered.
 
-        ``exclude`` skips services (e.g. ones that just failed); with ``max_running``, services already running
-        that many requests are not picked (``None`` when all are that busy).
-        """
-        query = self._live_query()
-        if exclude:
-            query["_id"] = {"$nin": list(exclude)}
-        if max_running is not None:
-            query["running_requests"] = {"$lt": max_running}
+        ``expected`` is the share the owner last wrote (``None``: none). The update is fenced on it; when the stored
+        share differs (reclaimed as dead, reset by the service's fresh registration), it is read and the update
+        fenced on what was read, so a share never moves by a change it did not see."""
         key = owner_key(owner)
-        doc = await self.collection.find_one_and_update(
-            query, {"$inc": {"running_requests": 1, "total_requests": 1, f"running_by.{key}.n": 1},
-                    "$set": {f"running_by.{key}.seen": self._epoch_s()}},
-            sort=[("running_requests", 1)], return_document=ReturnDocument.AFTER)
-        return InferenceService.from_mongo(doc)
-
-    async def release(self, service_id: str, owner: str) -> None:
-        """Count one request of ``owner`` less (a no-op when its share was reclaimed meanwhile)."""
-        key = owner_key(owner)
-        await self.collection.update_one(
-            {"_id": service_id, f"running_by.{key}.n": {"$gt": 0}},
-            {"$inc": {"running_requests": -1, f"running_by.{key}.n": -1},
-             "$set": {f"running_by.{key}.seen": self._epoch_s()}})
-
-    async def keep_alive(self, service_ids: list[str], owner: str) -> None:
-        """Refresh ``owner``'s ``seen`` on the services where it has requests in flight."""
-        key = owner_key(owner)
-        await self.collection.update_many({"_id": {"$in": service_ids}, f"running_by.{key}.n": {"$gt": 0}},
-                                          {"$set": {f"running_by.{key}.seen": self._epoch_s()}})
+        for _ in range(4):
+            fence: dict[str, Any] = {"_id": service_id}
+            if expected is None:
+                fence[f"running_by.{key}"] = {"$exists": False}
+            else:
+                fence[f"running_by.{key}.n"] = expected
+            result = await self.collection.update_one(fence, {
+                "$inc": {"running_requests": n - (expected or 0), "total_requests": started},
+                "$set": {f"running_by.{key}.n": n, f"running_by.{key}.seen": self._epoch_s()}})
+            if result.matched_count == 1:
+                return n
+            doc = await self.collection.find_one({"_id": service_id}, {f"running_by.{key}": 1})
+            if doc is None:
+                return None
+            expected = ((doc.get("running_by") or {}).get(key) or {}).get("n")
+        logger.warning("the load share of %s on %s kept changing under it; trying again later", owner, service_id)
+        return expected
 
     async def reclaim(self, owner_ttl_s: float, keep: str | None = None) -> int:
         """Take back the shares of owners not seen for ``owner_ttl_s`` (dead samplers), except ``keep``'s (the
@@ -174,6 +170,6 @@ class ServiceRegistry:
         return reclaimed
 
     async def forget(self, owner: str) -> None:
-        """Remove ``owner``'s empty shares (when its pool closes)."""
+        """Remove ``owner``'s empty shares (when its pool closes, after writing its last shares)."""
         key = owner_key(owner)
         await self.collection.update_many({f"running_by.{key}.n": 0}, {"$unset": {f"running_by.{key}": ""}})

@@ -1,10 +1,11 @@
 """Sample slots of Tasks handed out as leases, and the once-per-Task group stage.
 
-A Task wants ``num_generations`` samples. ``claim`` hands a sampler one slot:
+A Task wants ``num_generations`` samples. ``claim_started`` hands a sampler a never-claimed slot of a group
+already started (what admission control never holds back); ``claim`` hands it one slot of any kind:
 
 1. an expired lease (its sampler died or stalled) is taken over as a new attempt of the same slot — looked for
    at most every ``lease_s / 4`` seconds per process, or whenever no never-claimed slot is left;
-2. else a never-claimed slot of the oldest open Task (groups fill up in upload order);
+2. else a never-claimed slot of the first open Task by round, then upload order (groups fill up in that order);
 3. else a slot whose claim was interrupted by a crash is recovered (``sweep``).
 
 Every path ends with inserting the slot's Record ``{task_id}/{slot}/{attempt}``; its unique ``_id`` is what makes
@@ -26,14 +27,34 @@ so the score is kept and the slot is settled exactly once (``settle`` is idempot
 Fencing: a take-over retires the expired attempt (only if its lease is still expired at that instant, so a late
 heartbeat wins) *before* inserting the next attempt; every write of a holder filters on its lease id and
 ``leased``, so once retired, a dead attempt's heartbeat, outcome and transitions are refused (``LeaseLost``). The
-agent heartbeats before each LLM and tool call (the fence): its side effects happen while the lease holds.
-The group-stage lease is fenced the same way (a token, heartbeats, and ``complete_group`` refused once expired).
+agent passes the fence (``fence``) before each LLM call, tool call and environment step: it goes on only while the
+lease is known to hold for at least ``lease_s / 2`` more — from the expiry this process last wrote, else after a
+heartbeat — so its side effects happen while the lease holds and no take-over can happen before then. (The
+sampler also heartbeats every ``lease_s / 3`` in the background, so the fence rarely costs a round trip.) The
+group-stage lease is fenced the same way (a token, heartbeats, and ``complete_group`` refused once expired).
+
+The writes of one trajectory, from claim to settlement (6 round trips whatever its turns; the calls are written
+by ``Calls.insert``, the rest here):
+
+1. the slot on the Task (``claim_started`` / ``claim``: unclaimed - 1, its claim id, ``running``);
+2. its Record, holding the lease;
+3. its LLM calls, all in one insert (``agentrl.store.call_log``): a crash before loses them with the attempt,
+   which is retried from scratch;
+4. its outcome and score on the Record (``finish``), lease kept;
+5. the slot settled on the Task;
+6. the lease dropped — and, for the group's last slot, the group-stage lease taken.
+
+Heartbeats happen only every ``lease_s / 3`` (and at a fence whose lease runs short); per group come admission
+control (the sampler's, before a claim starts a group) and the group stage.
 
 Shutdown: a sampler that stops gives its slots back (``release``) and then marks ``interrupted`` every started
-Task that no live lease works on (``interrupt_idle``), so a finished run leaves nothing ``running``. Such a Task is
-open like a running one (claims, take-over, sweep, admission control) and is ``running`` again as soon as a Record
-of it is inserted. Both sides write before they look (the interrupter checks for live leases after marking the
-Task; a claimer marks the Task after inserting its Record), so a Task being sampled never stays ``interrupted``.
+Task that nobody works on (``interrupt_idle``), so a finished run leaves nothing ``running``. Such a Task is open
+like a running one (claims, take-over, sweep, admission control) and is ``running`` again as soon as it is claimed
+again. Both sides write before they look: the interrupter checks after marking the Task, and counts a slot claimed
+on the Task whose Record is not inserted yet as worked on (for a lease after the claim); a fresh claim's first
+write (the slot on the Task) marks it ``running``, and the recovery paths, which insert a Record without writing
+the Task, mark it after inserting. So a Task being sampled never stays ``interrupted`` (unless its claimer stalls
+between its two writes for longer than a lease, like a holder whose lease expired).
 
 All lease times are the database server's (``ServerClock``), so machines with skewed clocks do not steal each
 other's leases. Operations marked ``retry_on_reconnect`` are idempotent and re-run after a broken connection.
@@ -44,7 +65,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from pymongo import ReturnDocument
@@ -119,6 +140,8 @@ class SlotLeases:
         self.lease_s = lease_s
         self.clock = clock or ServerClock(db.client)
         self._next_expiry_probe = 0.0
+        self._started_may_have_slots = True  # the last claim left its group unclaimed slots (or none was made yet)
+        self._expiry: dict[str, datetime] = {}  # record id -> the lease expiry this process last wrote for it
 
     def now(self):
         """The database server's time: leases are measured against one clock, whatever the machines' skew."""
@@ -133,10 +156,18 @@ class SlotLeases:
             lease = await self._take_over_expired(split, owner)
             if lease is not None:
                 return lease
-        lease = await self._claim_unclaimed(split, owner)
+        lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES)
         if lease is not None:
             return lease
         return await self.recover(split, owner)
+
+    async def claim_started(self, split: str, owner: str) -> SlotLease | None:
+        """Claim a never-claimed slot of a group already started (running or interrupted), which admission control
+        never holds back; ``None`` when there is none. Skipped without a query while the last claim of this
+        process emptied its group (``claim`` then finds any started group first, after admission control)."""
+        if not self._started_may_have_slots:
+            return None
+        return await self._claim_unclaimed(split, owner, STARTED_TASK_STATES)
 
     async def recover(self, split: str, owner: str) -> SlotLease | None:
         """Only the recovery paths of ``claim`` (take over an expired lease, else ``sweep``): never starts a new
@@ -157,25 +188,32 @@ class SlotLeases:
                 return lease
         return None
 
-    async def _claim_unclaimed(self, split: str, owner: str) -> SlotLease | None:
+    async def _claim_unclaimed(self, split: str, owner: str, states: tuple[str, ...]) -> SlotLease | None:
+        """Claim a never-claimed slot of the first Task in ``states`` (by round, then upload order): two writes, the
+        slot on the Task (which also marks it ``running``: the write an interrupter looks after, see
+        ``interrupt_idle``) and then its Record."""
         lease_id = uuid.uuid4().hex
+        status = {"$in": list(states)} if len(states) > 1 else states[0]
         doc = await self.tasks.find_one_and_update(
-            {"split": split, "status": {"$in": list(OPEN_TASK_STATES)}, "unclaimed": {"$gt": 0}},
+            {"split": split, "status": status, "unclaimed": {"$gt": 0}},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
-             "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now()}},
-            sort=[("order", 1)],
+             "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now(), "claimed_at": self.now()}},
+            sort=[("round", 1), ("order", 1)],
             return_document=ReturnDocument.AFTER,
         )
+        self._started_may_have_slots = doc is not None and doc["unclaimed"] > 0
         if doc is None:
             return None
         task = Task.from_mongo(doc)
         slot = task.claim_ids.index(lease_id)
         failpoint("slots.claim.before_record")  # the slot is claimed on the Task, its Record not inserted: sweep
-        return await self._insert_record(task, slot, attempt=1, failures=0, owner=owner, lease_id=lease_id)
+        return await self._insert_record(task, slot, attempt=1, failures=0, owner=owner, lease_id=lease_id,
+                                         resume=False)
 
     async def _insert_record(self, task: Task, slot: int, *, attempt: int, failures: int, owner: str,
-                             lease_id: str | None = None) -> SlotLease | None:
-        """Insert the slot's Record for ``attempt``; ``None`` if another claimer inserted it first."""
+                             lease_id: str | None = None, resume: bool = True) -> SlotLease | None:
+        """Insert the slot's Record for ``attempt``; ``None`` if another claimer inserted it first. With
+        ``resume``, an interrupted Task is marked ``running`` afterwards (paths that did not write the Task first)."""
         lease_id = lease_id or uuid.uuid4().hex
         now = self.now()
         record = Record(
@@ -187,7 +225,9 @@ class SlotLeases:
             await self.records.insert_one(record.to_mongo())
         except DuplicateKeyError:
             return None
-        await self._resume_task(task.id)
+        self._expiry[record.id] = record.lease_expires_at
+        if resume:
+            await self._resume_task(task.id)
         return SlotLease(task=task, slot=slot, attempt=attempt, lease_id=lease_id, owner=owner, record_id=record.id)
 
     async def _take_over(self, expired: Record, owner: str, seen_expiry: Any) -> SlotLease | None:
@@ -339,15 +379,29 @@ class SlotLeases:
                                                  {"$set": {"status": str(TaskStatus.INTERRUPTED)}})
             if result.modified_count != 1:
                 continue
-            if await self._busy(doc["_id"]):  # a claim landed meanwhile: it is being sampled after all
+            if await self._busy(doc["_id"]):  # a claim landed before the mark: it is being sampled after all
                 await self._resume_task(doc["_id"])
             else:
                 interrupted.append(doc["_id"])
         return interrupted
 
     async def _busy(self, task_id: str) -> bool:
-        """Whether a live lease works on ``task_id``: a slot's (not given up) or its group stage's."""
+        """Whether anyone works on ``task_id``: a claim in flight (a slot claimed on the Task, its Record not
+        inserted yet, the last claim younger than a lease: a claim cut off by a crash counts like a lease that
+        expires a lease after it), a live slot lease (not given up) or a live group-stage lease. Read in that order,
+        so a claim is seen at one step or the next: its slot on the Task before its Record, its Record (with a
+        fresh lease) before the lease ends."""
+        task = await self.tasks.find_one({"_id": task_id}, {"claim_ids": 1, "settled_slots": 1})
+        if task is None:
+            return False
         now = self.now()  # (find_one, not count_documents: NX-27017's aggregation misreads dates set by $set)
+        claimed = set(range(len(task.get("claim_ids") or []))) - set(task.get("settled_slots") or [])
+        if claimed:
+            recorded = {rec["slot"] async for rec in self.records.find(
+                {"task_id": task_id, "slot": {"$in": sorted(claimed)}}, {"slot": 1})}
+            if claimed - recorded and await self.tasks.find_one(
+                    {"_id": task_id, "claimed_at": {"$gt": now - self._ttl()}}, {"_id": 1}) is not None:
+                return True
         if await self.records.find_one({"task_id": task_id, "leased": True, "given_up": {"$ne": True},
                                         "lease_expires_at": {"$gt": now}}, {"_id": 1}) is not None:
             return True
@@ -364,16 +418,32 @@ class SlotLeases:
 
     @retry_on_reconnect
     async def heartbeat(self, lease: SlotLease) -> None:
-        """Extend the lease; raises ``LeaseLost`` if it was taken over or released meanwhile.
-
-        Also the fence before a side effect (an LLM call, a tool call): after it, the lease holds for ``lease_s``,
-        and no take-over can happen before it expires."""
+        """Extend the lease; raises ``LeaseLost`` if it was taken over or released meanwhile."""
+        expires_at = self.now() + self._ttl()
         result = await self.records.update_one(
             {"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True, "given_up": {"$ne": True}},
-            {"$set": {"lease_expires_at": self.now() + self._ttl()}},
+            {"$set": {"lease_expires_at": expires_at}},
         )
         if result.matched_count != 1:
+            self._expiry.pop(lease.record_id, None)
             raise LeaseLost(f"lease on {lease.record_id} is no longer held by {lease.owner}")
+        if lease.record_id in self._expiry:  # (not once finish or release forgot it)
+            self._expiry[lease.record_id] = expires_at
+
+    async def fence(self, lease: SlotLease) -> None:
+        """The fence before a side effect (an LLM call, a tool call, an environment step): returns once the lease
+        is known to hold for at least ``lease_s / 2`` more, so no take-over can happen before then; raises
+        ``LeaseLost`` if it was taken over or released.
+
+        Only a take-over ends a lease its holder did not give up, and a take-over needs the stored expiry to be in
+        the past (``_retire``). This process knows the expiry it last wrote (claim, heartbeat); while that is more
+        than ``lease_s / 2`` ahead on the server's clock, no heartbeat is needed (the sampler's background
+        heartbeats, every ``lease_s / 3``, normally keep it so). Otherwise it heartbeats, which fails once the lease
+        is lost (e.g. this process stalled or lost the database for longer than the lease)."""
+        expires_at = self._expiry.get(lease.record_id)
+        if expires_at is not None and (expires_at - self.now()).total_seconds() > self.lease_s / 2:
+            return
+        await self.heartbeat(lease)
 
     async def finish(self, lease: SlotLease, status: RecordStatus, **fields: Any) -> GroupLease | None:
         """Settle the slot: its Record goes to ``status`` (``scored`` or ``failed``) with ``fields``.
@@ -383,6 +453,7 @@ class SlotLeases:
         """
         if status not in (RecordStatus.SCORED, RecordStatus.FAILED):
             raise ValueError(f"a slot is settled as scored or failed, not {status}")
+        self._expiry.pop(lease.record_id, None)  # no side effect follows the outcome
         await self._record_outcome(lease, status, fields)
         failpoint("slots.finish.after_record")
         # If we die here, the Record keeps its (expiring) lease: take-over completes the settlement.
@@ -408,6 +479,7 @@ class SlotLeases:
                       failure_class: FailureClass = FailureClass.SAMPLER_ERROR) -> None:
         """Give the slot up after a failure: the Record ends ``failed``; another sampler retakes the slot at once,
         as the next attempt (this one counts as failed)."""
+        self._expiry.pop(lease.record_id, None)
         await self._give_up(lease, released=False, failure_class=failure_class, reason=reason)
 
     async def release(self, lease: SlotLease, reason: str = "sampler shutting down",
@@ -415,6 +487,7 @@ class SlotLeases:
         """Give the slot back now (shutdown, an infrastructure failure): a running attempt ends ``failed`` with
         ``failure_class`` and another sampler retakes the slot at once (not counted as a failed attempt); one whose
         outcome is already written (``finish`` cut off) has its settlement completed."""
+        self._expiry.pop(lease.record_id, None)
         if await self._give_up(lease, released=True, failure_class=failure_class, reason=reason):
             return
         doc = await self.records.find_one({"_id": lease.record_id, "lease_id": lease.lease_id, "leased": True,
@@ -438,6 +511,16 @@ class SlotLeases:
         return result.modified_count == 1
 
     # ------------------------------------------------------------------------------------------------ group stage
+
+    @retry_on_reconnect
+    async def add_task(self, task: Task) -> bool:
+        """Insert a Task (the next round of a content, from a group stage); ``False`` if it exists already (the
+        stage is being redone after a crash)."""
+        try:
+            await self.tasks.insert_one(task.to_mongo())
+        except DuplicateKeyError:
+            return False
+        return True
 
     @retry_on_reconnect
     async def settle(self, task_id: str, slot: int, *, failed: bool) -> bool:

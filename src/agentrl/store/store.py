@@ -11,6 +11,7 @@ from pymongo.errors import PyMongoError
 
 from agentrl.log import redact
 from agentrl.store.clock import ServerClock
+from agentrl.store.command_count import CommandCounter
 from agentrl.store.connection import database_name
 from agentrl.store.errors import StoreError
 from agentrl.store.evals import Evals
@@ -42,10 +43,13 @@ class Store:
                  **client_kwargs: Any):
         self.uri = uri
         self._owns_client = client is None
+        self.commands = CommandCounter()
+        """The commands this store's own client sent, by name (nothing is counted on a ``client`` passed in)."""
         if client is None:
             tolerance_s = outage_tolerance_s()
             client_kwargs.setdefault("serverSelectionTimeoutMS", int(tolerance_s * 1000))
             client_kwargs.setdefault("event_listeners", [OutageLog(tolerance_s)])
+            client_kwargs["event_listeners"] = [*client_kwargs["event_listeners"], self.commands]
             client = AsyncMongoClient(uri, tz_aware=True, **client_kwargs)
         self.client: AsyncMongoClient = client
         self.db: AsyncDatabase = self.client[database_name(uri)]

@@ -1,0 +1,72 @@
+"""Rounds and the pass-rate curriculum: which train Tasks are sampled again, and when.
+
+A Task's group is sampled once per *round*. With ``rounds`` > 1 the group stage of a train Task creates the Task
+of the next round it samples (a new Task document, ``{first round's id}@r{round}``, with fresh slots: each round is
+an ordinary group, so the slot protocol of ``agentrl.store.slots`` is unchanged) before it closes its own Task.
+Claims take Tasks by round, then upload order, so round 2 starts once every Task of round 1 is claimed.
+
+With the ``pass_rate`` curriculum a Task whose group taught nothing — its rewards did not vary (all solved or all
+failed; the group stage's zero-variance drop) — skips its next rounds, each with probability
+``1 - revisit_prob``: the next round it is sampled in is ``r + 1 + k`` with ``k`` geometric (seeded by ``seed``,
+the Task and the round: reproducible, and the same when a group stage is redone after a crash), so it is
+revisited now and then, since the policy moves. A group with varying rewards keeps its Task in every round. This
+is the spirit of DAPO's dynamic sampling and Olmo 3's active sampling (spend samples where the pass rate is
+neither 0 nor 1), decided per Task from its own last group. Skipped rounds are never Task documents: nothing is
+claimed, lost or counted twice; the completed Task records its ``pass_rate``, its ``next_round`` and how many
+rounds it skips (``rounds_skipped``), and the next round's Task how many it skipped before it (``skipped_rounds``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.store import Task, TaskStatus
+
+
+class CurriculumConfig(BaseModel):
+    """How many rounds each train Task is sampled in, and which rounds the curriculum skips."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rounds: int = Field(1, ge=1, description="rounds each train Task's group is sampled in (1: once)")
+    mode: Literal["pass_rate", "none"] = Field(
+        "pass_rate", description="pass_rate: a Task whose last group was all solved or all failed skips rounds; "
+                                 "none: every Task is sampled in every round")
+    revisit_prob: float = Field(0.1, ge=0.0, le=1.0,
+                                description="pass_rate: the chance that such a Task is sampled in each next round")
+    seed: int = Field(0, description="seed of the revisit draws")
+
+
+def _uniform(seed: int, task_id: str, round_: int) -> float:
+    """A reproducible draw in (0, 1] for ``task_id``'s round ``round_``."""
+    digest = hashlib.blake2b(f"{seed}:{task_id}:{round_}".encode(), digest_size=8).digest()
+    return (int.from_bytes(digest, "big") + 1) / 2 ** 64
+
+
+def next_round(cfg: CurriculumConfig, first_id: str, round_: int, taught: bool) -> int | None:
+    """The round after ``round_`` in which the Task (first round's id ``first_id``) is sampled next, or ``None``
+    when it is not sampled again within ``cfg.rounds``. ``taught``: its group's rewards varied."""
+    skip = 0
+    if cfg.mode == "pass_rate" and not taught:
+        if cfg.revisit_prob <= 0.0:
+            return None
+        if cfg.revisit_prob < 1.0:  # rounds skipped before the first revisit: geometric, P(k) = (1 - p)^k p
+            skip = int(math.log(_uniform(cfg.seed, first_id, round_)) / math.log1p(-cfg.revisit_prob))
+    following = round_ + 1 + skip
+    return following if following <= cfg.rounds else None
+
+
+def round_task(task: Task, round_: int) -> Task:
+    """The Task of ``task``'s content sampled again in round ``round_``, with fresh slots."""
+    first_id = task.first_round_id or task.id
+    fresh = {"id": f"{first_id}@r{round_}", "round": round_, "first_round_id": first_id,
+             "skipped_rounds": round_ - task.round - 1, "unclaimed": task.num_generations,
+             "remaining": task.num_generations, "status": TaskStatus.CREATED}
+    content = task.model_dump(include={"split", "order", "query", "answer", "system_prompt", "scorer",
+                                       "answer_schema", "task_type", "metadata", "content_hash", "num_generations",
+                                       "max_attempts"})
+    return Task(**content, **fresh)
