@@ -24,7 +24,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agentrl.training.batching import collate
 from agentrl.training.logprobs import model_token_logprobs
 from agentrl.training.losses import LossConfig, LossInput, loss_fn
-from agentrl.training.merge import CallTokens, MergedSample, full_prompts, merge_trajectory
+from agentrl.trajectory.merge import CallTokens, MergedSample, full_prompts, merge_trajectory
 
 
 def build_model(args: argparse.Namespace) -> LlamaForCausalLM:

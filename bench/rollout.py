@@ -354,7 +354,7 @@ def run_baseline(args: argparse.Namespace, url: str, workload, concurrency: int,
 # ---------------------------------------------------------------------------------------------------------- main
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model_name_or_path", default=None,
                         help="model served and used as tokenizer (default: the scripted tiny model, built once)")
@@ -370,22 +370,50 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=None, help="sampling seed (same per slot and turn on both sides)")
     parser.add_argument("--num_threads", type=int, default=1, help="torch threads of the engine")
     parser.add_argument("--output", default=None, help="JSON file (default: bench/results/rollout-<time>.json)")
-    args = parser.parse_args()
-    os.environ.setdefault("OMP_NUM_THREADS", str(args.num_threads))
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return parser.parse_args()
 
+
+def measure_concurrency(args: argparse.Namespace, concurrency: int, server_uri: str, model: Path, engine_url: str,
+                        inputs: tuple[Path, Path], workload, total: int, workdir: Path, monitor: CpuMonitor) -> dict:
+    """``args.repeats`` runs of the sampler and of the plain client at one concurrency, alternating which goes
+    first; the row of the results table (per-repeat figures of both sides)."""
+    tasks, mcp = inputs
+    row = {"concurrency": concurrency, "sampler": [], "baseline": [], "same_tokens": True, "same_outputs": True}
+    for repeat in range(args.repeats):
+        sides = ("sampler", "baseline") if repeat % 2 == 0 else ("baseline", "sampler")
+        results = {}
+        for side in sides:
+            if side == "sampler":
+                results[side], _ = run_sampler(args, server_uri, f"c{concurrency}_r{repeat}", model, engine_url,
+                                               tasks, mcp, concurrency, total, workdir, monitor)
+            else:
+                results[side] = run_baseline(args, engine_url, workload, concurrency, monitor)
+            r = results[side]
+            log(f"  C={concurrency} repeat {repeat + 1}/{args.repeats} {side:<8} "
+                f"{r.trajectories} traj, {r.tokens} tokens in {r.seconds:.2f}s: "
+                f"{r.traj_rate:.2f} traj/s, {r.token_rate:.1f} tok/s"
+                + (f" (start-up {r.startup_s:.1f}s excluded)" if side == "sampler" else ""))
+        s, b = results["sampler"], results["baseline"]
+        row["same_tokens"] &= s.tokens == b.tokens and s.trajectories == b.trajectories
+        row["same_outputs"] &= s.outputs == b.outputs
+        for side in ("sampler", "baseline"):
+            r = results[side]
+            row[side].append({"trajectories": r.trajectories, "tokens": r.tokens, "seconds": r.seconds,
+                              "startup_s": r.startup_s, "cpu_s": r.cpu, "call_latency_s": r.call_latency_s,
+                              "db_commands": r.commands, "db_commands_all": r.commands_all})
+    return row
+
+
+def measure(args: argparse.Namespace, model: Path) -> tuple[list[dict], list[int], int]:
+    """Start a database and an engine, warm up, and measure every concurrency: (rows, turns per trajectory of the
+    workload, trajectories per run)."""
     from agentrl.inference.process import EngineProcess
     from agentrl.store.embedded import EmbeddedServer
 
-    model = Path(args.model_name_or_path) if args.model_name_or_path else scripted_model(Path(args.cache_dir))
-    load_before = os.getloadavg()
-    if load_before[0] > (os.cpu_count() or 1) / 2:
-        log(f"warning: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs before the run: other processes "
-            "compete with the engine and the sampler, expect noisy figures")
     rows = []
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-rollout-") as tmp, CpuMonitor() as monitor:
         workdir = Path(tmp)
-        tasks, mcp = write_inputs(workdir, args.generations)
+        inputs = write_inputs(workdir, args.generations)
         total = 4 * args.generations
         server = EmbeddedServer(data_dir=workdir / "db", port=free_port())
         server_uri = server.start()
@@ -398,68 +426,42 @@ def main() -> int:
             monitor.watch("engine", engine.pid)
             log(f"engine {engine.url} (pid {engine.pid}), database {server_uri} (pid {server.pid()})")
             log(f"warm-up: reference sampler run at concurrency {max(args.concurrency)} ...")
-            reference, workload = run_sampler(args, server_uri, "warmup", model, engine.url, tasks, mcp,
+            reference, workload = run_sampler(args, server_uri, "warmup", model, engine.url, *inputs,
                                               max(args.concurrency), total, workdir, monitor)
             turns = [len(t) for _, _, t in workload]
             log(f"  {reference.trajectories} trajectories, {reference.tokens} tokens, "
                 f"{statistics.mean(turns):.2f} turns each, start-up {reference.startup_s:.1f}s")
             run_baseline(args, engine.url, workload, max(args.concurrency), monitor)  # warms the client side too
             for concurrency in args.concurrency:
-                row = {"concurrency": concurrency, "sampler": [], "baseline": [], "same_tokens": True,
-                       "same_outputs": True}
-                for repeat in range(args.repeats):
-                    sides = ("sampler", "baseline") if repeat % 2 == 0 else ("baseline", "sampler")
-                    results = {}
-                    for side in sides:
-                        if side == "sampler":
-                            results[side], _ = run_sampler(args, server_uri, f"c{concurrency}_r{repeat}", model,
-                                                           engine.url, tasks, mcp, concurrency, total, workdir,
-                                                           monitor)
-                        else:
-                            results[side] = run_baseline(args, engine.url, workload, concurrency, monitor)
-                        r = results[side]
-                        log(f"  C={concurrency} repeat {repeat + 1}/{args.repeats} {side:<8} "
-                            f"{r.trajectories} traj, {r.tokens} tokens in {r.seconds:.2f}s: "
-                            f"{r.traj_rate:.2f} traj/s, {r.token_rate:.1f} tok/s"
-                            + (f" (start-up {r.startup_s:.1f}s excluded)" if side == "sampler" else ""))
-                    s, b = results["sampler"], results["baseline"]
-                    row["same_tokens"] &= s.tokens == b.tokens and s.trajectories == b.trajectories
-                    row["same_outputs"] &= s.outputs == b.outputs
-                    for side in ("sampler", "baseline"):
-                        r = results[side]
-                        row[side].append({"trajectories": r.trajectories, "tokens": r.tokens, "seconds": r.seconds,
-                                          "startup_s": r.startup_s, "cpu_s": r.cpu,
-                                          "call_latency_s": r.call_latency_s, "db_commands": r.commands,
-                                          "db_commands_all": r.commands_all})
-                rows.append(row)
+                rows.append(measure_concurrency(args, concurrency, server_uri, model, engine.url, inputs, workload,
+                                                total, workdir, monitor))
         finally:
             if engine is not None:
                 engine.stop()
             server.stop()
+    return rows, turns, total
 
-    def rates(row: dict, side: str, key: str) -> list[float]:
-        return [r[key] / r["seconds"] for r in row[side]]
 
-    def cpu_ms(row: dict, side: str, name: str) -> str:
-        values = [r["cpu_s"].get(name) for r in row[side]]
-        values = [1000 * v / r["trajectories"] for v, r in zip(values, row[side]) if v is not None]
-        return f"{statistics.median(values):.1f}" if values else "n/a"
+def rates(row: dict, side: str, key: str) -> list[float]:
+    return [r[key] / r["seconds"] for r in row[side]]
 
-    print(f"\nmodel {model.name}; engine on CPU ({platform.processor() or platform.machine()}), {args.num_threads} "
-          f"thread(s), {os.cpu_count()} CPUs (load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} "
-          f"after); {total} trajectories per run (4 tasks x {args.generations}), {statistics.mean(turns):.2f} turns "
-          f"each, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}; median of {args.repeats} "
-          f"runs; ratio: median of the per-repeat ratios sampler/baseline\n")
+
+def cpu_ms(row: dict, side: str, name: str) -> str:
+    values = [r["cpu_s"].get(name) for r in row[side]]
+    values = [1000 * v / r["trajectories"] for v, r in zip(values, row[side]) if v is not None]
+    return f"{statistics.median(values):.1f}" if values else "n/a"
+
+
+def print_rates(rows: list[dict]) -> None:
+    """The sampler-vs-plain-client table (sets each row's ``traj_ratio`` and ``token_ratio``)."""
     print("| concurrency | baseline traj/s | sampler traj/s | ratio | baseline tok/s | sampler tok/s | ratio "
           "| same tokens |")
     print("|---:|---:|---:|---:|---:|---:|---:|---|")
-    worst = float("inf")
     for row in rows:
         bt, st = rates(row, "baseline", "trajectories"), rates(row, "sampler", "trajectories")
         bk, sk = rates(row, "baseline", "tokens"), rates(row, "sampler", "tokens")
         row["traj_ratio"] = statistics.median(s / b for s, b in zip(st, bt))
         row["token_ratio"] = statistics.median(s / b for s, b in zip(sk, bk))
-        worst = min(worst, row["token_ratio"])
         same = "yes" if row["same_tokens"] else "NO"
         if row["same_tokens"] and not row["same_outputs"]:
             same = "count only"
@@ -467,8 +469,11 @@ def main() -> int:
               f"{row['traj_ratio']:.2f} | {statistics.median(bk):.1f} | {statistics.median(sk):.1f} | "
               f"{row['token_ratio']:.2f} | {same} |")
     startup = statistics.median(r["startup_s"] for row in rows for r in row["sampler"])
-    print(f"\nlowest token-rate ratio {worst:.2f} (target >= 0.90); sampler process start-up (excluded) "
-          f"{startup:.1f}s median")
+    print(f"\nlowest token-rate ratio {min(row['token_ratio'] for row in rows):.2f} (target >= 0.90); sampler "
+          f"process start-up (excluded) {startup:.1f}s median")
+
+
+def print_round_trips_and_costs(rows: list[dict]) -> None:
     print("\nDatabase round trips of the sampler per trajectory (medians over the repeats): from its claim to its "
           "settlement (the median trajectory), and all the sampler's commands (admission control, group stages, "
           "polling, the inference pool's load syncs) divided by its trajectories")
@@ -492,6 +497,24 @@ def main() -> int:
               f"{cpu_ms(row, 'baseline', 'client')} | {cpu_ms(row, 'sampler', 'sampler')} | "
               f"{cpu_ms(row, 'sampler', 'database')} |")
 
+
+def main() -> int:
+    args = parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.num_threads))
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    model = Path(args.model_name_or_path) if args.model_name_or_path else scripted_model(Path(args.cache_dir))
+    load_before = os.getloadavg()
+    if load_before[0] > (os.cpu_count() or 1) / 2:
+        log(f"warning: load average {load_before[0]:.1f} on {os.cpu_count()} CPUs before the run: other processes "
+            "compete with the engine and the sampler, expect noisy figures")
+    rows, turns, total = measure(args, model)
+    print(f"\nmodel {model.name}; engine on CPU ({platform.processor() or platform.machine()}), {args.num_threads} "
+          f"thread(s), {os.cpu_count()} CPUs (load average {load_before[0]:.1f} before, {os.getloadavg()[0]:.1f} "
+          f"after); {total} trajectories per run (4 tasks x {args.generations}), {statistics.mean(turns):.2f} turns "
+          f"each, max_new_tokens {args.max_new_tokens}, temperature {args.temperature}; median of {args.repeats} "
+          f"runs; ratio: median of the per-repeat ratios sampler/baseline\n")
+    print_rates(rows)
+    print_round_trips_and_costs(rows)
     output = Path(args.output) if args.output else (
         REPO / "bench" / "results" / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}.json")
     output.parent.mkdir(parents=True, exist_ok=True)

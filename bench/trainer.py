@@ -64,7 +64,7 @@ from agentrl.store.embedded import EmbeddedServer
 from agentrl.training.batching import MicroBatch, collate, pack_micro_batches
 from agentrl.training.data import to_merged
 from agentrl.training.logprobs import layout_logprobs, token_logprobs
-from agentrl.training.merge import CallTokens, MergedSample, merge_trajectory
+from agentrl.trajectory.merge import CallTokens, MergedSample, merge_trajectory
 
 PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
 PREFIX_SHAPES = {  # group size, shared prompt tokens, turns, new observation tokens per later turn, output tokens

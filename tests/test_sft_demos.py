@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from agentrl.envs.arith import generate_arith_tasks
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.demonstrations import demonstrate
-from agentrl.rollout.prompting import initial_messages
+from agentrl.trajectory.prompting import initial_messages
 from agentrl.rollout.tool_parsers import get_parser
 from agentrl.scoring.math_equiv import math_score
 from agentrl.store.task_files import UploadDefaults, parse_entry

@@ -8,7 +8,7 @@ import pytest
 from pydantic import ValidationError
 
 from agentrl.store.models import CallStatus
-from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages, keeps_advantage
+from agentrl.trajectory.advantages import AdvantageConfig, call_advantages, group_advantages, keeps_advantage
 
 
 def approx(values: list[float]):

@@ -11,7 +11,7 @@ import torch
 from agentrl.store.models import CallStatus, DispatchedSamplingTask
 from agentrl.training.batching import collate, pack_micro_batches, plan_micro_batches
 from agentrl.training.logprobs import model_token_logprobs, token_logprobs
-from agentrl.training.merge import (
+from agentrl.trajectory.merge import (
     CallTokens,
     MergedSample,
     PrefixError,

@@ -24,7 +24,7 @@ from training_core_fixtures import VOCAB, tiny_llama
 from agentrl.training.batching import MicroBatch, align_passes, collate, pack_micro_batches, plan_micro_batches
 from agentrl.training.logprobs import layout_logprobs, model_token_logprobs, shared_prefix_unsupported
 from agentrl.training.losses import LossConfig, LossInput, global_normaliser, loss_fn
-from agentrl.training.merge import CallTokens, MergedSample, merge_trajectory
+from agentrl.trajectory.merge import CallTokens, MergedSample, merge_trajectory
 from agentrl.training.prefix_tree import build_forest
 
 MIN_SHARED = 8

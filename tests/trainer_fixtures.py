@@ -1,8 +1,8 @@
 """Helpers for the trainer tests: made-up multi-turn trajectories merged into DBRecordData, and trainer runs.
 
 Trajectories are built the way the samplers' group stage builds them: LLM calls (``CallTokens``) with random
-token ids, a group baseline over random rewards (``agentrl.training.advantages``) and prefix merging
-(``agentrl.training.merge``). Their behaviour logprobs are the tiny model's own logprobs (computed with one causal
+token ids, a group baseline over random rewards (``agentrl.trajectory.advantages``) and prefix merging
+(``agentrl.trajectory.merge``). Their behaviour logprobs are the tiny model's own logprobs (computed with one causal
 pass, as an engine serving the same weights would return them), so a trainer step that starts from the same
 weights sees a logprob mismatch near 0 and importance ratios of 1.
 """
@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from agentrl.store import DBRecordData, Store, sync_client, with_database
-from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
-from agentrl.training.merge import CallTokens, merge_trajectory
+from agentrl.trajectory.advantages import AdvantageConfig, call_advantages, group_advantages
+from agentrl.trajectory.merge import CallTokens, merge_trajectory
 
 VOCAB_LOW, VOCAB_HIGH = 100, 4000  # ordinary tokens of the embedded tokenizer
 TRAINER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}

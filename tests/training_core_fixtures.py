@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from agentrl.training.batching import MicroBatch, pack_micro_batches
 from agentrl.training.logprobs import model_token_logprobs
 from agentrl.training.losses import LossConfig, LossInput, LossMetrics, global_normaliser, loss_fn
-from agentrl.training.merge import CallTokens, MergedSample, merge_trajectory
+from agentrl.trajectory.merge import CallTokens, MergedSample, merge_trajectory
 
 VOCAB = 97
 

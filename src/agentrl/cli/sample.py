@@ -113,7 +113,7 @@ def config_from_args(args: argparse.Namespace):
         resolve_sampling,
     )
     from agentrl.rollout.curriculum import CurriculumConfig
-    from agentrl.training.advantages import AdvantageConfig
+    from agentrl.trajectory.advantages import AdvantageConfig
 
     group = GroupConfig(zero_variance_threshold=args.zero_variance_threshold, balance_sample=args.balance_sample,
                         min_turns=args.min_turns, efficient_rewarding=args.efficient_rewarding,

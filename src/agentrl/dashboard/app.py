@@ -30,7 +30,7 @@ from agentrl.dashboard.charts import metric_charts
 from agentrl.dashboard.hosts import host_name
 from agentrl.dashboard.queries import NotFound, RecordFilters, RunReader
 from agentrl.dashboard.tokens import TokenTexts, calls_views, sample_view
-from agentrl.training.merge import PrefixError
+from agentrl.trajectory.merge import PrefixError
 
 logger = logging.getLogger(__name__)
 

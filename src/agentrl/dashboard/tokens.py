@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from agentrl.store.models import CallStatus, DispatchedSamplingTask
-from agentrl.training.merge import CallTokens, merge_trajectory
+from agentrl.trajectory.merge import CallTokens, merge_trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -48,9 +48,9 @@ def sample_view(sample: dict[str, Any]) -> dict[str, Any]:
 
 def calls_views(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Token views rebuilt from a trajectory's LLM calls (in turn order) by the trainer's own prefix merge
-    (:func:`agentrl.training.merge.merge_trajectory`), so branches are those a sample would have. Every call's
+    (:func:`agentrl.trajectory.merge.merge_trajectory`), so branches are those a sample would have. Every call's
     output is marked as sampled, whatever its status; a call without one logprob per output token stays context.
-    Raises :class:`~agentrl.training.merge.PrefixError` when the calls do not fit together."""
+    Raises :class:`~agentrl.trajectory.merge.PrefixError` when the calls do not fit together."""
     tokens = []
     for call in calls:
         doc = DispatchedSamplingTask.model_validate(call)

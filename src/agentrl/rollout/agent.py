@@ -30,7 +30,7 @@ from agentrl.rollout.context import reset_context
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.inference_pool import InferencePool, NoInferenceService
 from agentrl.rollout.mcp_state import McpState, McpStateError
-from agentrl.rollout.prompting import initial_messages
+from agentrl.trajectory.prompting import initial_messages
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, ToolParser, TrajectoryOutcome
 from agentrl.scoring import AgentConfig, extract_answer
 from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store

@@ -2,7 +2,7 @@
 
 Each user message is appended to a :class:`~agentrl.rollout.conversation.TokenConversation` (token ids in and
 out, rendered by the model's chat template exactly as in training rollouts, with the same system prompt and tool
-instructions as :func:`~agentrl.rollout.prompting.initial_messages`); the model generates; tool calls in its
+instructions as :func:`~agentrl.trajectory.prompting.initial_messages`); the model generates; tool calls in its
 output are parsed with the ``--tool_call_parser`` parser and run through the :class:`~agentrl.tools.ToolManager`,
 their results appended as ``tool`` messages; generation goes on until the model replies without a tool call, at
 most ``max_turns`` model calls per user message. Everything that happens is reported as :class:`ChatEvent` s
@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from agentrl.rollout.conversation import TokenConversation
-from agentrl.rollout.prompting import initial_messages
+from agentrl.trajectory.prompting import initial_messages
 from agentrl.rollout.tool_parsers import ToolParser
 
 

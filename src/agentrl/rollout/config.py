@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.rollout.curriculum import CurriculumConfig
-from agentrl.training.advantages import AdvantageConfig
+from agentrl.trajectory.advantages import AdvantageConfig
 
 # The sampling parameters ``--preferred_sampling_params`` may set (each also has its own flag).
 PREFERRED_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")

@@ -1,7 +1,7 @@
 """Tool-use demonstrations for a supervised warm start, made by calling the real tool servers.
 
 A demonstration of a Task is the conversation a perfect agent would have: the system prompt and user prompt
-exactly as the agent loop renders them (:func:`agentrl.rollout.prompting.initial_messages`), one assistant turn
+exactly as the agent loop renders them (:func:`agentrl.trajectory.prompting.initial_messages`), one assistant turn
 per demonstrated tool call (as ``tool_calls``; the upload writes them in the ``<tool_call>`` format the ``qwen``
 parser reads, as the model is to write them), the tool's **real** result (the call goes over MCP to the same server the rollouts use), and a last turn giving the Task's answer in
 its answer schema. It is written in the OpenAI ``messages`` form that ``agentrl sft upload`` reads, which renders
@@ -20,7 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentrl.rollout.prompting import system_prompt_for
+from agentrl.trajectory.prompting import system_prompt_for
 from agentrl.store.models import Task
 from agentrl.tools import ToolManager
 

@@ -57,8 +57,8 @@ from agentrl.store import (
 )
 from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
 from agentrl.store.transitions import sources_of
-from agentrl.training.advantages import AdvantageConfig, call_advantages, group_advantages
-from agentrl.training.merge import CallTokens, merge_trajectory
+from agentrl.trajectory.advantages import AdvantageConfig, call_advantages, group_advantages
+from agentrl.trajectory.merge import CallTokens, merge_trajectory
 
 logger = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from agentrl.training.merge import MergedSample
+from agentrl.trajectory.merge import MergedSample
 from agentrl.training.prefix_tree import (
     MIN_SHARED_TOKENS,
     ForwardLayout,

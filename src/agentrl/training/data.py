@@ -28,7 +28,7 @@ from agentrl.failpoints import failpoint
 from agentrl.store import DBRecordData, InvalidTransition, NotFound, RecordStatus, Store
 from agentrl.store.models import FailureClass
 from agentrl.training.aio import LoopThread
-from agentrl.training.merge import MergedSample
+from agentrl.trajectory.merge import MergedSample
 from agentrl.training.parallel import ParallelState
 
 logger = logging.getLogger(__name__)

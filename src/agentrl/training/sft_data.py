@@ -10,7 +10,7 @@ Two line formats are accepted (one conversation per line, or a JSON list of them
   format the ``qwen`` tool-call parser reads back); when the content already holds ``<tool_call>`` blocks (the
   model's raw output, as ``agentrl export`` writes it) it is kept verbatim instead. ``tools`` (OpenAI function
   specs) go to the template when it renders them, else into the system prompt exactly as the agent loop puts
-  them there (:func:`agentrl.rollout.prompting.tool_instructions`).
+  them there (:func:`agentrl.trajectory.prompting.tool_instructions`).
 - AgentGym / ShareGPT format: ``{"conversations": [{"from": "human" | "gpt" | "system" | ..., "value": ...}]}``
   (``gpt``/``assistant`` → assistant, ``human``/``user`` → user, ``system``, and ``tool``/``observation``/
   ``function`` → tool).
@@ -258,7 +258,7 @@ class ChatTokeniser:
             return False
 
     def _template_tools(self, tools: list[dict[str, Any]]) -> bool:
-        from agentrl.rollout.prompting import template_renders_tools
+        from agentrl.trajectory.prompting import template_renders_tools
 
         key = json.dumps(tools, sort_keys=True)
         if key not in self._renders_tools:
@@ -268,7 +268,7 @@ class ChatTokeniser:
     def prepare(self, conversation: Conversation) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
         """The messages as given to the template, and the ``tools`` argument (None when they went into the
         system prompt or there are none)."""
-        from agentrl.rollout.prompting import tool_instructions
+        from agentrl.trajectory.prompting import tool_instructions
 
         messages = []
         for message in conversation.messages:

@@ -20,7 +20,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 from agentrl.store.models import DispatchedSamplingTask
-from agentrl.training.advantages import TRAINABLE_CALL_STATUSES
+from agentrl.trajectory.advantages import TRAINABLE_CALL_STATUSES
 
 
 class PrefixError(ValueError):
