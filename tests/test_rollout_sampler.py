@@ -132,7 +132,7 @@ def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Pa
     records = documents(db_uri, "Record")
     assert not [r for r in records if r["status"] == "running" or r["leased"]]
     finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)
-    assert sorted(finished.values()) == [1] * 8  # every slot done exactly once
+    assert sorted(finished.values()) == [1] * 16  # every slot done exactly once
     ready = {r["_id"] for r in records if r["status"] == "ready"}
     samples = documents(db_uri, "DBRecordData")
     assert sorted(s["record_id"] for s in samples) == sorted(ready) and len(ready) == 8
@@ -144,7 +144,8 @@ def test_a_stopped_sampler_leaves_nothing_running_and_the_next_one_resumes(
     """SIGTERM mid-run (as the example scripts stop their samplers at the end of a run): the trajectories in flight
     end ``failed`` as ``cancelled`` and their slots are given back, their Tasks become ``interrupted``; no Record
     and no Task is left ``running``. The next sampler resumes them, and every slot is done exactly once."""
-    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "4")
+    # 16 slots, 8 at a time: trajectories are in flight from the first claim until the last few finish
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "8")
     mcp = write_mcp_config(tmp_path / "mcp.json")
     common = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
               "--lease_s", "30", "--max_concurrent_samples_per_process", "8")
@@ -152,8 +153,9 @@ def test_a_stopped_sampler_leaves_nothing_running_and_the_next_one_resumes(
                                            "--sampler_id", "stopped"),
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env())
     deadline = time.monotonic() + 120
-    while not documents(db_uri, "DispatchedSamplingTask") and time.monotonic() < deadline:
-        time.sleep(0.05)
+    while (not any(r["status"] == "running" for r in documents(db_uri, "Record"))
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
     stopped.send_signal(signal.SIGTERM)
     output, _ = stopped.communicate(timeout=60)
     assert stopped.returncode == 0, output
@@ -169,7 +171,7 @@ def test_a_stopped_sampler_leaves_nothing_running_and_the_next_one_resumes(
     records = documents(db_uri, "Record")
     assert not [r for r in records if r["status"] == "running" or r["leased"]]
     finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)
-    assert sorted(finished.values()) == [1] * 8  # every slot done exactly once
+    assert sorted(finished.values()) == [1] * 16  # every slot done exactly once
     assert all(r["failures"] == 0 for r in records)  # a slot given back is not a failed attempt
     assert {t["status"] for t in documents(db_uri, "Task")} == {"completed"}
 
