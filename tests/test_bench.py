@@ -1,8 +1,9 @@
-"""AutoRL-Bench end to end: a real `agentrl bench serve` process grading the scripted tiny model through real
-`agentrl eval` runs (engine, calculator MCP server over stdio, database), checked against AutoRL-Bench's grading
-and scenario endpoint tables (docs/original.md); `agentrl bench run` with the template agent (contained: no held-out
-data reachable from the workspace; results from the grading server's record) and with an agent that outlives its
-timeout, contained and uncontained (every process it started is killed). tests/test_bench_containment.py attacks the containment."""
+"""AutoRL-Bench end to end: a real `agentrl bench serve` process grading the scripted tiny model through real `agentrl
+eval` runs (engine, calculator MCP server over stdio, database), checked against AutoRL-Bench's grading and scenario
+endpoint tables (docs/autorl-bench.md); `agentrl bench run` with the template agent (contained: no held-out data
+reachable from the workspace; results from the grading server's record) and with an agent that outlives its timeout,
+contained and uncontained (every process it started is killed). tests/test_bench_containment.py attacks the
+containment."""
 
 from __future__ import annotations
 

@@ -1,10 +1,11 @@
 """Train/inference consistency: compare the engine's behaviour logprobs with a trainer-side forward pass.
 
-The engine reports ``log_softmax(logits / temperature)`` of each sampled token (SGLang's convention, see
-:mod:`agentrl.inference.sampling`). A trainer recomputes the same quantity with one causal forward pass over
-``prompt + output``; with identical weights the two agree to float rounding (fp32: well under 1e-4). A growing
-mismatch means the trainer's and the sampler's policies diverge (wrong weights loaded, a dtype or temperature
-mismatch), so the trainer logs :func:`logprob_mismatch` as a metric.
+The engine reports ``log_softmax((logits - penalties) / temperature)`` of each sampled token (SGLang's convention,
+see :mod:`agentrl.inference.sampling`). :func:`trainer_logprobs` recomputes it without penalties, with one causal
+forward pass over ``prompt + output``; with identical weights and no penalties the two agree to float rounding
+(fp32: well under 1e-4). A growing mismatch means the trainer's and the sampler's policies diverge (wrong weights
+loaded, a dtype or temperature mismatch). Tests and benchmarks use :func:`logprob_mismatch`; the trainer measures
+the same difference on every step's loss tokens itself (``logprob_mismatch_mean``/``_max``, ``Trainer._micro_step``).
 """
 
 from __future__ import annotations

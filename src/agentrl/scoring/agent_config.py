@@ -2,7 +2,7 @@
 the policy, over any OpenAI-compatible endpoint.
 
 - ``scorer_agent``: the LLM judge of the ``agentcpm`` scorer;
-- ``browse_agent``: the summariser of the context strategies (``--new_context discard_all``) and page summaries.
+- ``browse_agent``: the summariser of the ``--new_context discard_all`` context strategy (its only use here).
 
 Each lists ``models`` in fail-over order. API keys never appear in the file: ``api_key_env`` names the
 environment variable that holds the key (no variable: the endpoint needs no key).

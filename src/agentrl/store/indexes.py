@@ -25,7 +25,7 @@ INDEXES: dict[str, list[IndexModel]] = {
         _index("split", "leased", "lease_expires_at", name="reclaim_expired_lease"),
         # a task's records (group stage, sweep; sweep's lease count {task_id $in, leased}): sorted by slot, attempt
         _index("task_id", "slot", "attempt", name="task_records"),
-        # trainer conversion: {split, status}
+        # counts per state: {split, status} (admission control's ready Records, watch/status/report progress)
         _index("split", "status", "updated_at", name="records_by_state"),
         # the dashboard's record lists: newest first
         IndexModel([("created_at", DESCENDING)], name="records_newest"),
