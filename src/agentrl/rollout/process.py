@@ -56,7 +56,6 @@ async def _watch_static_services(store: Store, pool: InferencePool, urls: list[s
         await asyncio.sleep(interval_s)
 
 
-@contextlib.asynccontextmanager
 async def agree_run_values(store: Store, uri: str, config: SamplerConfig) -> SamplerConfig:
     """A train-split sampler's configuration with the values its run records (``RunValues``: batch size,
     staleness bound, temperature), recording them from this sampler's flags if it creates the run; a flag that
