@@ -4,6 +4,7 @@ the flag names and command lines users type, and both build their rollout from t
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import pytest
 
@@ -123,3 +124,51 @@ def test_bad_values_are_usage_errors_naming_the_flag(argv: list[str], message: s
         (sample_config if argv[0] == "sample" else eval_config)(_parse(*argv))
     assert exit_info.value.code == 2
     assert message in capsys.readouterr().err
+
+
+class _Recorded(Exception):
+    """Stops a stage once the command it runs is recorded."""
+
+
+class _RecordingProcesses:
+    """Records the command lines a stage of `agentrl run` starts instead of starting them."""
+
+    def __init__(self) -> None:
+        self.commands: dict[str, list[str]] = {}
+
+    def start(self, name: str, command: list[str], log: object = None) -> None:
+        self.commands[name] = command
+
+    def call(self, name: str, command: list[str], log: object = None) -> None:
+        self.commands[name] = command
+        raise _Recorded
+
+    def call_showing(self, name: str, command: list[str]) -> None:
+        self.commands[name] = command
+        raise _Recorded
+
+
+def test_the_command_lines_agentrl_run_builds_parse(tmp_path: Path) -> None:
+    from agentrl.run import stages
+    from agentrl.run.config import RunConfig
+
+    config = RunConfig(run_name="r", run_dir=tmp_path, query_prompt="Q: {query}", extra_sample_flags="--seed 3",
+                       extra_eval_flags="--top_p 0.9")
+    processes = _RecordingProcesses()
+    run = stages.Run(config=config, processes=processes, db_base="mongodb://127.0.0.1:1",  # type: ignore[arg-type]
+                     tool_flags=["--mcp_config", "mcp.json"], inference_urls="http://127.0.0.1:2,http://127.0.0.1:3",
+                     eval_tasks=tmp_path / "t.jsonl")
+    stages.start_samplers(run, "model-dir")
+    for stage in (lambda: stages.held_out_eval(run, "start", "--model_name_or_path", "m"),
+                  lambda: stages.evaluate(run, tmp_path / "t.jsonl")):
+        with pytest.raises(_Recorded):
+            stage()
+    sampler = sample_config(_parse(*processes.commands["sampler-0"][3:]))
+    assert (sampler.train_batch_size, sampler.max_staleness, sampler.rollout.temperature) == (
+        config.train_batch_size, config.max_staleness, config.temperature)
+    assert sampler.inference_urls == ["http://127.0.0.1:2", "http://127.0.0.1:3"] and sampler.rollout.seed == 3
+    held_out = eval_config(_parse(*processes.commands["eval-start"][3:]))
+    assert held_out.engine_args == ["--num_threads", str(config.engine_threads)] and held_out.force
+    assert (held_out.rollout.temperature, held_out.rollout.query_prompt) == (0.0, "Q: {query}")
+    evaluation = eval_config(_parse(*processes.commands["eval"][3:]))
+    assert evaluation.rollout.top_p == 0.9 and evaluation.tools.mcp_config == "mcp.json"
