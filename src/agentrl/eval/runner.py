@@ -56,9 +56,10 @@ from agentrl.eval.metrics import (
     summarize_by_type,
 )
 from agentrl.log import redact
-from agentrl.rollout.config import DB_HELP, ConcurrencyConfig, RolloutConfig, SamplerConfig, ToolsConfig
+from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConfig, ToolsConfig
 from agentrl.scoring.answers import ANSWER_SCHEMAS
 from agentrl.store import Record, RecordStatus, Store, Task, resolve_connection_string
+from agentrl.store.connection import DB_HELP
 from agentrl.store.evals import Eval, EvalStatus
 from agentrl.store.models import OPEN_TASK_STATES
 from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentrl.config_flags import NO_FLAG, Flag, comma_list
 from agentrl.rollout.curriculum import CurriculumConfig
+from agentrl.store.connection import DB_HELP
 from agentrl.store.models import RUN_VALUE_HELP, RunValues
 from agentrl.trajectory.advantages import AdvantageConfig
 
@@ -22,8 +23,6 @@ from agentrl.trajectory.advantages import AdvantageConfig
 PREFERRED_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 PENALTY_HELP = ("logprobs returned by the engine then come from the penalised distribution while the trainer's "
                 "assume the policy's own, which biases the importance ratio (a warning on the train split)")
-DB_HELP = ("MongoDB connection string whose path is the run's database, e.g. mongodb://host:27017/my_run "
-           "(default: $AGENTRL_DB, else the embedded database, started on demand)")
 
 
 class SamplingFlagsError(ValueError):
