@@ -423,7 +423,8 @@ class RunStatus(StrEnum):
     FAILED = "failed"
 
 
-RUN_VALUE_HELP = "a value the run records: default the run's, else the default shown; one that differs is an error"
+RUN_VALUE_HELP = ("the run records it (docs/configuration.md): left out, the run's value applies, else the default; "
+                  "a value other than the run's is an error")
 
 
 class RunValues(BaseModel):

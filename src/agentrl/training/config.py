@@ -106,10 +106,10 @@ class TrainConfig(BaseModel):
 
     # ------------------------------------------------------------------------------------------------- batches
     train_batch_size: int | None = Field(
-        None, ge=1, description="samples per optimiser step over all ranks; given --per_device_train_batch_size or "
-        "--gradient_accumulation_steps: their product × data-parallel size; with --enable_sampling (online) "
-        f"{RUN_VALUE_HELP} ({RunValues.model_fields['train_batch_size'].default}); offline default: "
-        "per_device_train_batch_size × gradient_accumulation_steps × data-parallel size")
+        None, ge=1, description="samples per optimiser step over all ranks (default: the run's, else "
+        f"{RunValues.model_fields['train_batch_size'].default}; offline, or given --per_device_train_batch_size or "
+        "--gradient_accumulation_steps: their product × data-parallel size); with --enable_sampling "
+        f"{RUN_VALUE_HELP}")
     per_device_train_batch_size: int = Field(8, ge=1, description="see train_batch_size")
     gradient_accumulation_steps: int = Field(1, ge=1, description="see train_batch_size")
     max_tokens: int = Field(8192, ge=1, description="tokens the model forwards per micro-batch, padding included "
