@@ -101,14 +101,19 @@ def test_the_trainers_given_values() -> None:
     assert TrainConfig(preferred_sampling_params={"temperature": 0.7}).run_values(dp_size=1) == {"temperature": 0.7}
 
 
+@pytest.mark.parametrize(("recorded", "flags", "message"), [
+    ({"train_batch_size": 4}, ["--train_batch_size", "2"], "--train_batch_size 2 differs from the run's "
+                                                           "train_batch_size 4"),
+    ({"temperature": 0.0}, [], "records temperature 0 (greedy samplers): the trainer divides its logits"),
+])
 async def test_the_trainer_refuses_a_contradicting_flag_and_leaves_the_run_as_it_was(
-        db_uri: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+        recorded: dict, flags: list[str], message: str, db_uri: str, tiny_model_dir: Path, tmp_path: Path,
+        caplog: pytest.LogCaptureFixture) -> None:
     async with Store(db_uri) as store:
-        await store.runs.agree(database_name(db_uri), {"train_batch_size": 4})
+        await store.runs.agree(database_name(db_uri), recorded)
         await store.runs.set_status(RunStatus.RUNNING)
     before = _database(db_uri)
-    status = train_main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "2",
-                                     "--max_steps", "1"))
+    status = train_main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", *flags, "--max_steps", "1"))
     assert status == 2
-    assert "--train_batch_size 2 differs from the run's train_batch_size 4" in caplog.text
+    assert message in caplog.text
     assert _database(db_uri) == before  # not marked failed: the run is not this trainer's to fail

@@ -152,8 +152,9 @@ class Trainer:
         if values is not None:
             self.cfg = cfg = cfg.with_run_values(RunValues(**values))
             if cfg.temperature <= 0:
-                raise TrainerError(f"run {self.run_name!r} records temperature {cfg.temperature} (greedy samplers): "
-                                   "the trainer divides its logits by the temperature, which must be > 0")
+                raise RunValuesConflict(f"run {self.run_name!r} records temperature {cfg.temperature:g} (greedy "
+                                        "samplers): the trainer divides its logits by the temperature, which must "
+                                        "be > 0")
         try:
             self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
         except ValueError as error:
