@@ -55,7 +55,7 @@ async def test_a_contradiction_names_both_values_and_writes_nothing(db_uri: str)
         before = _database(db_uri)
         with pytest.raises(RunValuesConflict, match=r"--train_batch_size 8 differs from the run's train_batch_size "
                                                     r"32.*--temperature 0.5 differs from the run's temperature 1"):
-            await store.runs.agree("demo", {"train_batch_size": 8, "temperature": 0.5}, config={"lr": 1.0})
+            await store.runs.agree("demo", {"train_batch_size": 8, "temperature": 0.5})
         assert _database(db_uri) == before
         run = await store.runs.agree("demo", {"train_batch_size": 32, "max_staleness": 1})  # the same values
     assert run.values.train_batch_size == 32 and run.config == {}
@@ -73,8 +73,8 @@ async def test_a_run_created_before_values_were_recorded_gets_them_once(db_uri: 
 async def test_a_run_a_sampler_created_gets_the_trainers_snapshot_once(db_uri: str) -> None:
     async with Store(db_uri) as store:
         await store.runs.agree("demo", {})
-        first = await store.runs.agree("demo", {}, config={"learning_rate": 1e-3})
-        second = await store.runs.agree("demo", {}, config={"learning_rate": 5.0})
+        first = await store.runs.get_or_create("demo", {"learning_rate": 1e-3})
+        second = await store.runs.get_or_create("demo", {"learning_rate": 5.0})
     assert first.config == second.config == {"learning_rate": 1e-3}
 
 

@@ -26,28 +26,33 @@ class Runs:
 
     @retry_on_reconnect
     async def get_or_create(self, name: str, config: dict[str, Any] | None = None) -> Run:
-        """The run's document, created on first use with ``config`` as its snapshot (never overwritten)."""
+        """The run's document, created on first use with ``config`` as its snapshot; a snapshot is never
+        overwritten, but a document without one (a sampler created it, see :meth:`agree`) gets ``config``."""
         now = utcnow()
         fresh = Run(id=RUN_ID, name=name, config=config or {}, created_at=now, updated_at=now)
         try:
             await self.collection.insert_one(fresh.to_mongo())
             return fresh
         except DuplicateKeyError:
-            return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+            run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+        if not config or run.config:
+            return run
+        await self.collection.update_one({"_id": RUN_ID, "config": {}}, {"$set": {"config": config}})
+        return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
 
     @retry_on_reconnect
-    async def agree(self, name: str, given: dict[str, Any], config: dict[str, Any] | None = None) -> Run:
+    async def agree(self, name: str, given: dict[str, Any]) -> Run:
         """The run's document with the :class:`RunValues` its samplers and trainers agree on, created if needed.
 
         Whoever creates the document records the values: ``given`` (the caller's flags) over the defaults. A run
         created before values were recorded gets them the same way, once (a conditional update). A ``given`` value
         that differs from the recorded one raises :class:`RunValuesConflict` naming both, and nothing is written.
-        ``config`` is the caller's snapshot, recorded if the document has none yet (a sampler created it). Every
-        write is conditional, so a caller killed at any point and started again gets the same answer.
+        Every write is conditional, so a caller killed at any point and started again gets the same answer. (The
+        trainer's configuration snapshot follows with :meth:`get_or_create`.)
         """
         values = RunValues(**given)
         now = utcnow()
-        fresh = Run(id=RUN_ID, name=name, config=config or {}, values=values, created_at=now, updated_at=now)
+        fresh = Run(id=RUN_ID, name=name, values=values, created_at=now, updated_at=now)
         try:
             await self.collection.insert_one(fresh.to_mongo())
             return fresh
@@ -63,9 +68,6 @@ class Runs:
         if differing:
             raise RunValuesConflict(f"run {run.name!r}: {'; '.join(differing)} (recorded when the run was created; "
                                     "pass the same value or leave the flag out)")
-        if config and not run.config:
-            await self.collection.update_one({"_id": RUN_ID, "config": {}}, {"$set": {"config": config}})
-            run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
         return run
 
     @retry_on_reconnect

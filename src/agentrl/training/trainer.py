@@ -133,16 +133,15 @@ class Trainer:
                            "there (meant for precision checks; --dtype auto picks fp32 here)", parallel.device)
         torch.manual_seed(cfg.seed)
 
-    def _agree_run_values(self, snapshot: dict[str, Any]) -> None:
+    def _agree_run_values(self) -> None:
         """Online, the batch size, staleness bound and temperature the run records (``RunValues``; recorded from
-        these flags if this trainer creates the run, with the config ``snapshot``); the main rank asks, every rank
-        takes its answer. A flag that differs from the run's value raises ``RunValuesConflict``. Sets the
+        these flags if this trainer creates the run); the main rank asks, every rank takes its answer. A flag that differs from the run's value raises ``RunValuesConflict``. Sets the
         per-step batch size."""
         cfg, parallel = self.cfg, self.parallel
         answer: tuple[dict[str, Any] | None, str | None] = (None, None)
         if parallel.is_main and cfg.enable_sampling:
             try:
-                run = self.io.run(self.store.runs.agree(self.run_name, cfg.run_values(parallel.dp_size), snapshot))
+                run = self.io.run(self.store.runs.agree(self.run_name, cfg.run_values(parallel.dp_size)))
                 answer = (run.values.model_dump(), None)
             except RunValuesConflict as error:
                 answer = (None, str(error))
@@ -170,8 +169,7 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir or Path("output") / self.run_name)
         self.io = LoopThread()
         self.store = self.io.run(_open_store(uri))
-        snapshot = cfg.flag_values(exclude=frozenset({"db_connection_string"}))
-        self._agree_run_values(snapshot)
+        self._agree_run_values()
         cfg = self.cfg
         logger.info("run %s (%s); %d ranks (dp %d × tp %d) on %s (%s, %s); %d samples per step; output in %s",
                     self.run_name, redact(uri), parallel.world_size, parallel.dp_size, parallel.tp_size,
@@ -179,7 +177,8 @@ class Trainer:
                     self.batch_size, self.output_dir)
         if parallel.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
-            self.io.run(self.store.runs.get_or_create(self.run_name, snapshot))  # offline: the run's first record
+            snapshot = cfg.flag_values(exclude=frozenset({"db_connection_string"}))
+            self.io.run(self.store.runs.get_or_create(self.run_name, snapshot))
             self.io.run(self.store.runs.set_status(RunStatus.RUNNING))
             self.sink = MetricsSink(self.store, self.io, report_to=cfg.report_to,
                                     logging_dir=Path(cfg.logging_dir or self.output_dir / "runs"),
