@@ -28,7 +28,7 @@ from tools_fixtures import free_port
 from transformers import AutoTokenizer
 
 from agentrl.rollout.agent import AgentResources
-from agentrl.rollout.config import SamplerConfig
+from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConfig
 from agentrl.rollout.inference_pool import InferencePool
 from agentrl.rollout.sampler import Sampler
 from agentrl.rollout.tool_parsers import get_parser
@@ -67,12 +67,13 @@ async def test_no_live_service_gives_the_slot_back_unscored_and_the_task_complet
         caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="agentrl.rollout")
     upload(db_uri, write_tasks(tmp_path / "tasks.jsonl"), "--num_generations", "2")
-    config = SamplerConfig(db_connection_string=db_uri, model_name_or_path=str(tiny_model_dir), max_turns=2,
-                           max_new_tokens=32, max_concurrent_samples_per_process=2, exit_when_done=True)
-    async with Store(db_uri, lease_s=config.lease_s) as store:
+    config = SamplerConfig(db_connection_string=db_uri, model_name_or_path=str(tiny_model_dir),
+                           rollout=RolloutConfig(max_turns=2, max_new_tokens=32),
+                           concurrency=ConcurrencyConfig(max_concurrent_samples_per_process=2), exit_when_done=True)
+    async with Store(db_uri, lease_s=config.concurrency.lease_s) as store:
         pool = InferencePool(store, wait_for_service_s=0.5)
         resources = AgentResources(store=store, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                                   inference=pool, parser=get_parser(config.tool_call_parser), config=config)
+                                   inference=pool, parser=get_parser(config.rollout.tool_call_parser), config=config)
         sampler = Sampler(resources, owner=pool.owner)
         run = asyncio.create_task(sampler.run())
         try:

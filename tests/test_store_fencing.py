@@ -24,7 +24,7 @@ from transformers import AutoTokenizer
 from agentrl import failpoints
 from agentrl.failpoints import FailpointHit
 from agentrl.rollout.agent import AgentResources
-from agentrl.rollout.config import GroupConfig, SamplerConfig
+from agentrl.rollout.config import ConcurrencyConfig, GroupConfig, SamplerConfig
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import InferencePool
 from agentrl.rollout.sampler import Sampler
@@ -256,13 +256,14 @@ async def test_a_permanent_database_error_in_a_recovered_group_stage_does_not_st
     keeps running (it used to stop, and so did every sampler that claimed the stage next). The error comes from a
     unique index the stage's samples violate (a permanent error that cannot be produced otherwise)."""
     caplog.set_level(logging.INFO, logger="agentrl.rollout")
-    config = SamplerConfig(db_connection_string=db_uri, lease_s=1.0, exit_when_done=True)
-    async with Store(db_uri, lease_s=config.lease_s) as store:
+    config = SamplerConfig(db_connection_string=db_uri, concurrency=ConcurrencyConfig(lease_s=1.0),
+                           exit_when_done=True)
+    async with Store(db_uri, lease_s=config.concurrency.lease_s) as store:
         await store.db.DBRecordData.create_index("task_id", unique=True)
         await _scored_group(store, [1.0, 0.0, 1.0, 0.0])  # its stage is pending: "sampler" never ran it
         pool = InferencePool(store)
         resources = AgentResources(store=store, tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir),
-                                   inference=pool, parser=get_parser(config.tool_call_parser), config=config)
+                                   inference=pool, parser=get_parser(config.rollout.tool_call_parser), config=config)
         sampler = Sampler(resources, owner=pool.owner)
         run = asyncio.create_task(sampler.run())
         try:

@@ -39,7 +39,8 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
     samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
     asyncio.run(enqueue(db_uri, samples))
     out = tmp_path / "out"
-    flags = FLAGS if not point.startswith("publish.") else (*FLAGS[:-1], "true")  # publish: --enable_sampling true
+    # publish: --enable_sampling true, and no staleness bound (the queued samples are all of version 0)
+    flags = FLAGS if not point.startswith("publish.") else (*FLAGS[:-1], "true", "--max_staleness", "none")
     crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags), env={ENV: point})
     assert crashed.returncode == EXIT_CODE, crashed.stdout
     resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest"))

@@ -177,7 +177,7 @@ def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(db_u
     try:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
         flags = trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps", "3",
-                             "--save_steps", "1", "--use_peft", "--lora_target_modules", "all-linear",
+                             "--max_staleness", "none", "--save_steps", "1", "--use_peft", "--lora_target_modules", "all-linear",
                              "--lora_publish", "adapter", "--publish_retries", "0")
         crashed = run_trainer(flags, env={ENV: "publish.before_bump=exit@2"})
         assert crashed.returncode == EXIT_CODE, crashed.stdout
@@ -307,7 +307,7 @@ def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tin
     try:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
         flags = trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "3",
-                             "--save_steps", "1", "--publish_retries", "0")
+                             "--max_staleness", "none", "--save_steps", "1", "--publish_retries", "0")
         resume = [*flags, "--resume_from_checkpoint", "latest"]
         assert run_trainer(flags, env={ENV: "publish.before_bump=exit@2"}).returncode == EXIT_CODE
         assert sorted(p.name for p in weights.iterdir()) == ["1", "2"]  # 2 loaded by the engine, not in the Run

@@ -54,8 +54,9 @@ def test_short_run_trains_publishes_logs_and_checkpoints(db_uri: str, tiny_model
     asyncio.run(enqueue(db_uri, samples))
     _insert_ready_records(db_uri, samples)
     out = tmp_path / "out"
+    # no staleness bound: the queued samples are all of version 0, and their staleness is what is measured
     assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "4",
-                             "--save_steps", "2")) == 0
+                             "--save_steps", "2", "--max_staleness", "none")) == 0
 
     metrics = _metrics(db_uri)
     assert sorted(metrics) == [1, 2, 3, 4]

@@ -13,47 +13,23 @@ start-up (on the main rank) and returned by :func:`parse_args`.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shlex
 import sys
-import types
-import typing
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, NamedTuple, TypeVar
+from typing import NamedTuple
 
-from pydantic import BaseModel, TypeAdapter, ValidationError
-
+from agentrl.config_flags import add_model_arguments, model_from_namespace, parse_bool
 from agentrl.training.config import TrainConfig
 
 logger = logging.getLogger("agentrl.train")
 
-NONE_WORDS = ("none", "null")
-ModelT = TypeVar("ModelT", bound=BaseModel)
-
-
-def _bool(value: str) -> bool:
-    try:
-        return TypeAdapter(bool).validate_python(value.strip().lower())
-    except ValidationError:
-        raise argparse.ArgumentTypeError(f"expected true or false, got {value!r}") from None
-
-
-def _json_object(value: str) -> dict[str, Any]:
-    try:
-        parsed = json.loads(value)
-    except json.JSONDecodeError:
-        parsed = None
-    if not isinstance(parsed, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {value!r}")
-    return parsed
-
 
 def _is_false(value: str) -> bool:
     try:
-        return not _bool(value)
+        return not parse_bool(value)
     except argparse.ArgumentTypeError:
         return False
 
@@ -164,94 +140,6 @@ class ParsedArgs(NamedTuple):
     warnings: list[str]
 
 
-def _optional(convert: Callable[[str], Any]) -> Callable[[str], Any]:
-    def parse(value: str) -> Any:
-        return None if value.strip().lower() in NONE_WORDS else convert(value)
-    parse.__name__ = getattr(convert, "__name__", "value")
-    return parse
-
-
-def _add_field(parser: argparse.ArgumentParser, name: str, annotation: Any, help_text: str) -> None:
-    origin = typing.get_origin(annotation)
-    args = typing.get_args(annotation)
-    optional = origin in (typing.Union, types.UnionType) and type(None) in args
-    if optional:
-        (annotation,) = [a for a in args if a is not type(None)]
-        origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    kwargs: dict[str, Any] = {"default": argparse.SUPPRESS, "help": help_text}
-    if origin is list:
-        (item,) = args
-        kwargs.update(nargs="+", choices=typing.get_args(item) or None, metavar=name.upper())
-    elif origin is typing.Literal:
-        kwargs.update(choices=list(args) + ([None] if optional else []), type=_optional(str) if optional else str,
-                      metavar="{" + ",".join(list(args) + (["none"] if optional else [])) + "}")
-    elif origin is dict:
-        kwargs.update(type=_optional(_json_object) if optional else _json_object, metavar="JSON")
-    elif annotation is bool:
-        kwargs.update(type=_optional(_bool) if optional else _bool, nargs="?", const=True, metavar="true|false")
-    else:
-        kwargs["type"] = _optional(annotation) if optional else annotation
-    parser.add_argument(f"--{name}", **kwargs)
-
-
-def _nested_model(annotation: Any) -> type[BaseModel] | None:
-    """The model class of a field holding a nested model (its fields are flags of their own), else None."""
-    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
-
-
-def add_model_arguments(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
-    """Register one ``--FIELD`` flag per field of ``model``, its description as help (with its default, unless the
-    description says it: ``default:``); a flag not given is absent from the namespace, so the model's default
-    applies. The fields of a nested model (e.g. ``TrainConfig.loss``) are flags under their own names."""
-    for name, info in model.model_fields.items():
-        if nested := _nested_model(info.annotation):
-            add_model_arguments(parser, nested)
-            continue
-        default = info.get_default(call_default_factory=True)
-        description = info.description or ""
-        help_text = description if "default:" in description else f"{description} (default: {default})".strip()
-        _add_field(parser, name, info.annotation, help_text)
-
-
-def _field_values(model: type[BaseModel], given: dict[str, Any]) -> dict[str, Any]:
-    """The ``given`` flags of ``model``'s fields, those of a nested model gathered under its field (left out when
-    none of them is given, so that its default applies)."""
-    values: dict[str, Any] = {}
-    for name, info in model.model_fields.items():
-        if nested := _nested_model(info.annotation):
-            if inner := _field_values(nested, given):
-                values[name] = inner
-        elif name in given:
-            values[name] = given[name]
-    return values
-
-
-def _flag_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
-    """The flag of a validation error's location (through nested models), or None for a whole model."""
-    for part in loc:
-        info = model.model_fields.get(part) if isinstance(part, str) else None
-        if info is None:
-            return None
-        nested = _nested_model(info.annotation)
-        if nested is None:
-            return str(part)
-        model = nested
-    return None
-
-
-def model_from_namespace(model: type[ModelT], args: argparse.Namespace, parser: argparse.ArgumentParser) -> ModelT:
-    """``model`` from the parsed flags of :func:`add_model_arguments`; an invalid value is a parser error naming
-    its flag."""
-    try:
-        return model(**_field_values(model, vars(args)))
-    except ValidationError as error:
-        problems = []
-        for item in error.errors():
-            name = _flag_at(model, item["loc"])
-            problems.append(f"{f'--{name}' if name else 'flags'}: {item['msg']}")
-        parser.error("; ".join(problems))
-
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Register one flag per ``TrainConfig`` field and the ``ORIGINAL_FLAGS`` (listed in the help's epilog)."""
     add_model_arguments(parser, TrainConfig)
@@ -304,15 +192,20 @@ def run(config: TrainConfig, verbose: bool = False, warnings: Sequence[str] = ()
     """Run one trainer rank (logging set up, ``warnings`` logged, heavy imports here); returns the exit code.
 
     Errors of the set-up (missing weights, a bad checkpoint, an impossible parallel layout, a missing
-    ``--report_to`` package...) end the run with their message and exit code 1 instead of a traceback.
+    ``--report_to`` package...) end the run with their message and exit code 1 instead of a traceback; a flag that
+    differs from a value the run records (``RunValues``) with exit code 2, as a bad flag does.
     """
     from agentrl.log import setup_logging
+    from agentrl.store.runs import RunValuesConflict
     from agentrl.training.trainer import SETUP_ERRORS, Trainer
 
     setup_logging(verbose=verbose)
     log_warnings(warnings)
     try:
         return Trainer(config).run()
+    except RunValuesConflict as error:
+        logger.error("%s", error)
+        return 2
     except SETUP_ERRORS as error:
         logger.error("%s", error)
         return 1

@@ -28,15 +28,18 @@ import hashlib
 import json
 import logging
 import os
+import shlex
 import signal
 import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pymongo.errors import BulkWriteError
+
+from agentrl.config_flags import NO_FLAG, Flag, comma_list
 
 from agentrl.eval.metrics import (
     ENV_ERROR,
@@ -53,8 +56,10 @@ from agentrl.eval.metrics import (
     summarize_by_type,
 )
 from agentrl.log import redact
+from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConfig, ToolsConfig
 from agentrl.scoring.answers import ANSWER_SCHEMAS
 from agentrl.store import Record, RecordStatus, Store, Task, resolve_connection_string
+from agentrl.store.connection import DB_HELP
 from agentrl.store.evals import Eval, EvalStatus
 from agentrl.store.models import OPEN_TASK_STATES
 from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file
@@ -66,11 +71,6 @@ MAX_PER_TASK_ROWS = 5000
 MODEL_FILE_SUFFIXES = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".json", ".jinja", ".model", ".txt")
 _SCORED = {str(RecordStatus.SCORED), str(RecordStatus.READY), str(RecordStatus.TRAINED), str(RecordStatus.ABANDONED)}
 _PLACEHOLDER_SPLIT = "eval"
-# Greedy decoding unless asked otherwise (``--preferred_sampling_params`` or the flags).
-EVAL_SAMPLING_DEFAULTS: dict[str, float | int] = {
-    "temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "presence_penalty": 0.0, "frequency_penalty": 0.0}
-
-
 class EvalError(RuntimeError):
     """The evaluation cannot run (bad configuration, unreachable service, engine that does not start)."""
 
@@ -79,52 +79,52 @@ class EvalInterrupted(RuntimeError):
     """The evaluation was stopped (SIGINT/SIGTERM) before every sample was done; a rerun resumes it."""
 
 
+class EvalRolloutConfig(RolloutConfig):
+    """The rollout of an evaluation: greedy decoding and a fixed seed unless asked otherwise."""
+
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature; 0: greedy")
+    seed: int | None = Field(0, description=RolloutConfig.model_fields["seed"].description)
+
+
+class EvalConcurrencyConfig(ConcurrencyConfig):
+    """The concurrency of an evaluation (an in-process sampler)."""
+
+    max_concurrent_samples_per_process: int = Field(
+        16, ge=1, description=ConcurrencyConfig.model_fields["max_concurrent_samples_per_process"].description)
+
+
 class EvalConfig(BaseModel):
-    """Everything ``agentrl eval`` needs; rollout flag names follow ``agentrl sample`` (and the original AgentRL)."""
+    """Everything ``agentrl eval`` needs; each field (and each field of a nested model) is one of its flags. The
+    rollout, tools and concurrency are ``agentrl sample``'s models (its flag names, the original AgentRL's)."""
 
     model_config = ConfigDict(extra="forbid")
 
-    db_connection_string: str | None = None
-    tasks: str | None = Field(None, description="task file (JSON/JSONL)")
+    db_connection_string: Annotated[str | None, Flag(metavar="URI")] = Field(None, description=DB_HELP)
+    tasks: Annotated[str | None, Flag(metavar="FILE")] = Field(
+        None, description="task file, JSON or JSONL (as for `agentrl tasks upload`)")
     split: str | None = Field(None, description="evaluate the Tasks already stored under this split instead")
-    limit: int | None = Field(None, ge=1, description="only the first N tasks")
-    name: str | None = None
-    model_name_or_path: str | None = None
-    inference_urls: list[str] = Field(default_factory=list)
-    engine_args: list[str] = Field(default_factory=list)
-    num_samples_per_task: int = Field(1, ge=1)
-    repeats: int = Field(1, ge=1)
-    temperature: float = Field(0.0, ge=0.0)
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    seed: int | None = 0
-    max_turns: int = Field(8, ge=1)
-    max_new_tokens: int = Field(512, ge=1)
-    max_prompt_tokens: int = 4096
-    query_prompt: str = "{query}"
-    new_context: Literal["disabled", "discard_all_tools", "discard_all"] = "disabled"
-    repetition_early_stop_times: int = 0
-    tool_call_parser: str = "qwen"
-    tool_timeout: float = 60.0
-    scorer: str = "agentcpm"
-    answer_schema: str = Field("answer", description=f"one of {', '.join(ANSWER_SCHEMAS)}")
-    max_attempts: int = Field(3, ge=1)
-    mcp_config: str | None = None
-    mcp_manager_url: str | None = None
-    mcp_server_name: str | None = None
-    mcp_auth_token: str | None = None
-    agent_config_path: str | None = None
-    scorer_module: list[str] = Field(default_factory=list)
-    env_server: list[str] = Field(default_factory=list, description="NAME=URL of AgentGym environment servers")
-    max_concurrent_samples_per_process: int = Field(16, ge=1)
-    target_concurrency: int = Field(32, ge=1)
-    request_timeout: float = 600.0
-    lease_s: float = 60.0
-    engine_startup_timeout_s: float = 600.0
-    force: bool = False
+    limit: Annotated[int | None, Flag(metavar="N")] = Field(None, ge=1, description="only the first N tasks")
+    scorer: str = Field("agentcpm", description="scorer of tasks that name none")
+    answer_schema: str = Field(
+        "answer", description=f"answer marker of tasks that name none: one of {', '.join(ANSWER_SCHEMAS)}")
+    model_name_or_path: str | None = Field(
+        None, description="model directory to evaluate: an agentrl engine is started on it and stopped afterwards "
+        "(default: the embedded SmolLM2 model); with --inference_urls only its tokenizer")
+    inference_urls: Annotated[list[str], Flag(parse=comma_list, metavar="URLS")] = Field(
+        default_factory=list, description="comma-separated URLs of live SGLang / agentrl engine services serving "
+        "the model (used directly, never registered in the run)")
+    engine_args: Annotated[list[str], Flag(parse=shlex.split, metavar="ARGS")] = Field(
+        default_factory=list, description="extra `agentrl engine` flags, e.g. '--device cuda --dtype bfloat16'")
+    name: str | None = Field(None, description="label of this evaluation (default: model and task names)")
+    num_samples_per_task: Annotated[int, Flag(aliases=("-k",))] = Field(1, ge=1, description="samples per task, k")
+    repeats: int = Field(1, ge=1, description="repeat the k samples R times: pass@k uses all k × R samples, and the "
+                         "spread over repeats is reported")
+    rollout: EvalRolloutConfig = Field(default_factory=EvalRolloutConfig, title="sampling and rollout")
+    max_attempts: int = Field(3, ge=1, description="attempts per sample slot before it is an error")
+    tools: ToolsConfig = Field(default_factory=ToolsConfig, title="tools and scorers")
+    concurrency: EvalConcurrencyConfig = Field(default_factory=EvalConcurrencyConfig, title="concurrency")
+    engine_startup_timeout_s: Annotated[float, NO_FLAG] = 600.0
+    force: bool = Field(False, description="recompute even if a stored result matches")
 
     @field_validator("answer_schema")
     @classmethod
@@ -296,14 +296,15 @@ async def open_tasks(store: Store, split: str) -> int:
 
 
 def _sampling(cfg: EvalConfig) -> dict[str, Any]:
-    # min_p and the penalties count only when set, so the keys of evaluations stored before they existed still match.
-    optional = {k: v for k, v in (("min_p", cfg.min_p), ("presence_penalty", cfg.presence_penalty),
-                                  ("frequency_penalty", cfg.frequency_penalty)) if v}
-    return {"temperature": cfg.temperature, "top_p": cfg.top_p, "top_k": cfg.top_k, **optional,
-            "max_new_tokens": cfg.max_new_tokens, "max_turns": cfg.max_turns,
-            "max_prompt_tokens": cfg.max_prompt_tokens, "query_prompt": cfg.query_prompt,
-            "new_context": cfg.new_context, "repetition_early_stop_times": cfg.repetition_early_stop_times,
-            "tool_call_parser": cfg.tool_call_parser, "tool_timeout": cfg.tool_timeout}
+    """The sampling and rollout parameters in the reuse key (penalties and min_p only when set)."""
+    r = cfg.rollout
+    optional = {k: v for k, v in (("min_p", r.min_p), ("presence_penalty", r.presence_penalty),
+                                  ("frequency_penalty", r.frequency_penalty)) if v}
+    return {"temperature": r.temperature, "top_p": r.top_p, "top_k": r.top_k, **optional,
+            "max_new_tokens": r.max_new_tokens, "max_turns": r.max_turns,
+            "max_prompt_tokens": r.max_prompt_tokens, "query_prompt": r.query_prompt,
+            "new_context": r.new_context, "repetition_early_stop_times": r.repetition_early_stop_times,
+            "tool_call_parser": r.tool_call_parser, "tool_timeout": r.tool_timeout}
 
 
 def _default_name(model: dict[str, Any], source: str) -> str:
@@ -311,23 +312,11 @@ def _default_name(model: dict[str, Any], source: str) -> str:
     return f"{model_name} on {Path(source).stem if source.startswith('file:') else source}"
 
 
-def _sampler_config(cfg: EvalConfig, uri: str, split: str, tokenizer: str | None):
-    from agentrl.rollout.config import SamplerConfig
-
-    return SamplerConfig(
-        db_connection_string=uri, model_name_or_path=tokenizer, split=split,
-        sampler_id=f"eval:{socket.gethostname()}:{os.getpid()}", max_turns=cfg.max_turns,
-        max_new_tokens=cfg.max_new_tokens, max_prompt_tokens=cfg.max_prompt_tokens, temperature=cfg.temperature,
-        top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, presence_penalty=cfg.presence_penalty,
-        frequency_penalty=cfg.frequency_penalty, seed=cfg.seed, query_prompt=cfg.query_prompt,
-        new_context=cfg.new_context,
-        repetition_early_stop_times=cfg.repetition_early_stop_times, tool_call_parser=cfg.tool_call_parser,
-        tool_timeout=cfg.tool_timeout, mcp_config=cfg.mcp_config, mcp_manager_url=cfg.mcp_manager_url,
-        mcp_server_name=cfg.mcp_server_name, mcp_auth_token=cfg.mcp_auth_token,
-        agent_config_path=cfg.agent_config_path, scorer_module=cfg.scorer_module, env_server=cfg.env_server,
-        max_concurrent_samples_per_process=cfg.max_concurrent_samples_per_process,
-        target_concurrency=cfg.target_concurrency, request_timeout=cfg.request_timeout, lease_s=cfg.lease_s,
-        exit_when_done=True)
+def _sampler_config(cfg: EvalConfig, uri: str, split: str, tokenizer: str | None) -> SamplerConfig:
+    """The in-process sampler of the job: the evaluation's rollout, tools and concurrency on the job's split."""
+    return SamplerConfig(db_connection_string=uri, model_name_or_path=tokenizer, split=split,
+                         sampler_id=f"eval:{socket.gethostname()}:{os.getpid()}", rollout=cfg.rollout,
+                         tools=cfg.tools, concurrency=cfg.concurrency, exit_when_done=True)
 
 
 async def evaluate(cfg: EvalConfig) -> EvalOutcome:
@@ -335,9 +324,9 @@ async def evaluate(cfg: EvalConfig) -> EvalOutcome:
     if bool(cfg.tasks) == bool(cfg.split):
         raise EvalError("give exactly one of --tasks FILE and --split NAME")
     tasks = load_task_file(cfg) if cfg.tasks else None  # validated before anything is started or written
-    agent_digest = file_digest(cfg.agent_config_path)
-    mcp_digest = file_digest(cfg.mcp_config)
-    module_digests = [file_digest(m) for m in cfg.scorer_module]
+    agent_digest = file_digest(cfg.tools.agent_config_path)
+    mcp_digest = file_digest(cfg.tools.mcp_config)
+    module_digests = [file_digest(m) for m in cfg.tools.scorer_module]
 
     if cfg.inference_urls:
         model, hint = await service_identity(cfg.inference_urls)
@@ -357,22 +346,23 @@ async def evaluate(cfg: EvalConfig) -> EvalOutcome:
         tokenizer = str(model_dir)
 
     uri = resolve_connection_string(cfg.db_connection_string)
-    async with Store(uri, lease_s=cfg.lease_s) as store:
+    async with Store(uri, lease_s=cfg.concurrency.lease_s) as store:
         if tasks is None:
             tasks = await load_split_tasks(store, cfg.split, cfg.limit)
         source = f"file:{cfg.tasks}" if cfg.tasks else f"split:{cfg.split}"
         inputs = {
             "version": KEY_VERSION, "model": model, "tokenizer": _tokenizer_identity(tokenizer),
             "tasks": tasks_digest(tasks), "num_tasks": len(tasks), "k": cfg.num_samples_per_task,
-            "repeats": cfg.repeats, "seed": cfg.seed if cfg.temperature > 0 else None, "sampling": _sampling(cfg),
-            "tools": {"mcp_config": mcp_digest, "mcp_manager_url": cfg.mcp_manager_url,
-                      "mcp_server_name": cfg.mcp_server_name},
+            "repeats": cfg.repeats, "seed": cfg.rollout.seed if cfg.rollout.temperature > 0 else None,
+            "sampling": _sampling(cfg),
+            "tools": {"mcp_config": mcp_digest, "mcp_manager_url": cfg.tools.mcp_manager_url,
+                      "mcp_server_name": cfg.tools.mcp_server_name},
             "scoring": {"agent_config": agent_digest, "scorer_modules": module_digests},
         }
         key = _digest(inputs)[:32]
         fields = {"name": cfg.name or _default_name(model, source), "key_inputs": inputs, "model": model,
                   "tasks_source": source, "num_tasks": len(tasks), "num_samples_per_task": cfg.num_samples_per_task,
-                  "repeats": cfg.repeats, "seed": cfg.seed, "sampling": _sampling(cfg)}
+                  "repeats": cfg.repeats, "seed": cfg.rollout.seed, "sampling": _sampling(cfg)}
         job = await store.evals.start(key, fields, force=cfg.force)
         if job.status == EvalStatus.COMPLETED:
             logger.info("reusing the stored result of evaluation %s (%s)", key, job.finished_at)
@@ -418,8 +408,8 @@ async def _sample(cfg: EvalConfig, uri: str, split: str, model_dir: Path | None,
         async with sampler_resources(config) as resources:  # tokenizer and tools start while the engine loads
             if engine is not None:
                 urls = [await _engine_url(engine)]
-            resources.inference = DirectInferencePool(urls, target_concurrency=cfg.target_concurrency,
-                                                      timeout_s=cfg.request_timeout)
+            resources.inference = DirectInferencePool(urls, target_concurrency=cfg.concurrency.target_concurrency,
+                                                      timeout_s=cfg.concurrency.request_timeout)
             try:
                 sampler = Sampler(resources)
                 sampler.install_signal_handlers()

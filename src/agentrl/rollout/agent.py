@@ -127,7 +127,7 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
                         turn: int, state: TurnState) -> Generated:
     """Log, send and finish turn ``turn``'s LLM call on ``conversation``'s prompt; ``GenerationFailed`` if the
     service rejects or aborts it; ``NoInferenceService`` / ``PyMongoError`` (infrastructure) propagate."""
-    pending, sampling = state.pending_delta, res.config.sampling_params()
+    pending, sampling = state.pending_delta, res.config.rollout.sampling_params()
     call = DispatchedSamplingTask(
         id=f"{lease.record_id}#{turn}", record_id=lease.record_id, task_id=lease.task.id, turn=turn,
         branch=conversation.branch,
@@ -140,8 +140,8 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
     calls.start(call)
     started = time.monotonic()
     params = dict(sampling)
-    if res.config.seed is not None:
-        params["sampling_seed"] = call_seed(res.config.seed, call.id)
+    if res.config.rollout.seed is not None:
+        params["sampling_seed"] = call_seed(res.config.rollout.seed, call.id)
     try:
         result, service_id = await res.inference.generate(conversation.prompt_ids, params)
     except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
@@ -176,13 +176,13 @@ async def run_trajectory(res: AgentResources, lease: SlotLease, calls: CallLog) 
         raise McpStateError("the Task keeps its state on an MCP server (metadata.mcp_state) but the sampler has no "
                             "tools: give --mcp_config")
     try:
-        await mcp_state.call(res.tools, "reset", res.config.tool_timeout)
+        await mcp_state.call(res.tools, "reset", res.config.rollout.tool_timeout)
     except McpStateError as error:
         return TrajectoryResult(TrajectoryOutcome.ENV_START_ERROR, None, 0, 1, None, error=str(error))
     result = await _roll_out(res, lease, calls, mcp_state)
     if result.outcome not in NO_VERDICT_OUTCOMES:
         try:
-            result.final_state = await mcp_state.call(res.tools, "final", res.config.tool_timeout)
+            result.final_state = await mcp_state.call(res.tools, "final", res.config.rollout.tool_timeout)
         except McpStateError as error:
             result.outcome, result.error = TrajectoryOutcome.ENV_ERROR, str(error)
     return result
@@ -190,7 +190,7 @@ async def run_trajectory(res: AgentResources, lease: SlotLease, calls: CallLog) 
 
 async def _roll_out(res: AgentResources, lease: SlotLease, calls: CallLog, mcp_state: McpState | None
                     ) -> TrajectoryResult:
-    cfg, task = res.config, lease.task
+    cfg, task = res.config.rollout, lease.task
     tools = mcp_state.visible_tools(res.tool_specs) if mcp_state is not None else res.tool_specs
     messages, template_tools = initial_messages(
         query=task.query, answer_schema=task.answer_schema, system_prompt=task.system_prompt,
@@ -254,7 +254,7 @@ async def _tool_stage(res: AgentResources, lease: SlotLease, log: CallLog, call_
         else:
             await res.store.slots.fence(lease)
             arguments = mcp_state.arguments(tool_call.arguments) if mcp_state is not None else tool_call.arguments
-            result = await res.tools.call_tool(tool_call.name, arguments, timeout=res.config.tool_timeout)
+            result = await res.tools.call_tool(tool_call.name, arguments, timeout=res.config.rollout.tool_timeout)
             status = CallStatus.COMPLETED if result.ok else CallStatus(str(result.status))
             content, error, elapsed = result.text, result.error, result.elapsed_s
         if status != CallStatus.COMPLETED:

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import hashlib
 import math
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from agentrl.config_flags import NO_FLAG, Flag
 from agentrl.store import Task, TaskStatus
 
 
@@ -32,13 +33,17 @@ class CurriculumConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    rounds: int = Field(1, ge=1, description="rounds each train Task's group is sampled in (1: once)")
-    mode: Literal["pass_rate", "none"] = Field(
-        "pass_rate", description="pass_rate: a Task whose last group was all solved or all failed skips rounds; "
-                                 "none: every Task is sampled in every round")
-    revisit_prob: float = Field(0.1, ge=0.0, le=1.0,
-                                description="pass_rate: the chance that such a Task is sampled in each next round")
-    seed: int = Field(0, description="seed of the revisit draws")
+    rounds: int = Field(
+        1, ge=1, description="rounds each Task's group is sampled in: the group stage of round r creates the Task of "
+        "the next round it is sampled in; claims take Tasks by round, then upload order")
+    mode: Annotated[Literal["pass_rate", "none"], Flag(name="curriculum")] = Field(
+        "pass_rate", description="pass_rate: a Task whose last group was all solved or all failed (zero reward "
+        "variance) skips each next round with probability 1 - --curriculum_revisit_prob; none: every round samples "
+        "every Task (it acts from round 2 on)")
+    revisit_prob: Annotated[float, Flag(name="curriculum_revisit_prob")] = Field(
+        0.1, ge=0.0, le=1.0, description="with --curriculum pass_rate: the chance that such a Task is sampled in "
+        "each next round (seeded by --seed, reproducible)")
+    seed: Annotated[int, NO_FLAG] = Field(0, description="seed of the revisit draws (the sampler's --seed)")
 
 
 def _uniform(seed: int, task_id: str, round_: int) -> float:

@@ -100,7 +100,7 @@ async def run_episode(res: AgentResources, lease: SlotLease, calls: CallLog) -> 
 
 async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: Any, instance: int, observation: str,
                 state: TurnState, episode: Episode) -> TrajectoryResult:
-    cfg, task, spec = res.config, lease.task, episode.spec
+    cfg, task, spec = res.config.rollout, lease.task, episode.spec
     env = episode_of(task.metadata) or {}
     action_format = env.get("action_format") or spec.action_format
     max_turns = min(int(env.get("max_turns") or cfg.max_turns), cfg.max_turns)

@@ -24,7 +24,7 @@ from agentrl.rollout.inference_pool import InferencePool
 from agentrl.rollout.sampler import Sampler, SamplerStats
 from agentrl.rollout.tool_parsers import get_parser
 from agentrl.scoring import AgentConfig, MCPScorerFactory, load_agent_config
-from agentrl.store import Store, resolve_connection_string
+from agentrl.store import Store, database_name, resolve_connection_string
 from agentrl.tools import ToolManager
 
 logger = logging.getLogger(__name__)
@@ -56,41 +56,53 @@ async def _watch_static_services(store: Store, pool: InferencePool, urls: list[s
         await asyncio.sleep(interval_s)
 
 
+async def agree_run_values(store: Store, uri: str, config: SamplerConfig) -> SamplerConfig:
+    """A train-split sampler's configuration with the values its run records (``RunValues``: batch size,
+    staleness bound, temperature), recording them from this sampler's flags if it creates the run; a flag that
+    differs from the run's value raises ``RunValuesConflict``. Samplers of other splits do not take part."""
+    if config.split != "train":
+        return config
+    run = await store.runs.agree(database_name(uri), config.run_values())
+    return config.with_run_values(run.values)
+
+
 @contextlib.asynccontextmanager
 async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResources]:
     """Open everything a sampler needs (and close it afterwards)."""
-    for module in config.scorer_module:
+    tools_cfg, limits = config.tools, config.concurrency
+    for module in tools_cfg.scorer_module:
         MCPScorerFactory.load_module(module)
     uri = resolve_connection_string(config.db_connection_string)
     tokenizer = policy_tokenizer(config.model_name_or_path)
-    agent_config = load_agent_config(config.agent_config_path) if config.agent_config_path else AgentConfig()
+    agent_config = load_agent_config(tools_cfg.agent_config_path) if tools_cfg.agent_config_path else AgentConfig()
     async with contextlib.AsyncExitStack() as stack:
-        store = await stack.enter_async_context(Store(uri, lease_s=config.lease_s))
-        pool = InferencePool(store, owner=config.sampler_id, owner_ttl_s=config.lease_s,
-                             target_concurrency=config.target_concurrency, timeout_s=config.request_timeout)
+        store = await stack.enter_async_context(Store(uri, lease_s=limits.lease_s))
+        config = await agree_run_values(store, uri, config)
+        pool = InferencePool(store, owner=config.sampler_id, owner_ttl_s=limits.lease_s,
+                             target_concurrency=limits.target_concurrency, timeout_s=limits.request_timeout)
         stack.push_async_callback(pool.close)
         tools = None
-        if config.mcp_config or config.mcp_manager_url:
+        if tools_cfg.mcp_config or tools_cfg.mcp_manager_url:
             tools = await stack.enter_async_context(ToolManager.from_options(
-                mcp_config=config.mcp_config, mcp_manager_url=config.mcp_manager_url,
-                mcp_server_name=config.mcp_server_name, mcp_auth_token=config.mcp_auth_token))
+                mcp_config=tools_cfg.mcp_config, mcp_manager_url=tools_cfg.mcp_manager_url,
+                mcp_server_name=tools_cfg.mcp_server_name, mcp_auth_token=tools_cfg.mcp_auth_token))
         if config.inference_urls:
             watcher = asyncio.create_task(_watch_static_services(store, pool, config.inference_urls))
             stack.callback(watcher.cancel)
-        envs = EnvPool(parse_env_servers(config.env_server), timeout=config.request_timeout)
+        envs = EnvPool(parse_env_servers(tools_cfg.env_server), timeout=limits.request_timeout)
         stack.push_async_callback(envs.aclose)
         yield AgentResources(store=store, tokenizer=tokenizer, inference=pool,
-                             parser=get_parser(config.tool_call_parser), config=config, tools=tools,
+                             parser=get_parser(config.rollout.tool_call_parser), config=config, tools=tools,
                              agent_config=agent_config, envs=envs)
 
 
 async def run_sampler(config: SamplerConfig) -> SamplerStats:
     """Run one sampler until it is stopped (SIGTERM/SIGINT) or, with ``exit_when_done``, its split is done."""
-    if config.split == "train" and config.penalised:
+    if config.split == "train" and config.rollout.penalised:
         logger.warning(
             "presence_penalty %s / frequency_penalty %s: the engine's logprobs then come from the penalised "
             "distribution while the trainer's assume the policy's own, which biases the importance ratio",
-            config.presence_penalty, config.frequency_penalty)
+            config.rollout.presence_penalty, config.rollout.frequency_penalty)
     async with sampler_resources(config) as resources:
         sampler = Sampler(resources, owner=resources.inference.owner)  # one identity for slots and load
         sampler.install_signal_handlers()

@@ -20,7 +20,8 @@ sampler with ``SamplerHalted``, which names the failure classes and the count; a
 the count.
 
 Admission control (train split): a new group (Task) is started only while every slot of the groups being sampled plus
-the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size``; a started group's remaining
+the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size`` (values the run records, see
+``agentrl.store.models.RunValues``; ``max_staleness`` none: no bound); a started group's remaining
 slots are always claimed (first, without asking admission control), so every group completes. Counting whole groups
 (not only the trajectories running now) keeps finished trajectories that wait for their siblings in the count, which
 bounds how stale a trained sample gets.
@@ -185,10 +186,10 @@ class Sampler:
                     last_status = now
                 try:
                     if now >= next_group_probe:
-                        next_group_probe = now + self.cfg.lease_s / 2
+                        next_group_probe = now + self.cfg.concurrency.lease_s / 2
                         await self._recover_group_stages()
                     claimed = False
-                    if len(self._active) < self.cfg.max_concurrent_samples_per_process:
+                    if len(self._active) < self.cfg.concurrency.max_concurrent_samples_per_process:
                         self._admission_commands = 0
                         with self.res.store.commands.tally() as used:
                             lease = await self._claim(now)
@@ -298,7 +299,7 @@ class Sampler:
         # every quarter lease is soon enough.
         lease = await slots.recover(split, self.owner)
         if lease is None:
-            self._next_slot_recovery = now + self.cfg.lease_s / 4
+            self._next_slot_recovery = now + self.cfg.concurrency.lease_s / 4
         return lease
 
     async def _admit(self) -> bool:
@@ -306,6 +307,8 @@ class Sampler:
             return True
         load = await self.res.store.slots.sampling_load("train")
         if load.unclaimed_in_started_groups:  # finish what was started: claims fill groups in order
+            return True
+        if self.cfg.max_staleness is None:  # the run bounds no staleness
             return True
         return load.pending < (self.cfg.max_staleness + 1) * self.cfg.train_batch_size
 
@@ -367,19 +370,19 @@ class Sampler:
         Database errors do not stop the heartbeats: they are logged and retried every 2 s (the lease is measured on
         the server, so an outage shorter than the remaining lease costs nothing; after a longer one the first
         heartbeat that lands either extends the lease or finds it taken over)."""
-        interval = self.cfg.lease_s / 3
+        interval = self.cfg.concurrency.lease_s / 3
         while True:
             await asyncio.sleep(interval)
             try:
                 await beat()
-                interval = self.cfg.lease_s / 3
+                interval = self.cfg.concurrency.lease_s / 3
             except LeaseLost:
                 logger.warning("lost the lease on %s (another sampler took it over); stopping it", what)
                 work.cancel()
                 return
             except PyMongoError as error:
                 logger.warning("could not extend the lease on %s (%s); retrying", what, error)
-                interval = min(self.cfg.lease_s / 3, 2.0)
+                interval = min(self.cfg.concurrency.lease_s / 3, 2.0)
 
     async def _sample(self, lease: SlotLease, claim_commands: int) -> None:
         """Roll out, score and settle ``lease``'s slot (see the module docstring for the writes), then run the

@@ -12,6 +12,9 @@ from agentrl.log import redact
 
 DEFAULT_DATABASE = "agentrl"
 ENV_VAR = "AGENTRL_DB"
+DB_HELP = ("MongoDB connection string whose path is the run's database, e.g. mongodb://host:27017/my_run "
+           "(default: $AGENTRL_DB, else the embedded database, started on demand)")
+"""The help of every command's ``--db_connection_string``."""
 
 logger = logging.getLogger(__name__)
 

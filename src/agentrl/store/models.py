@@ -423,6 +423,27 @@ class RunStatus(StrEnum):
     FAILED = "failed"
 
 
+RUN_VALUE_HELP = ("the run records it (docs/configuration.md): left out, the run's value applies, else the default; "
+                  "a value other than the run's is an error")
+
+
+class RunValues(BaseModel):
+    """Values every trainer and every sampler of the train split must agree on. Whoever creates the run's ``Run``
+    document (the first sampler or trainer) writes them there once, from its flags and these defaults; the others
+    take them from it when not given, and a flag that differs is an error naming both values (docs/configuration.md).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    train_batch_size: int = Field(16, ge=1, description="samples per trainer step (over all ranks); the samplers' "
+                                  "admission control counts in these")
+    max_staleness: int | None = Field(
+        1, ge=0, description="policy versions a trained sample may lag behind; the samplers' admission control keeps "
+        "at most (max_staleness + 1) batches sampled ahead (None: no bound)")
+    temperature: float = Field(1.0, ge=0.0, description="sampling temperature of the samplers, by which the trainer "
+                               "divides its logits to compute the behaviour logprobs")
+
+
 class Run(Document):
     """The one document describing a run (the database is the run): config snapshot and policy version."""
 
@@ -435,6 +456,8 @@ class Run(Document):
     lora_name: str | None = Field(None, description="the published LoRA adapter samplers name (lora_publish "
                                                     "adapter); None: the services serve the policy's full weights")
     status: RunStatus = RunStatus.CREATED
+    values: RunValues | None = Field(None, description="the values its samplers and trainers agree on (None: a run "
+                                     "created before they were recorded, until its next sampler or trainer starts)")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
 

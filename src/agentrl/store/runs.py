@@ -10,9 +10,13 @@ from pymongo.errors import DuplicateKeyError
 
 from agentrl.store.errors import NotFound, VersionConflict
 from agentrl.store.outage import retry_on_reconnect
-from agentrl.store.models import Metric, Run, RunStatus, utcnow
+from agentrl.store.models import Metric, Run, RunStatus, RunValues, utcnow
 
 RUN_ID = "run"
+
+
+class RunValuesConflict(ValueError):
+    """A sampler's or trainer's flag differs from the value its run records (:class:`RunValues`)."""
 
 
 class Runs:
@@ -22,14 +26,49 @@ class Runs:
 
     @retry_on_reconnect
     async def get_or_create(self, name: str, config: dict[str, Any] | None = None) -> Run:
-        """The run's document, created on first use with ``config`` as its snapshot (never overwritten)."""
+        """The run's document, created on first use with ``config`` as its snapshot; a snapshot is never
+        overwritten, but a document without one (a sampler created it, see :meth:`agree`) gets ``config``."""
         now = utcnow()
         fresh = Run(id=RUN_ID, name=name, config=config or {}, created_at=now, updated_at=now)
         try:
             await self.collection.insert_one(fresh.to_mongo())
             return fresh
         except DuplicateKeyError:
-            return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+            run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+        if not config or run.config:
+            return run
+        await self.collection.update_one({"_id": RUN_ID, "config": {}}, {"$set": {"config": config}})
+        return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+
+    @retry_on_reconnect
+    async def agree(self, name: str, given: dict[str, Any]) -> Run:
+        """The run's document with the :class:`RunValues` its samplers and trainers agree on, created if needed.
+
+        Whoever creates the document records the values: ``given`` (the caller's flags) over the defaults. A run
+        created before values were recorded gets them the same way, once (a conditional update). A ``given`` value
+        that differs from the recorded one raises :class:`RunValuesConflict` naming both, and nothing is written.
+        Every write is conditional, so a caller killed at any point and started again gets the same answer. (The
+        trainer's configuration snapshot follows with :meth:`get_or_create`.)
+        """
+        values = RunValues(**given)
+        now = utcnow()
+        fresh = Run(id=RUN_ID, name=name, values=values, created_at=now, updated_at=now)
+        try:
+            await self.collection.insert_one(fresh.to_mongo())
+            return fresh
+        except DuplicateKeyError:
+            run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+        if run.values is None:
+            await self.collection.update_one({"_id": RUN_ID, "values": None},
+                                             {"$set": {"values": values.model_dump(), "updated_at": now}})
+            run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+        recorded = run.values.model_dump()
+        differing = [f"--{key} {_shown(value)} differs from the run's {key} {_shown(recorded[key])}"
+                     for key, value in given.items() if value != recorded[key]]
+        if differing:
+            raise RunValuesConflict(f"run {run.name!r}: {'; '.join(differing)} (recorded when the run was created; "
+                                    "pass the same value or leave the flag out)")
+        return run
 
     @retry_on_reconnect
     async def get(self) -> Run | None:
@@ -82,3 +121,7 @@ class Runs:
         lost their updates (their samples are trained again), so the ledger must not list them. Returns how many."""
         result = await self.metrics.delete_many({"split": split, "step": {"$gt": step}})
         return result.deleted_count
+
+
+def _shown(value: Any) -> str:
+    return "none" if value is None else f"{value:g}" if isinstance(value, float) else str(value)

@@ -2,8 +2,11 @@
 AgentRL's (docs/original.md).
 
 Batch size: one optimiser step trains ``train_batch_size`` samples (merged trajectory branches) over all
-data-parallel ranks together. Left unset it is ``per_device_train_batch_size × gradient_accumulation_steps ×
-data-parallel size``, the Hugging Face convention the original followed. Within a step every rank splits its
+data-parallel ranks together. ``--per_device_train_batch_size`` / ``--gradient_accumulation_steps`` give it as
+their product × data-parallel size, the Hugging Face convention the original followed. With sampling (online), the
+batch size, ``max_staleness`` and ``temperature`` are values the run records
+(:class:`agentrl.store.models.RunValues`, docs/configuration.md): left unset they are the run's; offline the batch
+size defaults to that product. Within a step every rank splits its
 share into micro-batches by a token budget (``max_tokens`` forwarded tokens per pass), so gradient
 accumulation follows from the data, not from a fixed count; normalisers are global over the whole step.
 
@@ -25,6 +28,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from agentrl.store.models import RUN_VALUE_HELP, RunValues
 from agentrl.training.loss_config import LossConfig
 
 SchedulerName = Literal["constant", "linear", "cosine"]
@@ -102,8 +106,10 @@ class TrainConfig(BaseModel):
 
     # ------------------------------------------------------------------------------------------------- batches
     train_batch_size: int | None = Field(
-        None, ge=1, description="samples per optimiser step over all ranks (default: per_device_train_batch_size "
-        "× gradient_accumulation_steps × data-parallel size)")
+        None, ge=1, description="samples per optimiser step over all ranks (default: the run's, else "
+        f"{RunValues.model_fields['train_batch_size'].default}; offline, or given --per_device_train_batch_size or "
+        "--gradient_accumulation_steps: their product × data-parallel size); with --enable_sampling "
+        f"{RUN_VALUE_HELP}")
     per_device_train_batch_size: int = Field(8, ge=1, description="see train_batch_size")
     gradient_accumulation_steps: int = Field(1, ge=1, description="see train_batch_size")
     max_tokens: int = Field(8192, ge=1, description="tokens the model forwards per micro-batch, padding included "
@@ -111,7 +117,8 @@ class TrainConfig(BaseModel):
     pad_to_multiple_of: int = Field(1, ge=1, description="pad micro-batch length to a multiple of this")
     share_prefix: bool = Field(True, description="forward a token prefix that samples of a micro-batch share (a "
                                "group's prompt, a trajectory's common turns) once, not once per sample")
-    temperature: float = Field(1.0, gt=0.0, description="sampling temperature of the behaviour logprobs")
+    temperature: float = Field(RunValues.model_fields["temperature"].default, gt=0.0,
+                               description=f"sampling temperature of the behaviour logprobs; {RUN_VALUE_HELP}")
     preferred_sampling_params: dict[str, Any] | None = Field(
         None, description="the original's engine sampling defaults as JSON: the trainer takes its temperature as "
         "--temperature (the other parameters belong to the samplers or the engine)")
@@ -162,7 +169,9 @@ class TrainConfig(BaseModel):
     sync_sampling: bool = Field(
         False, description="train only on samples produced by the current policy version (synchronous baseline)")
     max_staleness: int | None = Field(
-        None, ge=0, description="skip (count and log) samples more than this many policy versions old")
+        RunValues.model_fields["max_staleness"].default, ge=0,
+        description="skip (count and log) samples more than this many policy versions old (none: no bound; "
+        f"--sync_sampling: 0); {RUN_VALUE_HELP}")
     sync_every: int = Field(1, ge=1, description="publish the weights every this many steps")
     keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
     publish_retries: int = Field(3, ge=0, description="extra attempts per inference service when publishing")
@@ -206,7 +215,7 @@ class TrainConfig(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        if self.sync_sampling and self.max_staleness not in (None, 0):
+        if self.sync_sampling and "max_staleness" in self.model_fields_set and self.max_staleness != 0:
             raise ValueError(f"--sync_sampling trains only on current-version samples: it contradicts "
                              f"--max_staleness {self.max_staleness}")
         if self.sync_sampling and not self.enable_sampling:
@@ -278,6 +287,26 @@ class TrainConfig(BaseModel):
     @property
     def num_warmup_steps(self) -> int:
         return self.warmup_steps or int(self.warmup_ratio * max(self.max_steps, 0))
+
+    def run_values(self, dp_size: int) -> dict[str, Any]:
+        """The values of :class:`RunValues` these flags give (the others come from the run): the batch size given
+        or computed from the per-device size, the staleness bound given (0 under ``sync_sampling``), the
+        temperature given (also by ``preferred_sampling_params``)."""
+        given: dict[str, Any] = {}
+        if self.train_batch_size is not None:
+            given["train_batch_size"] = self.train_batch_size
+        elif {"per_device_train_batch_size", "gradient_accumulation_steps"} & self.model_fields_set:
+            given["train_batch_size"] = self.per_device_train_batch_size * self.gradient_accumulation_steps * dp_size
+        if "max_staleness" in self.model_fields_set or self.sync_sampling:
+            given["max_staleness"] = self.staleness_bound
+        if "temperature" in self.model_fields_set:
+            given["temperature"] = self.temperature
+        return given
+
+    def with_run_values(self, values: RunValues) -> TrainConfig:
+        """This configuration with the run's agreed values."""
+        return self.model_copy(update={"train_batch_size": values.train_batch_size,
+                                       "max_staleness": values.max_staleness, "temperature": values.temperature})
 
     def resolved_train_batch_size(self, dp_size: int) -> int:
         """Samples per step over all ranks (see the module docstring)."""

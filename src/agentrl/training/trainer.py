@@ -36,6 +36,8 @@ from agentrl.failpoints import failpoint
 from agentrl.log import redact
 from agentrl.precision import native_bf16, resolve_dtype
 from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
+from agentrl.store.models import RunValues
+from agentrl.store.runs import RunValuesConflict
 from agentrl.training import lora
 from agentrl.training.aio import LoopThread
 from agentrl.training.batching import MicroBatch, align_passes, pack_micro_batches
@@ -130,11 +132,36 @@ class Trainer:
             logger.warning("bf16 on %s, which has no bf16 matrix instructions: bf16 compute is emulated and slow "
                            "there (meant for precision checks; --dtype auto picks fp32 here)", parallel.device)
         torch.manual_seed(cfg.seed)
-        self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
+
+    def _agree_run_values(self) -> None:
+        """Online, the batch size, staleness bound and temperature the run records (``RunValues``; recorded from
+        these flags if this trainer creates the run); the main rank asks, every rank takes its answer. A flag that differs from the run's value raises ``RunValuesConflict``. Sets the
+        per-step batch size."""
+        cfg, parallel = self.cfg, self.parallel
+        answer: tuple[dict[str, Any] | None, str | None] = (None, None)
+        if parallel.is_main and cfg.enable_sampling:
+            try:
+                run = self.io.run(self.store.runs.agree(self.run_name, cfg.run_values(parallel.dp_size)))
+                answer = (run.values.model_dump(), None)
+            except RunValuesConflict as error:
+                answer = (None, str(error))
+        values, conflict = parallel.broadcast_from_main(answer)
+        if conflict is not None:
+            raise RunValuesConflict(conflict)
+        if values is not None:
+            self.cfg = cfg = cfg.with_run_values(RunValues(**values))
+            if cfg.temperature <= 0:
+                raise RunValuesConflict(f"run {self.run_name!r} records temperature {cfg.temperature:g} (greedy "
+                                        "samplers): the trainer divides its logits by the temperature, which must "
+                                        "be > 0")
+        try:
+            self.batch_size = cfg.resolved_train_batch_size(parallel.dp_size)
+        except ValueError as error:
+            raise TrainerError(str(error)) from None
 
     def _open_run(self) -> None:
-        """Connect to the run's database; the main rank records the run (config snapshot, running) and its metrics
-        sink."""
+        """Connect to the run's database; agree on the run's values (``_agree_run_values``); the main rank records
+        the run (config snapshot, running) and its metrics sink."""
         cfg, parallel = self.cfg, self.parallel
         uri = parallel.broadcast_from_main(
             resolve_connection_string(cfg.db_connection_string, database=cfg.run_name) if parallel.is_main else None)
@@ -142,6 +169,8 @@ class Trainer:
         self.output_dir = Path(cfg.output_dir or Path("output") / self.run_name)
         self.io = LoopThread()
         self.store = self.io.run(_open_store(uri))
+        self._agree_run_values()
+        cfg = self.cfg
         logger.info("run %s (%s); %d ranks (dp %d × tp %d) on %s (%s, %s); %d samples per step; output in %s",
                     self.run_name, redact(uri), parallel.world_size, parallel.dp_size, parallel.tp_size,
                     parallel.device, parallel.backend or "one process", "bf16" if self.bf16 else "fp32",
@@ -358,6 +387,8 @@ class Trainer:
                 self._setup()
                 finished = self._loop()
                 self._finish(finished)
+            except RunValuesConflict:  # refused before anything was written: the run is not this trainer's to fail
+                raise
             except BaseException:
                 if self.parallel is not None and self.parallel.is_main and self.store is not None:
                     with contextlib.suppress(Exception):

@@ -26,8 +26,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from agentrl.config_flags import NO_FLAG
 
 TRAINABLE_CALL_STATUSES: frozenset[str] = frozenset({"completed", "toolfailed", "formaterror", "repeaterror"})
 """Statuses of the calls whose sampled tokens are trained (the original's set; ``failed`` calls are not)."""
@@ -37,7 +40,7 @@ ERROR_CALL_STATUSES: frozenset[str] = frozenset({"formaterror", "repeaterror"})
 
 
 class AdvantageConfig(BaseModel):
-    """How rewards become advantages (flags of ``agentrl train``)."""
+    """How rewards become advantages (flags of ``agentrl sample``, whose group stage computes them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -50,14 +53,14 @@ class AdvantageConfig(BaseModel):
     minimal_advantage: float | None = Field(
         None, ge=0.0, description="no loss on calls with |advantage| below this (replaces the zero rule)"
     )
-    reward_sign_threshold: float | None = Field(
+    reward_sign_threshold: Annotated[float | None, NO_FLAG] = Field(
         None,
         description="if set, rewards above it never get a negative advantage and rewards at or below it never a "
         "positive one (the original hard-wired 0.5 for rewards in [0, 1])",
     )
-    std_epsilon: float = Field(1e-6, gt=0.0, description="added to the std before dividing")
-    trainable_statuses: frozenset[str] = TRAINABLE_CALL_STATUSES
-    error_statuses: frozenset[str] = ERROR_CALL_STATUSES
+    std_epsilon: Annotated[float, NO_FLAG] = Field(1e-6, gt=0.0, description="added to the std before dividing")
+    trainable_statuses: Annotated[frozenset[str], NO_FLAG] = TRAINABLE_CALL_STATUSES
+    error_statuses: Annotated[frozenset[str], NO_FLAG] = ERROR_CALL_STATUSES
 
     @model_validator(mode="after")
     def _error_statuses_are_trainable(self) -> AdvantageConfig:
