@@ -14,16 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
 from agentrl.failpoints import ENV, EXIT_CODE
-
 from agentrl.inference import SGLangClient
 from agentrl.inference.process import EngineStartError
 from agentrl.store import Store, sync_client
 from agentrl.train import main
-
+from inference_fixtures import start_engine
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 
@@ -100,8 +98,9 @@ def test_publishing_adapters_serves_the_trainers_policy_by_name(db_uri: str, tin
     """--lora_publish adapter: each version is a PEFT adapter loaded into the live engine as policy-v<v> (older ones
     unloaded), the Run names the current one, a sampler's pool sends it and stamps its tokens with its version, the
     engine's logprobs are the trainer's merged model's, and an engine that starts later is given the adapter."""
-    from agentrl.rollout.inference_pool import InferencePool
     from transformers import AutoModelForCausalLM
+
+    from agentrl.rollout.inference_pool import InferencePool
 
     engine = start_engine(tiny_model_dir, "--enable_lora", "--db_connection_string", db_uri,
                           "--heartbeat_interval_s", "1")
