@@ -37,7 +37,7 @@ import tempfile
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
@@ -262,7 +262,7 @@ def main() -> int:
             print(f"{name}: {problem}")
     out = BENCH / "results" / "faults.json"
     out.write_text(json.dumps({
-        "when": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.platform(),
+        "when": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.platform(),
         "cpus": os.cpu_count(), "args": {k: str(v) for k, v in vars(args).items()},
         "clean": asdict(clean), "faulted": asdict(faulted)}, indent=2))
     if clean.problems or faulted.problems:

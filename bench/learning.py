@@ -136,7 +136,8 @@ def plot(result: dict, path: Path) -> None:
     labels = [label for label in ("base", "sft", "rl") if heldout.get(label)]
     values = [heldout[label]["accuracy"] or 0.0 for label in labels]
     intervals = [wilson(heldout[label]["correct"] or 0, heldout["num_tasks"]) for label in labels]
-    errors = [[v - low for v, (low, _) in zip(values, intervals)], [high - v for v, (_, high) in zip(values, intervals)]]
+    errors = [[v - low for v, (low, _) in zip(values, intervals)],
+              [high - v for v, (_, high) in zip(values, intervals)]]
     bars.bar(["base", "SFT warm-up", "SFT + RL"][:len(labels)], values, yerr=errors, capsize=4,
              color=["#999999", "#6a9fd4", "#2a7f3f"][:len(labels)])
     for index, value in enumerate(values):

@@ -170,9 +170,10 @@ def learning_run(variant: dict, server_uri: str, args: argparse.Namespace, tmp: 
 
 def main() -> int:
     args = parse_args()
+    from transformers import AutoModelForCausalLM
+
     from agentrl.inference.embedded_model import default_model_path
     from agentrl.store.embedded import embedded_server
-    from transformers import AutoModelForCausalLM
 
     model_path = default_model_path()
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()

@@ -49,7 +49,7 @@ def trajectory(turns: int, args: argparse.Namespace, rng: random.Random) -> list
     calls: list[CallTokens] = []
     for k in range(turns):
         out = [rng.randrange(1, args.vocab) for _ in range(args.output)]
-        common = dict(output_ids=out, output_logprobs=[-1.0] * len(out), weight_version=0, advantage=1.0)
+        common = {"output_ids": out, "output_logprobs": [-1.0] * len(out), "weight_version": 0, "advantage": 1.0}
         if k == 0:
             prompt = [rng.randrange(1, args.vocab) for _ in range(args.prompt)]
             calls.append(CallTokens(call_id="0", input_ids=prompt, **common))

@@ -30,7 +30,7 @@ from pymongo import AsyncMongoClient, ReturnDocument
 from agentrl.store import CallStatus, DispatchedSamplingTask, Store, with_database
 from agentrl.store.call_log import CallLog
 from agentrl.store.embedded import EmbeddedServer
-from agentrl.store.models import Record, utcnow
+from agentrl.store.models import utcnow
 from agentrl.store.task_files import UploadDefaults, parse_entry
 
 CONCURRENCY = (1, 4, 16)

@@ -21,7 +21,6 @@ from pymongo import MongoClient
 from inference_fixtures import TEST_ENV, start_engine
 from scripted_model import SCRIPTS, build_scripted_model, calculator_config
 
-
 SCRIPTED_STEPS = 150
 
 

@@ -20,9 +20,9 @@ import torch
 
 from agentrl.inference.tiny_model import build_tiny_model
 from agentrl.rollout.conversation import TokenConversation
-from agentrl.trajectory.prompting import initial_messages
 from agentrl.tools import ToolManager
 from agentrl.tools.config import MCPConfig
+from agentrl.trajectory.prompting import initial_messages
 
 
 def calculator_config() -> MCPConfig:

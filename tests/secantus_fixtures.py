@@ -27,9 +27,8 @@ from typing import Any
 import pytest
 from pymongo import MongoClient
 
-from conftest import free_port
-
 from agentrl.store.ping import answers_ping
+from conftest import free_port
 
 START_TIMEOUT_S = 60.0
 MISSING = ("the test dependency secantusdb is not installed in this environment; run scripts/setup_venv.sh "

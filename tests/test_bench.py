@@ -18,6 +18,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+
 from agentrl.bench.grading import GradingState
 from bench_fixtures import MARKER, needs_containment, reachable_text, run_bench, start_server, write_scenario
 from rollout_fixtures import agentrl_cmd, run_env

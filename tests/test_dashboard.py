@@ -14,12 +14,12 @@ from pathlib import Path
 
 import httpx
 import pytest
-from browser import CHROMIUM, Browser
-from example_fixtures import RUN_NAME, ExampleRun
 
 from agentrl.dashboard.tokens import calls_views
 from agentrl.store import sync_client
 from agentrl.store.embedded import embedded_server
+from browser import CHROMIUM, Browser
+from example_fixtures import RUN_NAME, ExampleRun
 
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = ROOT / "bench" / "results"

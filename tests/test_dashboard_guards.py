@@ -8,9 +8,9 @@ import subprocess
 
 import httpx
 import pytest
-from test_dashboard import BIN, start_dashboard, stop
 
 from agentrl.dashboard.hosts import allowed_names
+from test_dashboard import BIN, start_dashboard, stop
 
 
 def status(url: str, path: str = "/api/runs", **kwargs) -> int:

@@ -12,13 +12,12 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from agentrl.store.embedded import EmbeddedServer
 from conftest import free_port, with_database
 from inference_fixtures import start_engine
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config
 from test_rl_loop import wait_for
 from trainer_fixtures import start_trainer, trainer_args
-
-from agentrl.store.embedded import EmbeddedServer
 
 OUTAGE_S = 60.0
 STEPS, BATCH = 4, 4
@@ -52,7 +51,8 @@ def test_every_process_rides_out_a_60_s_database_outage(tmp_path: Path, scripted
         stopped = time.monotonic()
         while time.monotonic() - stopped < OUTAGE_S:
             exited = [p.args[3:5] for p in processes if p.poll() is not None]
-            assert not exited, f"{exited} exited during the outage:\n" + "\n".join(l.read_text()[-2000:] for l in logs)
+            tails = "\n".join(log.read_text()[-2000:] for log in logs)
+            assert not exited, f"{exited} exited during the outage:\n{tails}"
             time.sleep(1.0)
         server.start()
         output, _ = trainer.communicate(timeout=400)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import os
 import json
+import os
 import signal
 import subprocess
 import sys

@@ -16,11 +16,9 @@ import httpx
 import pytest
 
 from agentrl.envs.local import start_local_server
-
+from env_fixtures import EPISODE_TASKS
 from rollout_fixtures import agentrl_cmd, documents, run_env
 from test_rollout_sampler import full_prompts
-
-from env_fixtures import EPISODE_TASKS
 
 
 def write_env_tasks(path: Path, indices: tuple[int, ...], max_turns: int | None = None) -> Path:

@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import httpx
 import pytest
@@ -34,7 +34,7 @@ import uvicorn
 from fastapi import FastAPI
 from pydantic import BaseModel
 
-from agentrl.envs.base import EnvError, EnvSpec, Environment, StepResult
+from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 from agentrl.envs.client import AgentGymClient, EnvServerError, EnvUnavailable, episode_reward
 from agentrl.envs.local import EnvServerProcess, start_local_server
 from agentrl.envs.protocol import (
@@ -342,8 +342,8 @@ async def test_requests_that_may_have_arrived_are_retried_only_when_idempotent()
 # (the request models of AgentGym's agentenv_textcraft/model.py; at module level, where FastAPI resolves them)
 
 class CreateRequestBody(BaseModel):
-    commands: Optional[str] = None
-    goal: Optional[str] = None
+    commands: str | None = None
+    goal: str | None = None
 
 
 class StepRequestBody(BaseModel):
@@ -353,7 +353,7 @@ class StepRequestBody(BaseModel):
 
 class ResetRequestBody(BaseModel):
     id: int
-    data_idx: Optional[int] = 0
+    data_idx: int | None = 0
 
 
 class CloseRequestBody(BaseModel):

@@ -16,7 +16,6 @@ from agentrl.envs.actions import format_action, parse_action
 from agentrl.envs.base import EnvError, EnvSpec
 from agentrl.envs.textcraft import TextCraftEnv, crafting_world, spec
 
-
 AGENTGYM = json.loads((Path(__file__).parent / "contracts" / "agentgym_textcraft.json").read_text())
 
 

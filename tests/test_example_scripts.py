@@ -9,10 +9,9 @@ import os
 import subprocess
 from pathlib import Path
 
+from agentrl.store.embedded import embedded_server
 from example_fixtures import ROOT, ExampleRun
 from rollout_fixtures import documents
-
-from agentrl.store.embedded import embedded_server
 
 
 def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_example_run: ExampleRun) -> None:

@@ -19,14 +19,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import with_database
-from inference_fixtures import start_engine
-from scripted_model import SCRIPTS
-from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
 from agentrl.inference import SGLangClient
 from agentrl.inference.consistency import logprob_mismatch
 from agentrl.store import DBRecordData, Store, sync_client
+from conftest import with_database
+from inference_fixtures import start_engine
+from scripted_model import SCRIPTS
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

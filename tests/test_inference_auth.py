@@ -13,8 +13,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, trainer_args
 
 from agentrl.inference import InferenceRequestError, SGLangClient
 from agentrl.inference.client import API_KEY_ENV
@@ -22,6 +20,8 @@ from agentrl.inference.process import EngineProcess
 from agentrl.rollout.inference_pool import InferencePool
 from agentrl.store import Store, sync_client
 from agentrl.train import main
+from inference_fixtures import start_engine
+from trainer_fixtures import enqueue, make_samples, trainer_args
 
 KEY = "k3y-of-the-test-0123456789"
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2]

@@ -25,7 +25,6 @@ from agentrl.inference import (
     SGLangClient,
 )
 
-
 OK_BODY = {"text": "hi", "output_ids": [5, 2], "meta_info": {
     "id": "x", "finish_reason": {"type": "stop", "matched": 2}, "prompt_tokens": 3, "completion_tokens": 2,
     "weight_version": "4", "output_token_logprobs": [[-0.1, 5, None], [-0.2, 2, None]]}}

@@ -15,7 +15,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from agentrl.inference import SGLangClient
 from agentrl.inference.consistency import logprob_mismatch
 
-
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2]
 
 

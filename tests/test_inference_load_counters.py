@@ -23,13 +23,13 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request, Response
-from tools_fixtures import free_port
 
 from agentrl.rollout.inference_pool import InferencePool, NoInferenceService
 from agentrl.rollout.process import _watch_static_services
 from agentrl.store import Store
 from agentrl.store.embedded import EmbeddedServer
 from agentrl.store.services import owner_key
+from tools_fixtures import free_port
 
 HOLD = 7
 PARAMS = {"max_new_tokens": 2, "temperature": 0.0}

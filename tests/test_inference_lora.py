@@ -124,7 +124,8 @@ async def test_unloading_waits_for_the_requests_using_the_adapter(engine: Engine
 def test_adapters_the_engine_cannot_serve_are_refused(config: dict, message: str, engine: EngineProcess,
                                                       tiny_model_dir: Path, tmp_path: Path) -> None:
     _peft_adapter(tiny_model_dir, tmp_path / "odd", seed=4, r=2, lora_alpha=2, **config)
-    answer = httpx.post(f"{engine.url}/load_lora_adapter", json={"lora_name": "odd", "lora_path": str(tmp_path / "odd")})
+    answer = httpx.post(f"{engine.url}/load_lora_adapter",
+                        json={"lora_name": "odd", "lora_path": str(tmp_path / "odd")})
     assert answer.status_code == 400
     assert answer.json()["success"] is False and message in answer.json()["error_message"]
 

@@ -15,7 +15,6 @@ from agentrl.inference import SGLangClient
 from agentrl.inference.process import EngineProcess, EngineStartError
 
 
-
 def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

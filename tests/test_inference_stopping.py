@@ -12,7 +12,6 @@ import torch
 from agentrl.inference.engine import BadRequest, EngineConfig, InferenceEngine
 from agentrl.inference.protocol import GenerateRequest
 
-
 torch.set_num_threads(1)
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 

@@ -18,8 +18,6 @@ from pathlib import Path
 
 import pytest
 from fastapi.testclient import TestClient
-from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, trainer_args
 
 from agentrl.failpoints import ENV, failpoint, reset
 from agentrl.inference import SGLangClient
@@ -27,6 +25,8 @@ from agentrl.inference.process import EngineProcess
 from agentrl.store import InferenceService, Store, database_name, sync_client
 from agentrl.store.summary import run_summary
 from agentrl.train import main
+from inference_fixtures import start_engine
+from trainer_fixtures import enqueue, make_samples, trainer_args
 
 LEARNING_RATE = "0.2"  # one step must move the tiny model's logprobs well past the default bound
 

@@ -12,11 +12,10 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from agentrl.inference.client import SGLangClient
 from inference_fixtures import start_engine
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config
 from trainer_fixtures import run_trainer, start_trainer, trainer_args
-
-from agentrl.inference.client import SGLangClient
 
 STEPS, BATCH = 3, 4
 
@@ -81,7 +80,7 @@ def test_samplers_feed_the_trainer_which_publishes_and_resumes(db_uri: str, tmp_
     metrics = documents(db_uri, "Metric")
     assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))
     trained = [s for s in documents(db_uri, "DBRecordData") if s["status"] == "trained"]
-    assert Counter(s["claimed_step"] for s in trained) == {step: BATCH for step in range(1, STEPS + 1)}
+    assert Counter(s["claimed_step"] for s in trained) == dict.fromkeys(range(1, STEPS + 1), BATCH)
     # Samples of trained records came from real rollouts; the sampler kept sampling with published weights.
     calls = documents(db_uri, "DispatchedSamplingTask")
     assert max(c["weight_version"] or 0 for c in calls) >= 1

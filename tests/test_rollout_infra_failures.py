@@ -24,7 +24,6 @@ from typing import Any
 import pytest
 import uvicorn
 from fastapi import FastAPI, Request
-from tools_fixtures import free_port
 from transformers import AutoTokenizer
 
 from agentrl.rollout.agent import AgentResources
@@ -35,6 +34,7 @@ from agentrl.rollout.tool_parsers import get_parser
 from agentrl.store import Store
 from rollout_fixtures import agentrl_cmd, documents, run_env, upload
 from sglang_standin import StandInProcess
+from tools_fixtures import free_port
 
 REPLY = "The product is \\boxed{42}."
 FINISHED = {"ready", "abandoned"}

@@ -16,7 +16,6 @@ from transformers import AutoTokenizer
 
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
-
 FINISHED = {"scored", "ready", "abandoned"}
 
 

@@ -8,8 +8,6 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from rollout_fixtures import agentrl_cmd, run_env
-from trainer_fixtures import trainer_args
 
 from agentrl.rollout.config import SamplerConfig
 from agentrl.rollout.process import agree_run_values
@@ -18,6 +16,8 @@ from agentrl.store.models import RunStatus, RunValues
 from agentrl.store.runs import RunValuesConflict
 from agentrl.train import main as train_main
 from agentrl.training.config import TrainConfig
+from rollout_fixtures import agentrl_cmd, run_env
+from trainer_fixtures import trainer_args
 
 
 def _database(db_uri: str) -> dict[str, list[dict]]:

@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 from pymongo import MongoClient
-from rollout_fixtures import agentrl_cmd, documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
 from agentrl import failpoints
 from agentrl.rollout.config import GroupConfig
@@ -23,6 +22,7 @@ from agentrl.rollout.group_stage import run_group_stage
 from agentrl.store import RecordStatus, Store, TaskStatus
 from agentrl.trajectory.advantages import AdvantageConfig
 from conftest import with_database
+from rollout_fixtures import agentrl_cmd, documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from store_helpers import insert_tasks
 
 SLACK_S = 1.1  # NX-27017 compares query dates at one-second resolution

@@ -13,9 +13,9 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
 from agentrl.failpoints import ENV, EXIT_CODE
+from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
 FINISHED = ("scored", "ready", "trained", "abandoned")
 COMMON = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--lease_s",

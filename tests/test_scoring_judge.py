@@ -18,11 +18,11 @@ import pytest
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
-from tools_fixtures import free_port
 
 from agentrl.scoring import MCPScorerFactory, load_agent_config
 from agentrl.scoring.agent_config import AgentConfigError, JudgeConfig
 from agentrl.scoring.judge import parse_verdict
+from tools_fixtures import free_port
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "assets" / "agent_config_example.yml"
 KEY = "k-test-123"

@@ -12,12 +12,12 @@ from transformers import AutoTokenizer
 from agentrl.envs.arith import generate_arith_tasks
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.demonstrations import demonstrate
-from agentrl.trajectory.prompting import initial_messages
 from agentrl.rollout.tool_parsers import get_parser
 from agentrl.scoring.math_equiv import math_score
 from agentrl.store.task_files import UploadDefaults, parse_entry
 from agentrl.tools import ToolManager
 from agentrl.training.sft_data import ChatTokeniser, normalise
+from agentrl.trajectory.prompting import initial_messages
 from rollout_fixtures import (
     agentrl_cmd,
     documents,

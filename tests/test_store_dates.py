@@ -17,12 +17,11 @@ from bson.datetime_ms import DatetimeMS
 from bson.raw_bson import RawBSONDocument
 from pymongo import MongoClient, UpdateOne
 
+from agentrl.store import RecordStatus, Store
+from agentrl.store.models import DBRecordData, RunStatus, utcnow
 from rollout_fixtures import sample_args, upload, write_mcp_config, write_script_tasks
 from store_helpers import insert_tasks
 from test_rollout_sampler import run_sampler
-
-from agentrl.store import RecordStatus, Store
-from agentrl.store.models import DBRecordData, RunStatus, utcnow
 
 # Decoded so, a value is a DatetimeMS exactly when its BSON type is 9 (date); a string stays a str.
 RAW = CodecOptions(document_class=RawBSONDocument, datetime_conversion=DatetimeConversion.DATETIME_MS)

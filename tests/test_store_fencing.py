@@ -32,8 +32,8 @@ from agentrl.rollout.tool_parsers import get_parser
 from agentrl.store import CallStatus, DispatchedSamplingTask, GroupLease, LeaseLost, Record, RecordStatus, Store
 from agentrl.store.call_log import CallLog
 from agentrl.store.models import FailureClass
-from agentrl.trajectory.advantages import AdvantageConfig
 from agentrl.training.data import move_record
+from agentrl.trajectory.advantages import AdvantageConfig
 from conftest import with_database
 from store_helpers import insert_tasks
 

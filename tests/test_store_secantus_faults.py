@@ -96,9 +96,9 @@ async def test_failed_settle_in_finish_is_completed_by_a_take_over(target: Targe
         await insert_tasks(store, 1, num_generations=2)
         doomed, sibling = await store.slots.claim("train", "a"), await store.slots.claim("train", "b")
         assert await store.slots.finish(sibling, RecordStatus.SCORED, score=0.0) is None
-        with fail_command(target.server, ["findAndModify"], app_name=target.app, **fault):
-            with pytest.raises(OperationFailure) as error:
-                await store.slots.finish(doomed, RecordStatus.SCORED, score=1.0)
+        with (fail_command(target.server, ["findAndModify"], app_name=target.app, **fault),
+              pytest.raises(OperationFailure) as error):
+            await store.slots.finish(doomed, RecordStatus.SCORED, score=1.0)
         assert error.value.code == (96 if fault is FAILED else 64)
         record = await store.records.get(doomed.record_id)
         assert record.status == RecordStatus.SCORED and record.score == 1.0 and record.leased
@@ -137,9 +137,8 @@ async def test_failed_record_insert_of_a_claim_is_recovered_by_sweep(target: Tar
     slot. ``sweep`` leaves it alone while the claim could still be in progress and recovers it after a lease."""
     async with Store(target.uri, lease_s=LEASE_S) as store, Store(target.checker_uri, lease_s=LEASE_S) as other:
         await insert_tasks(store, 1, num_generations=2)
-        with fail_command(target.server, ["insert"], app_name=target.app, **fault):
-            with pytest.raises(raised):
-                await store.slots.claim("train", "a")
+        with fail_command(target.server, ["insert"], app_name=target.app, **fault), pytest.raises(raised):
+            await store.slots.claim("train", "a")
         task = await _task(other)
         assert task.unclaimed == 1 and len(task.claim_ids) == 1 and task.status == TaskStatus.RUNNING
         assert await other.db["Record"].count_documents({}) == 0
@@ -195,9 +194,9 @@ async def test_claim_batch_cut_after_an_applied_claim_resumes_for_the_same_rank_
     rank that claimed meanwhile got none of them."""
     async with Store(target.uri) as store, Store(target.checker_uri) as other:
         assert await store.samples.enqueue([_sample(i) for i in range(8)]) == 8
-        with fail_command(target.server, ["findAndModify"], app_name=target.app, skip=2, **APPLIED_BUT_ERROR):
-            with pytest.raises(WriteConcernError):
-                await store.samples.claim_batch(0, 5, 4)
+        with (fail_command(target.server, ["findAndModify"], app_name=target.app, skip=2, **APPLIED_BUT_ERROR),
+              pytest.raises(WriteConcernError)):
+            await store.samples.claim_batch(0, 5, 4)
         assert await _claims(other) == {f"s{i}": (0, 5) for i in range(3)}
         rival = await other.samples.claim_batch(1, 5, 2)  # another rank claims meanwhile
         assert [s.id for s in rival] == ["s3", "s4"]
@@ -217,9 +216,8 @@ async def test_mark_trained_retried_after_an_error_is_idempotent(target: Target,
         await store.samples.enqueue([_sample(i) for i in range(4)])
         batch = await store.samples.claim_batch(0, 1, 2)
         ids = [s.id for s in batch]
-        with fail_command(target.server, ["update"], app_name=target.app, **fault):
-            with pytest.raises(OperationFailure):
-                await store.samples.mark_trained(0, 1, ids)
+        with fail_command(target.server, ["update"], app_name=target.app, **fault), pytest.raises(OperationFailure):
+            await store.samples.mark_trained(0, 1, ids)
         await store.samples.mark_trained(0, 1, ids)  # the caller's retry (after applied-but-error, a repeat)
         assert await other.samples.counts() == {"queued": 2, "claimed": 0, "trained": 2}
         trained = [doc async for doc in other.db[DBRecordData.collection].find({"status": "trained"})]
@@ -234,9 +232,8 @@ async def test_mark_trained_through_retried_after_an_error_is_idempotent(target:
         await store.samples.enqueue([_sample(i) for i in range(6)])
         for step in (1, 2, 3):
             await store.samples.claim_batch(0, step, 2)
-        with fail_command(target.server, ["update"], app_name=target.app, **fault):
-            with pytest.raises(OperationFailure):
-                await store.samples.mark_trained_through(0, 2)
+        with fail_command(target.server, ["update"], app_name=target.app, **fault), pytest.raises(OperationFailure):
+            await store.samples.mark_trained_through(0, 2)
         assert await store.samples.mark_trained_through(0, 2) == (4 if fault is FAILED else 0)
         assert await store.samples.mark_trained_through(0, 2) == 0
         assert await other.samples.counts() == {"queued": 0, "claimed": 2, "trained": 4}

@@ -16,6 +16,7 @@ from agentrl.store.models import FailureClass
 from agentrl.store.summary import failure_counts
 from store_helpers import insert_tasks
 
+
 async def _task(store: Store, task_id: str = "train:t0000") -> Task:
     return Task.from_mongo(await store.db.Task.find_one({"_id": task_id}))
 

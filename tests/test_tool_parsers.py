@@ -183,7 +183,7 @@ def test_error_taxonomy_values() -> None:
     assert [o.value for o in TrajectoryOutcome] == [
         "answer", "turns_limit_error", "length_limit_error", "repetition_error", "failed_error", "done",
         "env_start_error", "env_error"]
-    assert NO_VERDICT_OUTCOMES == {"failed_error", "env_start_error", "env_error"}
+    assert {"failed_error", "env_start_error", "env_error"} == NO_VERDICT_OUTCOMES
 
 
 def test_load_json_object_rejects_non_objects() -> None:

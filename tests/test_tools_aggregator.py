@@ -10,9 +10,9 @@ import httpx
 import pytest
 import pytest_asyncio
 import yaml
-from tools_fixtures import agentrl_command, background_server, free_port, serve_command
 
 from agentrl.tools import ToolConnectionError, ToolManager, ToolStatus
+from tools_fixtures import agentrl_command, background_server, free_port, serve_command
 
 TOKEN = "aggregator-token"
 

@@ -9,9 +9,9 @@ import signal
 
 import pytest
 import pytest_asyncio
-from tools_fixtures import PYTHON, background_server, child_pids, free_port, serve_command
 
 from agentrl.tools import MCPConfig, ToolConnectionError, ToolManager, ToolStatus
+from tools_fixtures import PYTHON, background_server, child_pids, free_port, serve_command
 
 
 def stdio_server(name: str, server: str, *args: str) -> dict:

@@ -18,11 +18,11 @@ from pathlib import Path
 
 import pytest
 from mcp.server.mcpserver.exceptions import ToolError
-from tools_fixtures import serve_command
 
 from agentrl.tools import MCPConfig, ToolManager, ToolStatus
 from agentrl.tools.sandbox import SandboxConfig, SandboxUnavailable, run_python, select_isolation
 from agentrl.tools.servers import python_server
+from tools_fixtures import serve_command
 
 
 def _works(mechanism: str) -> bool:

@@ -14,9 +14,9 @@ import uuid
 from pathlib import Path
 
 import pytest
-from test_tools_sandbox import MECHANISMS
 
 from agentrl.tools.sandbox import SandboxConfig, run_python
+from test_tools_sandbox import MECHANISMS
 
 pytestmark = pytest.mark.parametrize("mechanism", MECHANISMS)
 

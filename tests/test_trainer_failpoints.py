@@ -12,13 +12,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import enqueue, make_samples, run_trainer, start_trainer, trainer_args
 
 from agentrl.failpoints import ENV, EXIT_CODE, FailpointHit, reset
 from agentrl.store import DBRecordData, Record, RecordStatus, sync_client
 from agentrl.store.models import EPOCH
 from agentrl.training.checkpoint import list_checkpoints
 from agentrl.training.dirs import replace_dir
+from trainer_fixtures import enqueue, make_samples, run_trainer, start_trainer, trainer_args
 
 BATCH, STEPS = 4, 4
 FLAGS = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_steps", "1", "--enable_sampling",
@@ -58,7 +58,7 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
         assert run["policy_version"] >= STEPS and Path(run["weights_path"]).name == str(run["policy_version"])
         assert (Path(run["weights_path"]) / "config.json").exists()
     assert {d["status"] for d in docs} == {"trained"}
-    assert Counter(d["claimed_step"] for d in docs) == {step: BATCH for step in range(1, STEPS + 1)}
+    assert Counter(d["claimed_step"] for d in docs) == dict.fromkeys(range(1, STEPS + 1), BATCH)
     assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))
     listed = [sample_id for m in metrics for sample_id in m["sample_ids"]]
     assert sorted(listed) == sorted(s.id for s in samples), "the ledger lists a sample twice or misses one"
@@ -83,7 +83,8 @@ def test_a_directory_is_never_half_replaced(tmp_path: Path, monkeypatch: pytest.
     reset()
     try:
         with pytest.raises(FailpointHit):
-            replace_dir(checkpoint(".checkpoint-2.tmp", 2), tmp_path / "checkpoint-2", failpoint_prefix="checkpoint.save")
+            replace_dir(checkpoint(".checkpoint-2.tmp", 2), tmp_path / "checkpoint-2",
+                        failpoint_prefix="checkpoint.save")
         assert [step for step, _ in list_checkpoints(tmp_path)] == [1]
         monkeypatch.delenv(ENV)
         reset()

@@ -11,6 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from agentrl.failpoints import ENV
+from agentrl.store import sync_client
+from agentrl.train import main
+from agentrl.training import lora
 from cli_helpers import agentrl
 from trainer_fixtures import (
     enqueue,
@@ -22,11 +27,6 @@ from trainer_fixtures import (
     train_uninterrupted,
     trainer_args,
 )
-
-from agentrl.failpoints import ENV
-from agentrl.store import sync_client
-from agentrl.train import main
-from agentrl.training import lora
 
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules",
         "all-linear")
@@ -71,7 +71,7 @@ def test_our_merge_equals_peft_merge_for_linear_embedding_and_saved_modules(tiny
                               modules_to_save=["norm"])
     ours = lora.inject_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32), config)
     with torch.no_grad():
-        for name, param in ours.named_parameters():
+        for _name, param in ours.named_parameters():
             if param.requires_grad:  # B starts at zero: give every adapter and saved copy a real update
                 param.add_(torch.randn_like(param) * 0.05)
     merged = lora.merge_state_dict(ours, ours.state_dict())

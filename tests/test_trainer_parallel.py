@@ -14,6 +14,10 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from agentrl.failpoints import ENV
+from agentrl.store import DBRecordData, sync_client
+from agentrl.train import main
 from conftest import with_database
 from trainer_fixtures import (
     TRAINER_ENV,
@@ -25,11 +29,6 @@ from trainer_fixtures import (
     run_trainer,
     trainer_args,
 )
-
-from agentrl.failpoints import ENV
-from agentrl.store import DBRecordData, sync_client
-from agentrl.train import main
-
 
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
 FLAGS = ("--train_batch_size", "4", "--enable_sampling", "false", "--max_tokens", "64", "--adam_epsilon", "1e-6")

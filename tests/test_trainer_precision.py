@@ -4,11 +4,10 @@ from an fp32 LM head, so in bf16 they stay within a stated bound of the engine's
 a CPU with bf16 matrix instructions and fp32 for the engine on any CPU, so the default run is this case.
 
 Bound: with bf16 decoder layers the remaining gap is the layers' own rounding. Measured on these four sampled
-completions (T=1, up to 40 tokens each): mean |Δ| = 0.0150 nats (max 0.113) with the fp32 head, 0.0254 (max 0.150) with bf16
-logits upcast afterwards (the old behaviour), 6e-6 in fp32; ``BF16_MEAN_BOUND = 0.02`` separates the two. On eight
-fresh completions in ``auto`` (engine fp32, trainer bf16 with the fp32 head): 0.0145 (max 0.183); a bf16 engine
-(bf16 logits) against the same trainer gives 0.0342 (max 0.371), above the bound.
-"""
+completions (T=1, up to 40 tokens each): mean |Δ| = 0.0150 nats (max 0.113) with the fp32 head, 0.0254 (max 0.150) with
+bf16 logits upcast afterwards (the old behaviour), 6e-6 in fp32; ``BF16_MEAN_BOUND = 0.02`` separates the two. On eight
+fresh completions in ``auto`` (engine fp32, trainer bf16 with the fp32 head): 0.0145 (max 0.183); a bf16 engine (bf16
+logits) against the same trainer gives 0.0342 (max 0.371), above the bound. """
 
 from __future__ import annotations
 
@@ -19,18 +18,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import with_database
-from trainer_fixtures import enqueue, trainer_args
 
 from agentrl.inference.embedded_model import default_model_path
 from agentrl.inference.engine import EngineConfig, InferenceEngine
 from agentrl.inference.engine import resolve_dtype as engine_dtype
 from agentrl.inference.protocol import GenerateRequest
-from agentrl.store import DBRecordData, sync_client
 from agentrl.precision import resolve_dtype
+from agentrl.store import DBRecordData, sync_client
 from agentrl.train import main
 from agentrl.training.config import TrainConfig
 from agentrl.training.logprobs import head_logprobs, model_token_logprobs, token_logprobs
+from conftest import with_database
+from trainer_fixtures import enqueue, trainer_args
 
 BF16_MEAN_BOUND = 0.02
 QUESTIONS = ["What is 17 * 23? Use the calculator.", "Compute 1234 + 5678 and answer in <answer> tags.",
@@ -106,7 +105,7 @@ def test_chunked_head_equals_one_block_with_gradients() -> None:
     weight = torch.randn(50, 16, requires_grad=True)
     targets = torch.randint(0, 50, (2, 7))
     whole = head_logprobs(hidden, weight, None, targets, 0.7)
-    chunked = head_logprobs(hidden, weight, None, targets, 0.7, chunk_bytes=4 * 50 * 2 * 3)  # 3 positions of both rows per chunk
+    chunked = head_logprobs(hidden, weight, None, targets, 0.7, chunk_bytes=4 * 50 * 2 * 3)  # 3 positions, 2 rows
     assert whole.dtype == torch.float32
     assert torch.allclose(whole, chunked, atol=1e-6)
     grads = [torch.autograd.grad(out.sum(), (hidden, weight)) for out in (whole, chunked)]

@@ -14,16 +14,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
 from agentrl.failpoints import ENV, EXIT_CODE
-
 from agentrl.inference import SGLangClient
 from agentrl.inference.process import EngineStartError
 from agentrl.store import Store, sync_client
 from agentrl.train import main
-
+from inference_fixtures import start_engine
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 
@@ -100,8 +98,9 @@ def test_publishing_adapters_serves_the_trainers_policy_by_name(db_uri: str, tin
     """--lora_publish adapter: each version is a PEFT adapter loaded into the live engine as policy-v<v> (older ones
     unloaded), the Run names the current one, a sampler's pool sends it and stamps its tokens with its version, the
     engine's logprobs are the trainer's merged model's, and an engine that starts later is given the adapter."""
-    from agentrl.rollout.inference_pool import InferencePool
     from transformers import AutoModelForCausalLM
+
+    from agentrl.rollout.inference_pool import InferencePool
 
     engine = start_engine(tiny_model_dir, "--enable_lora", "--db_connection_string", db_uri,
                           "--heartbeat_interval_s", "1")
@@ -177,8 +176,8 @@ def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(db_u
     try:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
         flags = trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps", "3",
-                             "--max_staleness", "none", "--save_steps", "1", "--use_peft", "--lora_target_modules", "all-linear",
-                             "--lora_publish", "adapter", "--publish_retries", "0")
+                             "--max_staleness", "none", "--save_steps", "1", "--use_peft", "--lora_target_modules",
+                             "all-linear", "--lora_publish", "adapter", "--publish_retries", "0")
         crashed = run_trainer(flags, env={ENV: "publish.before_bump=exit@2"})
         assert crashed.returncode == EXIT_CODE, crashed.stdout
         resumed = run_trainer([*flags, "--resume_from_checkpoint", "latest"])

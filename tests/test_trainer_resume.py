@@ -9,6 +9,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from agentrl.store import sync_client
 from trainer_fixtures import (
     enqueue,
     load_weights,
@@ -19,9 +20,6 @@ from trainer_fixtures import (
     train_uninterrupted,
     trainer_args,
 )
-
-from agentrl.store import sync_client
-
 
 STEPS, BATCH = 8, 4
 
@@ -71,7 +69,7 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
 
         docs = list(db.DBRecordData.find())
         assert len(docs) == len(samples) and {d["status"] for d in docs} == {"trained"}, at_kill
-        assert Counter(d["claimed_step"] for d in docs) == {step: BATCH for step in range(1, STEPS + 1)}
+        assert Counter(d["claimed_step"] for d in docs) == dict.fromkeys(range(1, STEPS + 1), BATCH)
         assert sorted(d["step"] for d in db.Metric.find()) == list(range(1, STEPS + 1))
         # the step ledger: each step lists exactly the samples it trained, and every sample is in one step
         ledger = {d["step"]: d["sample_ids"] for d in db.Metric.find()}

@@ -9,6 +9,10 @@ import time
 from pathlib import Path
 
 import pytest
+
+from agentrl.store import Record, RecordStatus, sync_client
+from agentrl.store.models import utcnow
+from agentrl.train import main
 from trainer_fixtures import (
     check_trainer_logprobs,
     enqueue,
@@ -19,11 +23,6 @@ from trainer_fixtures import (
     start_trainer,
     trainer_args,
 )
-
-from agentrl.store import Record, RecordStatus, sync_client
-from agentrl.store.models import utcnow
-from agentrl.train import main
-
 
 
 def _db(db_uri: str):

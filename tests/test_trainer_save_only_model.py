@@ -10,10 +10,10 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-from trainer_fixtures import enqueue, make_samples, trainer_args
 
 from agentrl.store import sync_client
 from agentrl.train import main
+from trainer_fixtures import enqueue, make_samples, trainer_args
 
 BATCH, LR = 4, 1e-3
 
@@ -42,7 +42,7 @@ def test_resume_from_a_model_only_checkpoint(db_uri: str, tiny_model_dir: Path, 
         db = client.get_default_database()
         docs = list(db.DBRecordData.find())
         assert {d["status"] for d in docs} == {"trained"}
-        assert Counter(d["claimed_step"] for d in docs) == {step: BATCH for step in range(1, 5)}
+        assert Counter(d["claimed_step"] for d in docs) == dict.fromkeys(range(1, 5), BATCH)
         rates = {m["step"]: m["values"]["learning_rate"] for m in db.Metric.find()}
     finally:
         client.close()

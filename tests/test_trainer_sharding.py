@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from training_core_fixtures import tiny_llama
 
 from agentrl.training.parallel import ParallelError, ParallelState, backend_device, clip_grad_norm, shard_model
+from training_core_fixtures import tiny_llama
 
 MAX_NORM = 0.5
 

@@ -10,11 +10,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from agentrl.store import DBRecordData
-from agentrl.training.data import sample_staleness, split_shares, to_merged, tokens_if_unmerged
 from agentrl.training.config import TrainConfig
+from agentrl.training.data import sample_staleness, split_shares, to_merged, tokens_if_unmerged
 from agentrl.training.launcher import BOOLEAN_FIELDS, LaunchConfigError, apply_launch_config
 from agentrl.training.weights import WeightsError, load_pretrained
-
 
 
 def _sample(**fields) -> DBRecordData:

@@ -149,7 +149,7 @@ def test_gspo_matches_the_sequence_objective() -> None:
     ratios = [math.exp(x) for x in log_r]
     config = LossConfig(loss_calculater="GSPO", token_level_loss=False)
     loss, grad, metrics = run(config, 3, seq_ids=seq_ids, ratios=ratios, advs=advs, mask=[1] * 7)
-    s0, s1, s2 = math.exp(0.05), math.exp(0.45), math.exp(0.4)
+    s0, _s1, s2 = math.exp(0.05), math.exp(0.45), math.exp(0.4)
     assert loss == pytest.approx((-s0 - 1.3 + s2) / 3)
     # GSPO gradient: dJ/dℓ_t = -A·s/|seq| / N ; zero for the clipped sequence
     assert grad == pytest.approx([-s0 / 9] * 3 + [0.0, 0.0] + [s2 / 6] * 2)
@@ -171,7 +171,7 @@ def test_gspo_is_sequence_level_whatever_token_level_loss_says() -> None:
     log_r = [0.1, 0.2, -0.15, 0.5, 0.4, 0.3, 0.5]
     advs = [1.0, 1.0, 1.0, 1.0, 1.0, -1.0, -1.0]
     seq_ids = [0, 0, 0, 1, 1, 2, 2]
-    over = dict(seq_ids=seq_ids, ratios=[math.exp(x) for x in log_r], advs=advs, mask=[1] * 7)
+    over = {"seq_ids": seq_ids, "ratios": [math.exp(x) for x in log_r], "advs": advs, "mask": [1] * 7}
     results = []
     for config in (LossConfig(loss_calculater="GSPO", token_level_loss=True),
                    LossConfig(loss_calculater="GSPO", token_level_loss=False),

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
-from training_core_fixtures import VOCAB, tiny_llama
 
 from agentrl.training.batching import MicroBatch, align_passes, collate, pack_micro_batches, plan_micro_batches
 from agentrl.training.logprobs import layout_logprobs, model_token_logprobs, shared_prefix_unsupported
 from agentrl.training.losses import LossConfig, LossInput, global_normaliser, loss_fn
-from agentrl.trajectory.merge import CallTokens, MergedSample, merge_trajectory
 from agentrl.training.prefix_tree import build_forest
+from agentrl.trajectory.merge import CallTokens, MergedSample, merge_trajectory
+from training_core_fixtures import VOCAB, tiny_llama
 
 MIN_SHARED = 8
 LOSSES = {
@@ -50,9 +50,9 @@ def group(rng: random.Random, prompt: list[int], size: int, *, turns: int = 2, n
         calls: list[CallTokens] = []
         for turn in range(turns):
             output = (list(opening) if turn == 0 and index < size - 1 else []) + ids(rng, rng.randrange(1, 7))
-            common = dict(call_id=f"{name}{index}-{turn}", output_ids=output,
-                          output_logprobs=[-1.0] * len(output), weight_version=turn,
-                          advantage=rng.choice([-1.5, -0.5, 0.5, 1.0]))
+            common = {"call_id": f"{name}{index}-{turn}", "output_ids": output,
+                          "output_logprobs": [-1.0] * len(output), "weight_version": turn,
+                          "advantage": rng.choice([-1.5, -0.5, 0.5, 1.0])}
             if turn == 0:
                 calls.append(CallTokens(input_ids=prompt, **common))
             else:

@@ -58,7 +58,7 @@ def delta_trajectory(
     for k in range(turns):
         out = random_ids(rng, out_len + k % 3)
         logprobs = [-0.1 * (i + 1) for i in range(len(out))]
-        common = dict(output_ids=out, output_logprobs=logprobs, weight_version=first_version + k, advantage=1.0)
+        common = {"output_ids": out, "output_logprobs": logprobs, "weight_version": first_version + k, "advantage": 1.0}
         if k == 0:
             calls.append(CallTokens(call_id=f"{prefix}{k}", input_ids=random_ids(rng, prompt_len), **common))
         else:
@@ -110,7 +110,6 @@ def accumulate_gradient(
     """Forward/backward every micro-batch with the given normaliser; return the flat accumulated gradient."""
     model.zero_grad(set_to_none=True)
     metrics = LossMetrics()
-    dtype = next(model.parameters()).dtype
     for mb in batches:
         new = model_token_logprobs(model, mb.input_ids, mb.attention_mask)
         loss, m = loss_fn(config, LossInput.from_batch(mb, new, current_version), normaliser)

@@ -142,7 +142,7 @@ def steps(ctx: Context) -> list[Step]:
              figures=bench_engine_figures),
         Step("rl_loop", [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps",
                          "4", "--train_batch_size", "8", "--timeout_s", "200", "--json", f"{work}/rl_loop.json"],
-             240, cuda=True, figures=lambda w, o: {k: v for k, v in read_json(w / "rl_loop.json").items()}),
+             240, cuda=True, figures=lambda w, o: dict(read_json(w / "rl_loop.json").items())),
     ]
 
 

@@ -17,6 +17,7 @@ namespace's end kills whatever the agent left behind, ``setsid`` and double-fork
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -174,12 +175,8 @@ def kill_group(process: subprocess.Popen, grace_s: float = KILL_GRACE_S) -> None
         os.killpg(process.pid, signal.SIGTERM)
     except ProcessLookupError:
         return
-    try:
+    with contextlib.suppress(subprocess.TimeoutExpired):
         process.wait(timeout=grace_s)
-    except subprocess.TimeoutExpired:
-        pass
-    try:
-        os.killpg(process.pid, signal.SIGKILL)  # children that outlived the leader, or a leader ignoring TERM
-    except ProcessLookupError:
-        pass
+    with contextlib.suppress(ProcessLookupError):  # children that outlived the leader, or a leader ignoring TERM
+        os.killpg(process.pid, signal.SIGKILL)
     process.wait()

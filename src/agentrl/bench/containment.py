@@ -50,8 +50,17 @@ from pathlib import Path
 from typing import Literal
 
 from agentrl.tools.sandbox import (
-    DROP_PRIVILEGES, ROOT_UIDS, TOP_DIRS, SandboxUnavailable, ancestors, as_user, python_dirs, real_root,
-    host_tools, is_under)
+    DROP_PRIVILEGES,
+    ROOT_UIDS,
+    TOP_DIRS,
+    SandboxUnavailable,
+    ancestors,
+    as_user,
+    host_tools,
+    is_under,
+    python_dirs,
+    real_root,
+)
 
 Network = Literal["isolated", "host"]
 WRITABLE = ("output", "code", "reports", "home")

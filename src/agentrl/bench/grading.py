@@ -1,4 +1,5 @@
-"""The grading side of a run (AutoRL-Bench's grading server): submissions of one task's workspace, their scores, the baseline, jobs.
+"""The grading side of a run (AutoRL-Bench's grading server): submissions of one task's workspace, their scores, the
+baseline, jobs.
 
 The record lives with the grading server, in its ``state_dir`` (outside the workspace, never read from anything
 the agent can write): ``grading.json`` (:class:`GradingState`: the baseline and every grading, in order,
@@ -24,7 +25,7 @@ import os
 import time
 import uuid
 from dataclasses import dataclass, field
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -55,7 +56,7 @@ class GradingStateError(RuntimeError):
 
 
 def now_iso() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(UTC).isoformat(timespec="seconds")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -260,7 +261,7 @@ class GradingRun:
             self._record(job, path, EvaluationResult(error="the grading server stopped during this grading"),
                          snapshot, via)
             raise
-        except Exception as error:  # noqa: BLE001 - whatever went wrong, the grading ends as a recorded failure
+        except Exception as error:  # whatever went wrong, the grading ends as a recorded failure
             logger.exception("grading %s of %s failed", job.id, path)
             result = EvaluationResult(error="the grading failed inside the grading server",
                                       detail=f"{type(error).__name__}: {error}")

@@ -51,7 +51,14 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.bench import containment
 from agentrl.bench.agent import (
-    REPO_AGENTS, AgentConfig, AgentError, agent_environment, find_agent, start_agent, supervise)
+    REPO_AGENTS,
+    AgentConfig,
+    AgentError,
+    agent_environment,
+    find_agent,
+    start_agent,
+    supervise,
+)
 from agentrl.bench.containment import AgentSandbox, ContainmentUnavailable, Network
 from agentrl.bench.grading import GradingState, GradingStateError, write_json_atomic
 from agentrl.bench.scenarios import Scenario, ScenarioSet, bench_home

@@ -21,7 +21,8 @@ from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.bench import data as bench_data
 
-GSM8K_PROMPT = "Solve this math problem step by step. Put your final answer after ####.\n\nQuestion: {query}\n\nSolution:"
+GSM8K_PROMPT = ("Solve this math problem step by step. Put your final answer after ####.\n\nQuestion: {query}\n\n"
+                "Solution:")
 HUMANEVAL_PROMPT = ("Complete the following Python function. Reply with the whole function in one ```python code "
                     "block.\n\n```python\n{query}```")
 
@@ -139,8 +140,8 @@ def _builtin(scenario_id: str) -> Scenario:
         return Scenario(
             id="textcraft", name="TextCraft (interactive)", type="interactive", metric="success_rate", **common,
             description="Craft a Minecraft item from crafting commands in a text environment (TextCraft's "
-                        "recipes, as in AgentGym). Training goals can be played through POST /interact; success rate in percent on "
-                        "held-out goals, greedy, at most 12 turns.",
+                        "recipes, as in AgentGym). Training goals can be played through POST /interact; success "
+                        "rate in percent on held-out goals, greedy, at most 12 turns.",
             data_format={"type": "jsonl", "fields": {"env": {"name": "textcraft", "data_idx": "int"}}},
             reward={"type": "binary", "source": "environment"},
             eval=EvalProtocol(scorer="env_reward", max_turns=12, max_new_tokens=96, env="textcraft"))

@@ -5,9 +5,9 @@ Scenario API: ``GET /``, ``GET /scenarios``, ``GET /scenarios/{id}`` (404 naming
 unknown scenario or a missing model, 500 when the evaluation fails), ``POST /interact`` (interactive scenarios).
 Errors are FastAPI's ``{"detail": ...}``, as AutoRL-Bench's scenario server.
 
-Grading API (with ``--task``; errors are ``{"error": ...}`` as AutoRL-Bench's grading server): ``GET /health``, ``POST /validate``,
-``POST /submit {model_path?, async?}`` (blocking by default; ``"async": true`` returns ``{job_id}`` at once, then
-``GET /jobs/{id}``; 429 once ``max_evaluations`` gradings are used or queued), ``GET /best`` (404 before any
+Grading API (with ``--task``; errors are ``{"error": ...}`` as AutoRL-Bench's grading server): ``GET /health``, ``POST
+/validate``, ``POST /submit {model_path?, async?}`` (blocking by default; ``"async": true`` returns ``{job_id}`` at
+once, then ``GET /jobs/{id}``; 429 once ``max_evaluations`` gradings are used or queued), ``GET /best`` (404 before any
 submission), ``GET /history``, ``POST /set_baseline {score}`` (JSON only; 400 without a score), ``GET /time``.
 
 A server that grades a task records every evaluation it makes for others: ``/evaluate`` from anyone but the
@@ -218,7 +218,7 @@ def create_app(config: BenchServerConfig, db_uri: str, admin_token: str | None =
     service = BenchService(config, db_uri, admin_token)
 
     @contextlib.asynccontextmanager
-    async def lifespan(_: FastAPI):  # noqa: ANN202 - FastAPI's signature
+    async def lifespan(_: FastAPI):  # FastAPI's signature
         yield
         # Stop what is still running: evaluations (their agentrl eval process groups are killed; each grading is
         # recorded as failed), environment sessions.
@@ -244,14 +244,14 @@ def _add_middleware(app: FastAPI, service: BenchService) -> None:
     loopback_only = _is_loopback(service.config.host)
 
     @app.middleware("http")
-    async def refuse_foreign(request: Request, call_next):  # noqa: ANN001, ANN202 - FastAPI's signature
+    async def refuse_foreign(request: Request, call_next):  # FastAPI's signature
         reason = foreign_request(request, loopback_only)
         if reason is not None:
             return _error(403, reason)
         return await call_next(request)
 
     @app.middleware("http")  # added last, so it runs first: refused requests are recorded too
-    async def record_interaction(request: Request, call_next):  # noqa: ANN001, ANN202 - FastAPI's signature
+    async def record_interaction(request: Request, call_next):  # FastAPI's signature
         started = time.perf_counter()
         body = await request.body()
         response = await call_next(request)

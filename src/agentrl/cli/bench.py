@@ -110,7 +110,8 @@ def list_scenarios(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from agentrl.bench.server import BenchServerConfig, serve as serve_bench
+    from agentrl.bench.server import BenchServerConfig
+    from agentrl.bench.server import serve as serve_bench
 
     urls = [u.strip() for u in (args.inference_urls or "").split(",") if u.strip()]
     try:
@@ -129,7 +130,8 @@ def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from agentrl.bench.orchestrator import BenchRunError, RunOptions, run as run_bench
+    from agentrl.bench.orchestrator import BenchRunError, RunOptions
+    from agentrl.bench.orchestrator import run as run_bench
     from agentrl.bench.scenarios import ScenarioError
 
     try:

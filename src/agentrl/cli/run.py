@@ -7,8 +7,8 @@ import argparse
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    from agentrl.run.config import RunConfig
     from agentrl.config_flags import add_model_arguments
+    from agentrl.run.config import RunConfig
 
     parser = sub.add_parser(
         "run", allow_abbrev=False, help="a whole run: database, engine, tools, evaluations, warm-up, RL, summary",
@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from agentrl.config_flags import model_from_namespace
     from agentrl.run.config import RunConfig
     from agentrl.run.driver import main
-    from agentrl.config_flags import model_from_namespace
 
     return main(model_from_namespace(RunConfig, args, args._parser))

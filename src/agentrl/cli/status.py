@@ -36,10 +36,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def render(summary: dict[str, Any], where: str) -> None:
+    import sys
+
     from rich.console import Console
     from rich.table import Table
-
-    import sys
 
     from agentrl.store.progress import failure_line
 

@@ -9,7 +9,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     from agentrl.train import add_arguments
 
     parser = sub.add_parser(
-        "train", allow_abbrev=False, usage="%(prog)s [--flag value ...] (all flags: --help)", help="train the policy from the run's DBRecordData queue",
+        "train", allow_abbrev=False, usage="%(prog)s [--flag value ...] (all flags: --help)",
+        help="train the policy from the run's DBRecordData queue",
         description="Stream the run's DBRecordData, optimise GRPO / MINIRL / GSPO / CrossEntropy, publish weights "
                     "to the inference services and checkpoint. For several processes use torchrun or accelerate "
                     "launch with -m agentrl.train and the same flags.")

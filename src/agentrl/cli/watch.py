@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import os
-
 from typing import TYPE_CHECKING
 
 from agentrl.cli.options import add_db_option

@@ -68,7 +68,7 @@ def _warm_tokenizers(reader: RunReader, texts: TokenTexts) -> None:
     try:
         for run in reader.run_names():
             texts.texts(reader.run_config(run).get("model_name_or_path"), [])
-    except Exception:  # noqa: BLE001 - only a warm-up: the page loads what it needs itself
+    except Exception:  # only a warm-up: the page loads what it needs itself
         logger.debug("warming the tokenizers failed", exc_info=True)
 
 

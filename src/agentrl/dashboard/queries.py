@@ -6,7 +6,7 @@ Every run is a database with a ``Run`` collection. Reads only: lists use project
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -14,6 +14,7 @@ from pymongo import MongoClient
 from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
+from agentrl.store.evals import Eval
 from agentrl.store.models import (
     EPOCH,
     NOT_TRAINED_STATES,
@@ -26,7 +27,6 @@ from agentrl.store.models import (
     Run,
     Task,
 )
-from agentrl.store.evals import Eval
 from agentrl.store.runs import RUN_ID
 from agentrl.store.summary import count, run_summary
 
@@ -103,7 +103,7 @@ def as_datetime(value: Any) -> datetime | None:
             return None
     if not isinstance(value, datetime):
         return None
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 def plain(doc: dict[str, Any]) -> dict[str, Any]:

@@ -75,7 +75,7 @@ from minigrid.core.world_object import WorldObj
 from minigrid.envs.babyai.core.verifier import PutNextInstr, SeqInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot, GoNextToSubgoal, PickupSubgoal
 
-from agentrl.envs.base import Environment, EnvError, EnvSpec, StepResult
+from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 
 LEVELS: tuple[str, ...] = (
     "BabyAI-GoToRedBallGrey-v0", "BabyAI-GoToRedBall-v0", "BabyAI-GoToRedBallNoDists-v0",

@@ -54,7 +54,7 @@ class Environment(ABC):
     def observation(self) -> str:
         """The current observation (the last one returned)."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 - optional: an environment that holds nothing frees nothing
         """Free the instance's resources (a JVM, a game)."""
 
     def detail(self) -> dict[str, Any]:

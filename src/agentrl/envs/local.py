@@ -11,6 +11,7 @@ copies all its output (stdout and stderr) to this process's stderr.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -150,7 +151,5 @@ def _exited(pid: int, timeout_s: float) -> bool:
 
 
 def _signal_group(pid: int, sig: signal.Signals) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass

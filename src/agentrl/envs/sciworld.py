@@ -51,7 +51,7 @@ from typing import Any
 from py4j.protocol import Py4JError
 from scienceworld import ScienceWorldEnv
 
-from agentrl.envs.base import Environment, EnvError, EnvSpec, StepResult
+from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 
 NAME = "sciworld"
 EXCLUDED_TASKS = frozenset({"5-1", "5-2", "9-1", "9-2", "9-3", "10-1", "10-2"})

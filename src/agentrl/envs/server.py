@@ -30,12 +30,12 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from fastapi import FastAPI, Query
 from pydantic import BaseModel, create_model
 
-from agentrl.envs.base import EnvError, EnvSpec, Environment
+from agentrl.envs.base import EnvError, Environment, EnvSpec
 from agentrl.envs.protocol import (
     ERROR_FINISHED,
     ERROR_NOT_RESET,
@@ -89,7 +89,7 @@ class InstancePool:
 
     # --- routes -------------------------------------------------------------------------------------------------
 
-    async def create(self, commands: Optional[str], goal: Optional[str]) -> Any:
+    async def create(self, commands: str | None, goal: str | None) -> Any:
         if commands is not None or goal is not None:
             return {"error": "custom crafting commands and goals are not supported by this server: reset the "
                              "instance to a task index (data_idx) instead"}
@@ -185,7 +185,7 @@ class InstancePool:
             await asyncio.sleep(interval)
             try:
                 await self.sweep()
-            except Exception:  # noqa: BLE001 - the sweep must outlive one bad instance
+            except Exception:  # the sweep must outlive one bad instance
                 logger.warning("%s: the idle sweep failed", self.spec.name, exc_info=True)
 
     async def close_all(self) -> None:
@@ -245,7 +245,7 @@ class InstancePool:
     async def _close_env(self, instance: Instance, reason: str) -> None:
         try:
             await self._call(instance.env.close)
-        except Exception:  # noqa: BLE001 - the instance is gone either way; say why its resources may linger
+        except Exception:  # the instance is gone either way; say why its resources may linger
             logger.warning("%s: closing instance %d failed", self.spec.name, instance.id, exc_info=True)
         logger.info("%s: closed instance %d, %s (%d open)", self.spec.name, instance.id, reason,
                     len(self.instances))
@@ -299,15 +299,15 @@ def create_app(spec: EnvSpec, *, instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S,
     CloseBody = create_model("CloseRequestBody", **{id_field: (int, ...)})
 
     class CreateBody(BaseModel):
-        commands: Optional[str] = None
-        goal: Optional[str] = None
+        commands: str | None = None
+        goal: str | None = None
 
     @app.get("/")
     async def banner() -> str:
         return fmt.banner
 
     @app.post("/create")
-    async def create(body: Optional[CreateBody] = None) -> Any:
+    async def create(body: CreateBody | None = None) -> Any:
         return await pool.create(body.commands if body else None, body.goal if body else None)
 
     @app.post("/reset")

@@ -22,7 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 from agentrl.envs.actions import episode_messages, format_action, observation_message, parse_action
-from agentrl.envs.base import EnvError, EnvSpec, Environment, StepResult
+from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 from agentrl.envs.protocol import episode_reward
 from agentrl.envs.registry import get_spec
 

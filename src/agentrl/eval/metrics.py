@@ -8,8 +8,8 @@ failed (``score_error``), the slot was given up after repeated crashes (``slot_f
 (``missing``)). Errors are excluded from every rate and counted separately, so an infrastructure failure never
 reads as a wrong answer. A valid sample is **correct** when its score is at least ``CORRECT_THRESHOLD`` (0.5, the
 group stage's threshold; binary scorers give 0 or 1) — or, for an environment episode, when the environment says it
-succeeded (reward 1, 0.5 for BabyAI, 100 for SciWorld: the success rate of AgentGym's evaluations); ``mean_env_reward`` is then
-the mean episode reward on the environment's own scale.
+succeeded (reward 1, 0.5 for BabyAI, 100 for SciWorld: the success rate of AgentGym's evaluations); ``mean_env_reward``
+is then the mean episode reward on the environment's own scale.
 
 For a task with ``n`` valid samples of which ``c`` are correct:
 

@@ -81,7 +81,8 @@ def render(job: Eval, *, reused: bool, database: str, file=None) -> None:
         console.print(f"errors (excluded from the rates): {kinds}")
     if metrics.get("mean_env_reward") is not None:
         console.print(f"environment episodes: accuracy is the success rate (the environment's own success: reward "
-                      f"1, 0.5 for BabyAI, 100 for SciWorld); mean environment reward {metrics['mean_env_reward']:.3f} (its own "
+                      f"1, 0.5 for BabyAI, 100 for SciWorld); mean environment reward "
+                      f"{metrics['mean_env_reward']:.3f} (its own "
                       "scale; the reward column is the score, reward × the environment's reward_scale)")
     if metrics.get("outcomes"):
         console.print("outcomes: " + ", ".join(f"{name} {n}" for name, n in metrics["outcomes"].items()))

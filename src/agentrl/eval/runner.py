@@ -40,7 +40,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pymongo.errors import BulkWriteError
 
 from agentrl.config_flags import NO_FLAG, Flag, comma_list
-
 from agentrl.eval.metrics import (
     ENV_ERROR,
     ENV_START_ERROR,
@@ -235,7 +234,7 @@ async def service_identity(urls: list[str]) -> tuple[dict[str, Any], str]:
         async with SGLangClient(url, timeout_s=30.0, max_retries=1) as client:
             try:
                 infos.append(await client.get_model_info())
-            except Exception as error:  # noqa: BLE001 - any failure means the service cannot be evaluated
+            except Exception as error:  # any failure means the service cannot be evaluated
                 raise EvalError(f"cannot reach the inference service {redact(url)}: {redact(str(error))}") from error
     served = {(i.model_path, i.weight_version) for i in infos}
     if len(served) > 1:

@@ -54,7 +54,6 @@ from agentrl.inference.lora_adapters import Adapter, ServedAdapters
 from agentrl.inference.packed_linear import pack_linears, repack
 from agentrl.inference.sampling import RowParams, penalties, sample
 
-
 PROMPT_LOGPROB_ROWS = 256
 """Prompt positions whose fp32 log-softmax over the vocabulary is made at once (input-token logprobs)."""
 

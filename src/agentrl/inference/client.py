@@ -1,9 +1,9 @@
 """Async client for SGLang's native HTTP API (and the ``agentrl engine``, which speaks the same subset).
 
-Token ids in, token ids and per-token logprobs out (docs/inference-protocol.md). Request and response shapes are those of
-:mod:`agentrl.inference.protocol` (taken from SGLang's ``io_struct.py`` and ``http_server.py``, 0.5.23). Every
-sampling parameter is sent, defaults included: SGLang fills an omitted one from the server's preferred
-sampling params (``--preferred-sampling-params``), which would silently change the sampling distribution.
+Token ids in, token ids and per-token logprobs out (docs/inference-protocol.md). Request and response shapes are those
+of :mod:`agentrl.inference.protocol` (taken from SGLang's ``io_struct.py`` and ``http_server.py``, 0.5.23). Every
+sampling parameter is sent, defaults included: SGLang fills an omitted one from the server's preferred sampling params
+(``--preferred-sampling-params``), which would silently change the sampling distribution.
 
 Transient failures (connection refused or reset, HTTP 429/502/503/504, and timeouts of calls that are safe to
 repeat) are retried with exponential backoff and jitter; every error names the service URL, the endpoint and

@@ -235,7 +235,7 @@ class InferenceEngine:
         try:
             await asyncio.wait_for(
                 self._run([0], SamplingParams(max_new_tokens=1, temperature=0.0)), HEALTH_GENERATE_TIMEOUT_S)
-        except Exception as error:  # any failure means unhealthy; say why in the log
+        except Exception as error:  # noqa: BLE001 - any failure means unhealthy; say why in the log
             logger.warning("health_generate failed: %s", error)
             return False
         return True
@@ -400,7 +400,7 @@ class InferenceEngine:
         except IncompatibleWeights as error:
             return UpdateWeightsFromDiskResponse(
                 success=False, message=f"weights in {request.model_path} do not fit the model: {error}")
-        except Exception as error:  # reported to the caller, who asked for this path
+        except Exception as error:  # noqa: BLE001 - reported to the caller, who asked for this path
             return UpdateWeightsFromDiskResponse(
                 success=False, message=f"failed to read weights from {request.model_path}: {error}")
         async with self._exclusive:
@@ -492,7 +492,7 @@ class InferenceEngine:
                 adapter = dataclasses.replace(adapter, layers={})
         except AdapterError as error:
             return self._lora_result(f"Failed to load LoRA adapter {name}: {error}")
-        except Exception as error:  # reported to the caller, who asked for this path
+        except Exception as error:  # noqa: BLE001 - reported to the caller, who asked for this path
             return self._lora_result(f"Failed to load LoRA adapter {name} from {request.lora_path}: {error}")
         async with self._exclusive:
             if name in self._adapter_users:  # loaded by a concurrent request meanwhile

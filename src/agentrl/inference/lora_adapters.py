@@ -6,10 +6,9 @@ weights: a forward hook on each adapted ``nn.Linear`` adds ``scale · (x Aᵀ) B
 whose request named that adapter, so one batch can mix requests of several adapters and of the base model.
 
 Requests are given their adapter with :meth:`ServedAdapters.assign`; the rows of a forward pass are given by
-:meth:`ServedAdapters.route` (each request's id and token count, in batch order). Adding or removing adapters must happen between two forward
-passes (the batcher pauses its loop). What SGLang refuses, this refuses too: DoRA, adapters that add tokens or
-train whole modules (``modules_to_save``), adapters of non-Linear layers.
-"""
+:meth:`ServedAdapters.route` (each request's id and token count, in batch order). Adding or removing adapters must
+happen between two forward passes (the batcher pauses its loop). What SGLang refuses, this refuses too: DoRA, adapters
+that add tokens or train whole modules (``modules_to_save``), adapters of non-Linear layers. """
 
 from __future__ import annotations
 

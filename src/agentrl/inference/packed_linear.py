@@ -18,7 +18,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-
 FP32_MIN_ROWS = 4
 """Rows (tokens) from which an fp32 layer multiplies with its packed weight."""
 

@@ -115,7 +115,7 @@ class ServiceRegistration:
             if not found:
                 await self._store.services.register(self.base_url, kind=self.kind, models=self.models,
                                                     weight_version=version, status=self.status)
-        except Exception as error:  # the database may come back; keep serving meanwhile
+        except Exception as error:  # noqa: BLE001 - the database may come back; keep serving meanwhile
             logger.warning("heartbeat to %s failed: %s", redact(self.uri), redact(str(error)))
             return False
         return True
@@ -136,7 +136,7 @@ class ServiceRegistration:
         try:
             await self._store.services.mark_down(self.base_url)
             logger.info("marked %s DOWN in InferenceService", self.base_url)
-        except Exception as error:  # shutting down anyway; leave a trace
+        except Exception as error:  # noqa: BLE001 - shutting down anyway; leave a trace
             logger.warning("could not mark %s DOWN: %s", self.base_url, redact(str(error)))
         finally:
             await self._store.close()

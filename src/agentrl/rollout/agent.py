@@ -30,12 +30,12 @@ from agentrl.rollout.context import reset_context
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.inference_pool import InferencePool, NoInferenceService
 from agentrl.rollout.mcp_state import McpState, McpStateError
-from agentrl.trajectory.prompting import initial_messages
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, ToolParser, TrajectoryOutcome
 from agentrl.scoring import AgentConfig, extract_answer
 from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store
 from agentrl.store.call_log import CallLog
 from agentrl.tools import ToolManager
+from agentrl.trajectory.prompting import initial_messages
 
 logger = logging.getLogger(__name__)
 
@@ -147,7 +147,7 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
     except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
         calls.finish(call.id, CallStatus.FAILED, error=str(error), latency_s=time.monotonic() - started)
         raise
-    except Exception as error:  # noqa: BLE001 - any other generation failure ends the trajectory as failed_error
+    except Exception as error:  # any other generation failure ends the trajectory as failed_error
         calls.finish(call.id, CallStatus.FAILED, error=str(error), latency_s=time.monotonic() - started)
         raise GenerationFailed(str(error)) from error
     if result.finish_reason == "abort":  # the service stopped the generation (shutdown, /abort_request)

@@ -20,8 +20,8 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from agentrl.rollout.conversation import TokenConversation
-from agentrl.trajectory.prompting import initial_messages
 from agentrl.rollout.tool_parsers import ToolParser
+from agentrl.trajectory.prompting import initial_messages
 
 
 class EventKind(StrEnum):

@@ -3,11 +3,11 @@
 A demonstration of a Task is the conversation a perfect agent would have: the system prompt and user prompt
 exactly as the agent loop renders them (:func:`agentrl.trajectory.prompting.initial_messages`), one assistant turn
 per demonstrated tool call (as ``tool_calls``; the upload writes them in the ``<tool_call>`` format the ``qwen``
-parser reads, as the model is to write them), the tool's **real** result (the call goes over MCP to the same server the rollouts use), and a last turn giving the Task's answer in
-its answer schema. It is written in the OpenAI ``messages`` form that ``agentrl sft upload`` reads, which renders
-it with the chat template into the same token ids as a rollout that produced these outputs (the system message
-holds the prompt without the tool instructions; ``tools`` carries the specs, and the upload adds the
-instructions exactly as the agent loop does).
+parser reads, as the model is to write them), the tool's **real** result (the call goes over MCP to the same server the
+rollouts use), and a last turn giving the Task's answer in its answer schema. It is written in the OpenAI ``messages``
+form that ``agentrl sft upload`` reads, which renders it with the chat template into the same token ids as a rollout
+that produced these outputs (the system message holds the prompt without the tool instructions; ``tools`` carries the
+specs, and the upload adds the instructions exactly as the agent loop does).
 
 Which calls a Task demonstrates: its ``demo_calls`` metadata (a list of ``{"name", "arguments"}``), or, for
 calculator tasks such as the built-in set, ``calculate`` with its ``expression``. A Task with a **worked solution**
@@ -20,9 +20,9 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from agentrl.trajectory.prompting import system_prompt_for
 from agentrl.store.models import Task
 from agentrl.tools import ToolManager
+from agentrl.trajectory.prompting import system_prompt_for
 
 ANSWER_TEMPLATES = {
     "boxed": "The answer is \\boxed{{{answer}}}.",

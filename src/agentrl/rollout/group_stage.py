@@ -140,9 +140,9 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
                 dropped[record.id] = f"balance_sample: surplus {label} sample"
     else:
         context_errors = [r for r in candidates if r.outcome in CONTEXT_ERRORS]
-        reserve = set(r.id for r in context_errors)
+        reserve = {r.id for r in context_errors}
         if cfg.reserve_context_error_count >= 0 and len(context_errors) > cfg.reserve_context_error_count:
-            reserve = set(r.id for r in rng.sample(context_errors, cfg.reserve_context_error_count))
+            reserve = {r.id for r in rng.sample(context_errors, cfg.reserve_context_error_count)}
         for record in candidates:
             if record in right and record.num_turns <= cfg.min_turns:
                 dropped[record.id] = f"right with {record.num_turns} <= min_turns {cfg.min_turns} turns"

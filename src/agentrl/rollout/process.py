@@ -50,7 +50,7 @@ async def _watch_static_services(store: Store, pool: InferencePool, urls: list[s
             except (PyMongoError, httpx.HTTPError) as error:
                 logger.warning("health watch of inference service %s failed (retrying in %.0fs): %s: %s",
                                redact(url), interval_s, type(error).__name__, redact(str(error)))
-            except Exception:  # noqa: BLE001 - an unexpected error must not end the watch either
+            except Exception:  # an unexpected error must not end the watch either
                 logger.exception("health watch of inference service %s failed (retrying in %.0fs)",
                                  redact(url), interval_s)
         await asyncio.sleep(interval_s)

@@ -272,7 +272,7 @@ class Sampler:
                                                   return_exceptions=True), left())
         try:
             interrupted = await asyncio.wait_for(self.res.store.slots.interrupt_idle(self.cfg.split), left())
-        except (PyMongoError, asyncio.TimeoutError) as error:
+        except (TimeoutError, PyMongoError) as error:
             logger.warning("sampler %s: could not mark its idle Tasks interrupted (%s)", self.owner, error)
         else:
             if interrupted:
@@ -337,7 +337,7 @@ class Sampler:
         except PyMongoError as error:  # permanent (its message may quote whole samples: cut short)
             logger.error("group stage of Task %s failed: %s: %.500s; another attempt follows when its lease "
                          "expires", group.task.id, type(error).__name__, error)
-        except Exception:  # noqa: BLE001
+        except Exception:
             logger.exception("group stage of Task %s failed; another attempt follows when its lease expires",
                              group.task.id)
 
@@ -439,7 +439,7 @@ class Sampler:
                 with contextlib.suppress(Exception):
                     await asyncio.shield(self._give_back_cancelled(lease, calls))
                 raise
-            except Exception as error:  # noqa: BLE001 - one broken trajectory must not stop the sampler
+            except Exception as error:  # one broken trajectory must not stop the sampler
                 logger.exception("trajectory %s failed", lease.record_id)
                 reason = f"{type(error).__name__}: {error}"
                 await self._write_calls(calls, reason)

@@ -20,7 +20,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO
@@ -68,10 +68,8 @@ class Child:
 def say(message: str) -> None:
     """A progress line of the run: ``[HH:MM:SS] message`` with a bold time stamp (lost, not an error, when the
     terminal is gone: the run still stops what it started after a SIGHUP)."""
-    try:
+    with suppress(OSError):
         print(f"\033[1m[{time.strftime('%H:%M:%S')}]\033[0m {message}", flush=True)
-    except OSError:
-        pass
 
 
 class Processes:

@@ -187,7 +187,7 @@ class MCPScorerFactory:
             error = redact(f"scorer {name!r} unavailable: {exc}")[:2000]
             logger.warning("%s", error)
             return ScoreResult(scorer=name, error=error, unavailable=True), exc.retry_for_s
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - a user scorer's bug is the score's error
             error = redact(f"scorer {name!r} failed: {type(exc).__name__}: {exc}")[:2000]
         else:
             return ScoreResult(scorer=name, score=score, details=details), 0.0

@@ -101,7 +101,8 @@ class EmbeddedServer:
                 return self.uri()
             time.sleep(0.1)
         process.kill()
-        raise EmbeddedDatabaseError(f"the embedded database did not answer within {timeout_s:.0f}s; see {self.log_file}")
+        raise EmbeddedDatabaseError(
+            f"the embedded database did not answer within {timeout_s:.0f}s; see {self.log_file}")
 
     def stop(self, timeout_s: float = 10.0) -> bool:
         """Stop the server (SIGTERM, then SIGKILL). Returns whether one was running."""

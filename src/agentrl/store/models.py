@@ -7,7 +7,7 @@ whole-document save.
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar
 
@@ -16,18 +16,18 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 
 def utcnow() -> datetime:
     """Current time as an aware UTC datetime, truncated to milliseconds (BSON date precision)."""
-    now = datetime.now(timezone.utc)
+    now = datetime.now(UTC)
     return now.replace(microsecond=now.microsecond // 1000 * 1000)
 
 
 def _as_utc(value: datetime) -> datetime:
-    return value.replace(tzinfo=timezone.utc) if value.tzinfo is None else value.astimezone(timezone.utc)
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
 
 
 UTCDatetime = Annotated[datetime, AfterValidator(_as_utc)]
 """A datetime read back as aware UTC (drivers return naive UTC; some servers return ISO strings)."""
 
-EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
+EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 class Document(BaseModel):
@@ -142,7 +142,8 @@ RECORD_TRANSITIONS: dict[RecordStatus, frozenset[RecordStatus]] = {
     RecordStatus.ABANDONED: frozenset(),
     RecordStatus.TRAINED: frozenset(),
 }
-"""Allowed Record transitions (docs/data-model.md: running → completed | failed → scored → ready | abandoned → trained)."""
+"""The moves ``Records.transition`` allows (docs/data-model.md). A sampler's own outcome skips ``completed``:
+``SlotLeases.finish`` writes running → scored or failed in one update fenced on its lease."""
 
 
 class FailureClass(StrEnum):

@@ -129,7 +129,8 @@ def read_progress(db: Database, split: str = "train") -> Progress:
     progress.zero_variance_solved = len(solved)
     for task_id, reasons in decisions.items():
         if task_id not in kept_groups:
-            progress.groups_dropped[ZERO_VARIANCE_DECISION if ZERO_VARIANCE_DECISION in reasons else sorted(reasons)[0]] += 1
+            reason = ZERO_VARIANCE_DECISION if ZERO_VARIANCE_DECISION in reasons else sorted(reasons)[0]
+            progress.groups_dropped[reason] += 1
     progress.failures = failure_counts(records, split)
     tasks = db[Task.collection]
     for doc in tasks.find({"split": split, "$or": [{"rounds_skipped": {"$gt": 0}}, {"skipped_rounds": {"$gt": 0}}]},

@@ -25,8 +25,8 @@ class Records:
 
     @retry_on_reconnect
     async def transition(self, record_id: str, target: RecordStatus, **fields: Any) -> Record:
-        """Move a Record to ``target`` (the state machine ``RECORD_TRANSITIONS``; docs/data-model.md), setting ``fields``. (A lease
-        holder's writes go through ``SlotLeases``, fenced on its lease.)"""
+        """Move a Record to ``target`` (the state machine ``RECORD_TRANSITIONS``; docs/data-model.md), setting
+        ``fields``. (A lease holder's writes go through ``SlotLeases``, fenced on its lease.)"""
         return Record.from_mongo(await transition(self.collection, RECORD_TRANSITIONS, record_id, target,
                                                   set_fields=fields))
 

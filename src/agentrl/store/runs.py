@@ -9,8 +9,8 @@ from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.errors import DuplicateKeyError
 
 from agentrl.store.errors import NotFound, VersionConflict
-from agentrl.store.outage import retry_on_reconnect
 from agentrl.store.models import Metric, Run, RunStatus, RunValues, utcnow
+from agentrl.store.outage import retry_on_reconnect
 
 RUN_ID = "run"
 

@@ -37,7 +37,7 @@ async def transition(
     allowed = sources_of(table, target)
     update: dict[str, Any] = {"$set": {"status": str(target), "updated_at": utcnow(), **(set_fields or {})}}
     if unset_fields:
-        update["$unset"] = {field: "" for field in unset_fields}
+        update["$unset"] = dict.fromkeys(unset_fields, "")
     query = {"_id": doc_id, "status": {"$in": allowed}, **(extra_filter or {})}
     doc = await collection.find_one_and_update(query, update, return_document=ReturnDocument.AFTER)
     if doc is not None:

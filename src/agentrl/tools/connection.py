@@ -181,7 +181,7 @@ class MCPConnection:
             async with client:
                 ready.set_result(None)
                 await stop.wait()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - handed to whoever awaits the connection
             if not ready.done():
                 ready.set_exception(exc)
             elif not stop.is_set():

@@ -1,4 +1,5 @@
-"""Errors of the tool layer. Each maps onto a per-call status of a DispatchedSamplingTask (CallStatus, docs/data-model.md) (see ``ToolStatus``)."""
+"""Errors of the tool layer. Each maps onto a per-call status of a DispatchedSamplingTask (CallStatus,
+docs/data-model.md) (see ``ToolStatus``)."""
 
 from __future__ import annotations
 

@@ -28,7 +28,8 @@ class ToolSpec(BaseModel):
 
 
 class ToolStatus(StrEnum):
-    """Outcome of one tool call. The error values equal the DispatchedSamplingTask statuses (agentrl.store.models.CallStatus)."""
+    """Outcome of one tool call. The error values equal the DispatchedSamplingTask statuses
+    (agentrl.store.models.CallStatus)."""
 
     OK = "ok"
     FORMATERROR = "formaterror"

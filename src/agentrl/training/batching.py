@@ -26,7 +26,6 @@ from typing import TYPE_CHECKING, Literal
 
 import torch
 
-from agentrl.trajectory.merge import MergedSample
 from agentrl.training.prefix_tree import (
     MIN_SHARED_TOKENS,
     ForwardLayout,
@@ -36,6 +35,7 @@ from agentrl.training.prefix_tree import (
     merge_profiles,
     profile_cost,
 )
+from agentrl.trajectory.merge import MergedSample
 
 if TYPE_CHECKING:
     from agentrl.training.parallel import ParallelState
@@ -96,8 +96,10 @@ def plan_micro_batches(seqs: Sequence[Sequence[int]], max_tokens: int, *, min_sh
     for group in groups.values():
         start = 0
         while start < len(group):
-            end = _longest_run(start, len(group), lambda e: profile_cost(profile(group[start:e]), pad_to_multiple_of)
-                               <= max_tokens)
+            def fits(end: int, members: list[int] = group, first: int = start) -> bool:
+                return profile_cost(profile(members[first:end]), pad_to_multiple_of) <= max_tokens
+
+            end = _longest_run(start, len(group), fits)
             pieces.append((group[start:end], profile(group[start:end])))
             start = end
     pieces.sort(key=lambda piece: (-profile_cost(piece[1], pad_to_multiple_of), piece[0][0]))

@@ -41,9 +41,9 @@ import torch
 from torch import nn
 
 from agentrl.failpoints import failpoint
-from agentrl.training.parallel import ParallelState
 from agentrl.training import lora
 from agentrl.training.dirs import discard_dir, replace_dir
+from agentrl.training.parallel import ParallelState
 from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)

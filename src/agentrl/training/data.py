@@ -12,8 +12,8 @@ ones; the policy version only grows) and skips them.
 
 While a share is incomplete every rank polls with a growing pause (up to ``poll_interval_s``) and joins one small
 all-reduce per poll, so no rank blocks long inside a collective and all ranks agree on when to start, stop or
-end the data (offline: the queue is empty; online: also every Task of the split is done). Rank 0 prints a status line every ``STATUS_EVERY_S`` seconds while waiting.
-"""
+end the data (offline: the queue is empty; online: also every Task of the split is done). Rank 0 prints a status line
+every ``STATUS_EVERY_S`` seconds while waiting. """
 
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from agentrl.failpoints import failpoint
 from agentrl.store import DBRecordData, InvalidTransition, NotFound, RecordStatus, Store
 from agentrl.store.models import FailureClass
 from agentrl.training.aio import LoopThread
-from agentrl.trajectory.merge import MergedSample
 from agentrl.training.parallel import ParallelState
+from agentrl.trajectory.merge import MergedSample
 
 logger = logging.getLogger(__name__)
 

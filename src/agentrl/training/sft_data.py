@@ -335,7 +335,7 @@ class ChatTokeniser:
                 boundaries.append(end)
             if index == len(messages) - 1:  # a rollout ends at the end-of-turn token: so does the sample
                 full, mask = full[:stop], mask[:stop]
-        boundaries = sorted(set(b for b in boundaries if b < len(full)))
+        boundaries = sorted({b for b in boundaries if b < len(full)})
         truncated = False
         if max_length is not None and len(full) > max_length:
             if overlong == "reject":

@@ -135,8 +135,8 @@ class Trainer:
 
     def _agree_run_values(self) -> None:
         """Online, the batch size, staleness bound and temperature the run records (``RunValues``; recorded from
-        these flags if this trainer creates the run); the main rank asks, every rank takes its answer. A flag that differs from the run's value raises ``RunValuesConflict``. Sets the
-        per-step batch size."""
+        these flags if this trainer creates the run); the main rank asks, every rank takes its answer. A flag that
+        differs from the run's value raises ``RunValuesConflict``. Sets the per-step batch size."""
         cfg, parallel = self.cfg, self.parallel
         answer: tuple[dict[str, Any] | None, str | None] = (None, None)
         if parallel.is_main and cfg.enable_sampling:

@@ -8,17 +8,15 @@ written under a temporary name and renamed when complete, so a reader never sees
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 import tempfile
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from agentrl.failpoints import failpoint
 from agentrl.training import lora
 from agentrl.training.dirs import replace_dir
 from agentrl.training.parallel import ParallelState, materialize_from_main, shard_model

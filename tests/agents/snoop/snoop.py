@@ -10,6 +10,7 @@ directory).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -98,10 +99,8 @@ def main() -> None:
         (OUTPUT / "snoop.json").write_text(json.dumps(report, indent=1))
 
     for fd in os.listdir("/proc/self/fd"):
-        try:
+        with contextlib.suppress(OSError):
             report["fds"][fd] = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            pass
     report["files"] = {path: read(path) for path in TARGETS["files"]}
     report["walked"] = {root: walk(root) for root in TARGETS["dirs"]}
     report["database"] = connect(TARGETS["database"])
