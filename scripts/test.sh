@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Install everything into .venv (idempotent) and run the test suite. Extra arguments go to pytest (one run).
-# Without arguments: the whole suite on the embedded NX-27017 server, then the store, rollout and resume tests again
-# on SecantusDB, a second MongoDB implementation (skipped when AGENTRL_TEST_MONGO_URI names a server to use).
+# Without arguments: ruff, then the whole suite on the embedded NX-27017 server on two worker processes
+# (AGENTRL_TEST_WORKERS), then the store, rollout and resume tests again on SecantusDB, a second MongoDB
+# implementation (skipped when AGENTRL_TEST_MONGO_URI names a server to use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup_venv.sh
@@ -22,11 +23,16 @@ install_package bwrap bubblewrap "the sandbox's bwrap-mode tests"  # the sandbox
 if [ "$#" -gt 0 ]; then
   exec .venv/bin/python -m pytest "$@"
 fi
+echo "=== ruff (pyproject.toml [tool.ruff]) ==="
+.venv/bin/ruff check --quiet --output-format concise . || { echo "ruff found the problems above (ruff check --fix fixes many)" >&2; exit 1; }
+# Two worker processes: most tests wait on the servers, engines and trainers they start (conftest.py keeps each
+# module's tests on one worker).
+parallel=(-n "${AGENTRL_TEST_WORKERS:-2}" --dist loadgroup)
 status=0
-.venv/bin/python -m pytest || status=$?
+.venv/bin/python -m pytest "${parallel[@]}" || status=$?
 if [ -z "${AGENTRL_TEST_MONGO_URI:-}" ]; then
   echo "=== the store, rollout and resume tests on SecantusDB ==="
-  .venv/bin/python -m pytest --mongo-server=secantus tests/test_store_*.py tests/test_rollout_sampler.py \
+  .venv/bin/python -m pytest "${parallel[@]}" --mongo-server=secantus tests/test_store_*.py tests/test_rollout_sampler.py \
     tests/test_trainer_resume.py --deselect tests/test_store_secantus_faults.py || { s=$?; [ "$status" -ne 0 ] || status=$s; }
 fi
 exit "$status"

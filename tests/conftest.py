@@ -45,6 +45,30 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError("--mongo-server and AGENTRL_TEST_MONGO_URI both name a server: use one")
 
 
+# Session fixtures that take a minute or more to build: under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the
+# tests that use one run on the same worker, so it is built once.
+SHARED_ON_ONE_WORKER = ("minirl_example_run",)
+# Modules of a minute or more (measured): they start first, so that the workers end together.
+LONG_MODULES = ("test_sampler_failpoints", "test_dashboard", "test_example_scripts", "test_bench", "test_db_outage",
+                "test_trainer_publish", "test_trainer_failpoints", "test_envs_episodes", "test_rollout_sampler",
+                "test_bench_containment", "test_trainer_parallel", "test_eval_run")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """For ``--dist loadgroup``: each module's tests stay on one worker (its module fixtures are built once), as do
+    all tests of a fixture in ``SHARED_ON_ONE_WORKER``; the long modules come first. An explicit ``xdist_group``
+    mark wins."""
+    def rank(item: pytest.Item) -> int:
+        module = item.module.__name__ if item.module else ""
+        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
+
+    items.sort(key=rank)  # stable: the order within a module stays
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            shared = next((name for name in SHARED_ON_ONE_WORKER if name in item.fixturenames), None)
+            item.add_marker(pytest.mark.xdist_group(shared or (item.module.__name__ if item.module else item.nodeid)))
+
+
 @pytest.fixture(scope="session")
 def mongo_server_uri(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[str]:
     """Connection string (no database) of the session's server."""

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 from pymongo import MongoClient
 
 from inference_fixtures import TEST_ENV, start_engine
@@ -34,15 +35,13 @@ def cached_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.Te
 
     key = hashlib.sha256(source + f"{torch.__version__}/{transformers.__version__}".encode())
     cached = Path(request.config.cache.mkdir(name)) / key.hexdigest()[:16]
-    if (cached / "config.json").exists():
-        return cached
-    built = build(tmp_path_factory.mktemp(name))
-    staging = cached.with_name(cached.name + f".{os.getpid()}.tmp")
-    shutil.copytree(built, staging)
-    try:
+    with FileLock(f"{cached}.lock"):  # parallel workers (pytest -n) wait for the one that builds it
+        if (cached / "config.json").exists():
+            return cached
+        built = build(tmp_path_factory.mktemp(name))
+        staging = cached.with_name(cached.name + f".{os.getpid()}.tmp")
+        shutil.copytree(built, staging)
         staging.rename(cached)  # complete before anyone sees the name
-    except OSError:  # another run got there first
-        shutil.rmtree(staging, ignore_errors=True)
     return cached
 
 

@@ -112,7 +112,8 @@ def test_sampling_gives_group_variance_and_advantages(db_uri: str, tmp_path: Pat
 
 def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
                                                         scripted_engine_url: str) -> None:
-    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "4")
+    # 8 slots per Task, 8 at a time: trajectories are in flight from the first claim until the last few finish
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "8")
     mcp = write_mcp_config(tmp_path / "mcp.json")
     common = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
               "--lease_s", "3", "--max_concurrent_samples_per_process", "8")
@@ -120,8 +121,9 @@ def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Pa
                                           "--sampler_id", "victim"),
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env())
     deadline = time.monotonic() + 120
-    while not documents(db_uri, "DispatchedSamplingTask") and time.monotonic() < deadline:
-        time.sleep(0.2)
+    while (not any(r["status"] == "running" for r in documents(db_uri, "Record"))
+           and time.monotonic() < deadline):
+        time.sleep(0.02)
     victim.send_signal(signal.SIGKILL)
     victim.wait(30)
     held = [r for r in documents(db_uri, "Record") if r["status"] == "running"]
@@ -134,7 +136,7 @@ def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Pa
     assert sorted(finished.values()) == [1] * 16  # every slot done exactly once
     ready = {r["_id"] for r in records if r["status"] == "ready"}
     samples = documents(db_uri, "DBRecordData")
-    assert sorted(s["record_id"] for s in samples) == sorted(ready) and len(ready) == 8
+    assert sorted(s["record_id"] for s in samples) == sorted(ready) and len(ready) == 16
     assert {t["status"] for t in documents(db_uri, "Task")} == {"completed"}
 
 
