@@ -343,7 +343,8 @@ def exact(value: object) -> object:
     return (type(value), repr(value))
 
 
-@pytest.mark.parametrize("value", EXACT_VALUES, ids=repr)
+# ids by position: a set's repr follows string hashing, which differs between processes (pytest -n workers)
+@pytest.mark.parametrize("value", EXACT_VALUES, ids=[f"{i}-{type(v).__name__}" for i, v in enumerate(EXACT_VALUES)])
 def test_values_cross_with_their_exact_types(value: object) -> None:
     crossed = humaneval_harness.decode(json.loads(json.dumps(humaneval_harness.encode(value))))
     assert exact(crossed) == exact(value)
