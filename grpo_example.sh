@@ -6,30 +6,8 @@
 # one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up (SFT on tool-use
 # demonstrations made with the real calculator), held-out evaluation of the warmed model, GRPO with a live
 # status line, held-out evaluation of the final model, and a summary (runs/RUN_NAME/summary.json).
-# `agentrl run` does all of it; this script gives it the variables below, each an option of the same name in lower
-# case (`agentrl run --help` says more about each):
-#
-#   MODEL              model to train and serve (Hugging Face directory; default: the embedded SmolLM2-135M)
-#   MONGO_URI          MongoDB server, e.g. mongodb://user:pass@host:27017/?replicaSet=rs0 (default: embedded, in
-#                      RUN_DIR/db or AGENTRL_DB_DIR, port AGENTRL_DB_PORT); the run name becomes the database name
-#   SGLANG_URLS        comma-separated SGLang servers serving MODEL (default: an `agentrl engine` started here)
-#   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio; none: no tools)
-#   ENV, ENV_SERVER    textcraft | babyai | sciworld: train on that AgentGym environment instead (MAX_TURNS 12,
-#                      TEMPERATURE 1.0, the environment's reward, WARMUP 64 oracle demonstrations for 2 epochs)
-#   TASKS, NUM_TASKS   RL task file (assets/tasks/arith_tools.jsonl) and its first N tasks (64)
-#   SCORER             scorer of every RL task (math_format; empty: the tasks' own scorers)
-#   EVAL_TASKS, NUM_EVAL_TASKS   held-out tasks (assets/tasks/arith_heldout.jsonl), the first N scored greedily
-#                      before and after training (16; 0: no evaluation)
-#   WARMUP             demonstrations to fine-tune on before RL (24 with the embedded model, 0 with MODEL);
-#                      WARMUP_TASKS, WARMUP_EPOCHS (1), WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R), WARMUP_THREADS
-#   ENGINE_THREADS (2), ENGINE_STARTUP_S (600), NUM_GENERATIONS (4), NUM_SAMPLERS (1), SAMPLES_PER_SAMPLER (16),
-#   MAX_TURNS (2), MAX_NEW_TOKENS (48), TEMPERATURE (0.7), QUERY_PROMPT, SAVE_STEPS (8), TRAIN_STEPS (8),
-#   TRAIN_TIME_S, TRAIN_BATCH_SIZE (4), LEARNING_RATE (5e-6; 5e-5 with LORA_R), MAX_STALENESS (1), TRAINER_THREADS
-#   LORA_R, LORA_PUBLISH   LoRA rank (0: full fine-tuning) and what RL publishes: merged (default) or adapter
-#   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
-#   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)
-#   RUN_DIR, OUTPUT_DIR   run files (runs/RUN_NAME) and the trained model (RUN_DIR/output)
-#   EXTRA_TRAIN_FLAGS, EXTRA_SAMPLE_FLAGS, EXTRA_EVAL_FLAGS   more flags for the trainer / `agentrl sample` / `eval`
+# `agentrl run` does all of it; this script gives it the same variables as minirl_example.sh (listed there;
+# `agentrl run --help` says more about each), e.g. LORA_R=8 TRAIN_STEPS=16 ./grpo_example.sh my_run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_venv.sh"

@@ -10,6 +10,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+from typing import Any
 
 import pytest
 from transformers import AutoTokenizer
@@ -110,26 +111,33 @@ def test_sampling_gives_group_variance_and_advantages(db_uri: str, tmp_path: Pat
         assert {a for a, m in zip(sample["advantages"], sample["loss_mask"]) if m} == {advantage}
 
 
-def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
-                                                        scripted_engine_url: str) -> None:
-    # 8 slots per Task, 8 at a time: trajectories are in flight from the first claim until the last few finish
+def sampler_mid_run(db_uri: str, tmp_path: Path, model: Path, engine_url: str, lease_s: int, sampler_id: str,
+                    **popen: Any) -> tuple[subprocess.Popen, tuple[str, ...]]:
+    """A sampler process on 16 slots (2 Tasks x 8), 8 at a time, returned once a Record of it is ``running``
+    (trajectories are in flight from then until its last few finish), with the sampler flags that a second sampler
+    resuming its work needs."""
     upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "8")
-    mcp = write_mcp_config(tmp_path / "mcp.json")
-    common = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
-              "--lease_s", "3", "--max_concurrent_samples_per_process", "8")
-    victim = subprocess.Popen(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common,
-                                          "--sampler_id", "victim"),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env())
+    flags = sample_args(db_uri, model, engine_url, write_mcp_config(tmp_path / "mcp.json"), "--temperature", "0",
+                        "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--lease_s",
+                        str(lease_s), "--max_concurrent_samples_per_process", "8")
+    process = subprocess.Popen([*flags, "--sampler_id", sampler_id], env=run_env(), **popen)
     deadline = time.monotonic() + 120
     while (not any(r["status"] == "running" for r in documents(db_uri, "Record"))
            and time.monotonic() < deadline):
         time.sleep(0.02)
+    return process, tuple(flags)
+
+
+def test_sigkilled_sampler_slots_are_redone_by_another(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
+                                                        scripted_engine_url: str) -> None:
+    victim, flags = sampler_mid_run(db_uri, tmp_path, scripted_model_dir, scripted_engine_url, 3, "victim",
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     victim.send_signal(signal.SIGKILL)
     victim.wait(30)
     held = [r for r in documents(db_uri, "Record") if r["status"] == "running"]
     assert held, "the victim was killed before it held any slot"
 
-    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common, "--sampler_id", "rescuer"))
+    run_sampler([*flags, "--sampler_id", "rescuer"])
     records = documents(db_uri, "Record")
     assert not [r for r in records if r["status"] == "running" or r["leased"]]
     finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)
@@ -145,18 +153,8 @@ def test_a_stopped_sampler_leaves_nothing_running_and_the_next_one_resumes(
     """SIGTERM mid-run (as the example scripts stop their samplers at the end of a run): the trajectories in flight
     end ``failed`` as ``cancelled`` and their slots are given back, their Tasks become ``interrupted``; no Record
     and no Task is left ``running``. The next sampler resumes them, and every slot is done exactly once."""
-    # 16 slots, 8 at a time: trajectories are in flight from the first claim until the last few finish
-    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "8")
-    mcp = write_mcp_config(tmp_path / "mcp.json")
-    common = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false",
-              "--lease_s", "30", "--max_concurrent_samples_per_process", "8")
-    stopped = subprocess.Popen(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common,
-                                           "--sampler_id", "stopped"),
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=run_env())
-    deadline = time.monotonic() + 120
-    while (not any(r["status"] == "running" for r in documents(db_uri, "Record"))
-           and time.monotonic() < deadline):
-        time.sleep(0.02)
+    stopped, flags = sampler_mid_run(db_uri, tmp_path, scripted_model_dir, scripted_engine_url, 30, "stopped",
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     stopped.send_signal(signal.SIGTERM)
     output, _ = stopped.communicate(timeout=60)
     assert stopped.returncode == 0, output
@@ -168,7 +166,7 @@ def test_a_stopped_sampler_leaves_nothing_running_and_the_next_one_resumes(
     assert all(r["status"] == "failed" and r["released"] and r["error"] == "sampler shutting down" for r in cancelled)
     assert "interrupted" in {t["status"] for t in tasks} and "left for a later sampler (interrupted)" in output
 
-    run_sampler(sample_args(db_uri, scripted_model_dir, scripted_engine_url, mcp, *common, "--sampler_id", "next"))
+    run_sampler([*flags, "--sampler_id", "next"])
     records = documents(db_uri, "Record")
     assert not [r for r in records if r["status"] == "running" or r["leased"]]
     finished = Counter((r["task_id"], r["slot"]) for r in records if r["status"] in FINISHED)

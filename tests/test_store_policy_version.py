@@ -29,6 +29,6 @@ async def test_publisher_does_not_move_a_version_another_trainer_moved(db_uri: s
         await store.runs.bump_policy_version("/elsewhere/1", expected=0)  # another trainer published version 1
         publisher = WeightPublisher(store, None, None, tmp_path, dtype=torch.float32, tokenizer=None)
         with pytest.raises(PublishError, match="another trainer"):
-            await publisher._announce(PublishResult(version=1, path=tmp_path / "weights" / "1"))
+            await publisher._announce(PublishResult(version=1, path=tmp_path / "weights" / "1"), expected=None)
         run = await store.runs.get()
         assert (run.policy_version, run.weights_path) == (1, "/elsewhere/1")

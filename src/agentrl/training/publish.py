@@ -100,7 +100,7 @@ class WeightPublisher:
         self.parallel.barrier()
         return result
 
-    async def _announce(self, result: PublishResult, expected: list[float] | None = None) -> None:
+    async def _announce(self, result: PublishResult, expected: list[float] | None) -> None:
         services = await self.store.services.serving()
         result.services = len(services)
         errors = await asyncio.gather(*(self._load_on(s.base_url, result) for s in services))
