@@ -17,14 +17,14 @@
 #   ENV, ENV_SERVER    textcraft | babyai | sciworld: train on that AgentGym environment instead (MAX_TURNS 12,
 #                      TEMPERATURE 1.0, the environment's reward, WARMUP 64 oracle demonstrations for 2 epochs)
 #   TASKS, NUM_TASKS   RL task file (assets/tasks/arith_tools.jsonl) and its first N tasks (64)
-#   SCORER             scorer of every RL task (math_format; empty: the tasks' own scorers)
+#   SCORER             scorer of every RL task (math; math_format without a warm-up; empty: the tasks' own)
 #   EVAL_TASKS, NUM_EVAL_TASKS   held-out tasks (assets/tasks/arith_heldout.jsonl), the first N scored greedily
-#                      before and after training (16; 0: no evaluation)
+#                      before and after training (32; 0: no evaluation)
 #   WARMUP             demonstrations to fine-tune on before RL (24 with the embedded model, 0 with MODEL);
 #                      WARMUP_TASKS, WARMUP_EPOCHS (1), WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R), WARMUP_THREADS
 #   ENGINE_THREADS (2), ENGINE_STARTUP_S (600), NUM_GENERATIONS (4), NUM_SAMPLERS (1), SAMPLES_PER_SAMPLER (16),
-#   MAX_TURNS (2), MAX_NEW_TOKENS (48), TEMPERATURE (0.7), QUERY_PROMPT, SAVE_STEPS (8), TRAIN_STEPS (8),
-#   TRAIN_TIME_S, TRAIN_BATCH_SIZE (4), LEARNING_RATE (5e-6; 5e-5 with LORA_R), MAX_STALENESS (1), TRAINER_THREADS
+#   MAX_TURNS (2), MAX_NEW_TOKENS (48), TEMPERATURE (0.7), QUERY_PROMPT, SAVE_STEPS (8), TRAIN_STEPS (24),
+#   TRAIN_TIME_S, TRAIN_BATCH_SIZE (4), LEARNING_RATE (2e-6; 5e-5 with LORA_R), MAX_STALENESS (1), TRAINER_THREADS
 #   LORA_R, LORA_PUBLISH   LoRA rank (0: full fine-tuning) and what RL publishes: merged (default) or adapter
 #   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
 #   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)

@@ -81,9 +81,10 @@ class RunConfig(BaseModel):
         None, ge=0, description="the first N RL tasks, 0: all (NUM_TASKS; default: 64; with --env: the whole "
         "train split)")
     scorer: str | None = Field(
-        None, description="--mode rl: scorer of every RL task, empty: the tasks' own (SCORER; default: "
-        "math_format, 1 right and 0.1 for a wrong answer in the answer schema; with --env: empty, the "
-        "environment's reward); --mode eval: scorer of the tasks that name none (default: math)")
+        None, description="--mode rl: scorer of every RL task, empty: the tasks' own (SCORER; default: math, 1 "
+        "for a right answer, with a warm-up; without one math_format, which also gives 0.1 for a wrong answer in "
+        "the answer schema; with --env: empty, the environment's reward); --mode eval: scorer of the tasks that "
+        "name none (default: math)")
     answer_schema: str = Field("boxed", description="answer marker of tasks that name none, in evaluations and "
                                "warm-up demonstrations (ANSWER_SCHEMA)")
     num_generations: int = Field(4, ge=1, description="samples per RL task, the group size (NUM_GENERATIONS)")
@@ -94,7 +95,7 @@ class RunConfig(BaseModel):
         "final model (EVAL_TASKS; default: assets/tasks/arith_heldout.jsonl; --mode eval: the tasks to evaluate, "
         "TASKS, default assets/tasks/arith_tools.jsonl; with --env: its test split)")
     num_eval_tasks: int | None = Field(
-        None, ge=0, description="the first N of them (NUM_EVAL_TASKS; default: 16, 0: no evaluation; --mode eval: "
+        None, ge=0, description="the first N of them (NUM_EVAL_TASKS; default: 32, 0: no evaluation; --mode eval: "
         "LIMIT, default 8, 0: all)")
     eval_samples_per_task: int = Field(2, ge=1, description="--mode eval: samples per task, k of pass@k and avg@k "
                                        "(K)")
@@ -137,12 +138,12 @@ class RunConfig(BaseModel):
     # ----------------------------------------------------------------------------------------------- trainer
     loss_name: str = Field("MINIRL", description="name of the loss in the status line and the logs")
     loss_flags: str = Field(MINIRL_FLAGS, description=f"trainer flags of the loss (default: {MINIRL_FLAGS})")
-    train_steps: int = Field(8, ge=1, description="at most this many optimiser steps; the run also ends when "
+    train_steps: int = Field(24, ge=1, description="at most this many optimiser steps; the run also ends when "
                              "every task is sampled and trained (TRAIN_STEPS)")
     train_time_s: float | None = Field(None, gt=0, description="stop training after the step that passes this "
                                        "many seconds (TRAIN_TIME_S; default: no limit)")
     train_batch_size: int = Field(4, ge=1, description="samples per optimiser step (TRAIN_BATCH_SIZE)")
-    learning_rate: float | None = Field(None, gt=0, description="RL learning rate (LEARNING_RATE; default: 5e-6; "
+    learning_rate: float | None = Field(None, gt=0, description="RL learning rate (LEARNING_RATE; default: 2e-6; "
                                         "5e-5 with --lora_r)")
     max_staleness: int = Field(1, ge=0, description="policy versions a sample may lag behind (MAX_STALENESS)")
     save_steps: int = Field(8, ge=0, description="checkpoint every N steps (SAVE_STEPS)")
@@ -180,9 +181,9 @@ class RunConfig(BaseModel):
         self.run_dir = self.run_dir or REPO / "runs" / self.run_name
         self.output_dir = self.output_dir or self.run_dir / "output"
         self.eval_tasks = self.eval_tasks or TASK_SETS / ("arith_tools.jsonl" if evaluating else "arith_heldout.jsonl")
-        self.num_eval_tasks = (8 if evaluating else 16) if self.num_eval_tasks is None else self.num_eval_tasks
+        self.num_eval_tasks = (8 if evaluating else 32) if self.num_eval_tasks is None else self.num_eval_tasks
         self.max_new_tokens = self.max_new_tokens or (128 if evaluating else 48)
-        self.learning_rate = self.learning_rate or (5e-5 if lora else 5e-6)
+        self.learning_rate = self.learning_rate or (5e-5 if lora else 2e-6)
         if evaluating:
             self.scorer = self.scorer or "math"
         if self.env and not evaluating:
@@ -194,8 +195,10 @@ class RunConfig(BaseModel):
         self.num_tasks = 64 if self.num_tasks is None and not self.env else self.num_tasks
         self.max_turns = self.max_turns or (12 if self.env else 2)
         self.temperature = 0.7 if self.temperature is None else self.temperature
-        self.scorer = "math_format" if self.scorer is None else self.scorer
         self.warmup = (0 if self.model else 24) if self.warmup is None else self.warmup
+        # Format credit is shaping for a model that cannot be right yet; after a warm-up it makes groups of wrong
+        # answers teach (a wrong answer beats none), and RL then reinforced wrong expressions (docs/benchmarks.md).
+        self.scorer = ("math" if self.warmup else "math_format") if self.scorer is None else self.scorer
         self.warmup_epochs = self.warmup_epochs or 1
         self.warmup_learning_rate = self.warmup_learning_rate or (3e-3 if lora else 1e-4)
         return self
