@@ -14,7 +14,7 @@ benchmark starts, so the documents stay readable afterwards. Outputs:
 * ``samples_skipped_stale`` and the other run figures of the script's ``summary.json``;
 * ``--plot``: a PNG with the reward per step and the held-out bars.
 
-    .venv/bin/python bench/learning.py [--train_time_s 1020] [--num_eval_tasks 64] [--warmup 32]
+    .venv/bin/python bench/learning.py [--train_time_s 600] [--num_eval_tasks 64] [--warmup 32]
 """
 
 from __future__ import annotations
@@ -42,17 +42,17 @@ TARGET_GAIN = 0.10
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--train_time_s", type=float, default=1020.0, help="RL training time (TRAIN_TIME_S)")
+    parser.add_argument("--train_time_s", type=float, default=600.0, help="RL training time (TRAIN_TIME_S)")
     parser.add_argument("--train_steps", type=int, default=500, help="at most this many RL steps (TRAIN_STEPS)")
     parser.add_argument("--num_eval_tasks", type=int, default=64, help="held-out tasks (NUM_EVAL_TASKS)")
     parser.add_argument("--warmup", type=int, default=32, help="warm-up demonstrations (WARMUP)")
     parser.add_argument("--num_tasks", type=int, default=200, help="RL tasks: first N of the built-in set")
     parser.add_argument("--num_generations", type=int, default=4)
-    parser.add_argument("--train_batch_size", type=int, default=8)
+    parser.add_argument("--train_batch_size", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=48)
     parser.add_argument("--max_turns", type=int, default=2)
     parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--learning_rate", type=float, default=1e-5)
+    parser.add_argument("--learning_rate", type=float, default=2e-6)
     parser.add_argument("--max_staleness", type=int, default=1, help="policy versions a sample may lag behind")
     parser.add_argument("--time_limit_s", type=float, default=1800.0,
                         help="stop the whole run after this long (it should end by itself well before)")
@@ -128,7 +128,7 @@ def plot(result: dict, path: Path) -> None:
     curve.plot([v["policy_version"] for v in versions], [v["mean_score"] for v in versions], "s--", alpha=0.6,
                markersize=3, label="all trajectories, by policy version")
     curve.set_xlabel("trainer step / policy version")
-    curve.set_ylabel("reward (math_format)")
+    curve.set_ylabel("reward (math)")
     curve.set_ylim(-0.02, 1.02)
     curve.legend(fontsize=8, loc="upper left")
     curve.set_title("MINIRL reward during training", fontsize=10)
