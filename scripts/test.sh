@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything into .venv (idempotent) and run the test suite. Extra arguments go to pytest (one run).
-# Without arguments: ruff, then the whole suite on the embedded NX-27017 server on two worker processes
+# Without arguments: ruff, then the whole suite on the embedded NX-27017 server on three worker processes
 # (AGENTRL_TEST_WORKERS), then the store, rollout and resume tests again on SecantusDB, a second MongoDB
 # implementation (skipped when AGENTRL_TEST_MONGO_URI names a server to use).
 set -euo pipefail
@@ -25,9 +25,9 @@ if [ "$#" -gt 0 ]; then
 fi
 echo "=== ruff (pyproject.toml [tool.ruff]) ==="
 .venv/bin/ruff check --quiet --output-format concise . || { echo "ruff found the problems above (ruff check --fix fixes many)" >&2; exit 1; }
-# Two worker processes: most tests wait on the servers, engines and trainers they start (conftest.py keeps each
-# module's tests on one worker).
-parallel=(-n "${AGENTRL_TEST_WORKERS:-2}" --dist loadgroup)
+# Three worker processes on 2 cores: most tests also wait on the servers, engines and trainers they start
+# (conftest.py keeps the tests of a module-scoped fixture on one worker and spreads the rest).
+parallel=(-n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup)
 status=0
 .venv/bin/python -m pytest "${parallel[@]}" || status=$?
 if [ -z "${AGENTRL_TEST_MONGO_URI:-}" ]; then

@@ -64,10 +64,18 @@ SLOW_MODULES = LONG_MODULES + (
     "test_cli_db", "test_trainer_sharding", "test_tools_sandbox", "test_inference_default_model")
 
 
+def uses_module_fixture(item: pytest.Item) -> bool:
+    """Whether one of the fixtures ``item`` uses is module-scoped (built once per module and worker)."""
+    definitions = getattr(item, "_fixtureinfo", None)
+    return definitions is not None and any(
+        defs[-1].scope == "module" for defs in definitions.name2fixturedefs.values() if defs)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``slow`` on the tests of ``SLOW_MODULES``. For ``--dist loadgroup``: each module's tests stay on one worker
-    (its module fixtures are built once), as do all tests of a fixture in ``SHARED_ON_ONE_WORKER``; the long modules
-    come first. An explicit ``xdist_group`` mark wins."""
+    """``slow`` on the tests of ``SLOW_MODULES``. For ``--dist loadgroup``: the tests of a module with a
+    module-scoped fixture stay on one worker (the fixture is built once), as do all tests of a fixture in
+    ``SHARED_ON_ONE_WORKER``; every other test goes to whichever worker is free. The long modules come first. An
+    explicit ``xdist_group`` mark wins."""
     def rank(item: pytest.Item) -> int:
         module = item.module.__name__ if item.module else ""
         return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
@@ -78,7 +86,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("xdist_group") is None:
             shared = next((name for name in SHARED_ON_ONE_WORKER if name in item.fixturenames), None)
-            item.add_marker(pytest.mark.xdist_group(shared or (item.module.__name__ if item.module else item.nodeid)))
+            if shared or uses_module_fixture(item):
+                item.add_marker(pytest.mark.xdist_group(shared or item.module.__name__))
 
 
 @pytest.fixture(scope="session")

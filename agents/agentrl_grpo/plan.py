@@ -48,7 +48,7 @@ def main() -> None:
         with open(train, encoding="utf-8") as handle:
             rows = sum(1 for line in handle if line.strip())
         settings.update(TASKS=train, NUM_TASKS=rows, WARMUP_TASKS=train, QUERY_PROMPT=protocol["query_prompt"],
-                        SCORER="math_format" if protocol["scorer"] == "math" else "",
+                        SCORER="math" if protocol["scorer"] == "math" else "",  # after the warm-up: no format credit
                         MCP_CONFIG="" if protocol.get("tools") == ["calculator"] else "none")
         if protocol.get("tools") not in ([], ["calculator"]):
             raise SystemExit(f"agentrl_grpo: tools {protocol['tools']} are not supported by this agent")
