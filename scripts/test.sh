@@ -26,22 +26,13 @@ fi
 echo "=== ruff (pyproject.toml [tool.ruff]) ==="
 .venv/bin/ruff check --quiet --output-format concise . || { echo "ruff found the problems above (ruff check --fix fixes many)" >&2; exit 1; }
 # Three worker processes on 2 cores: most tests also wait on the servers, engines and trainers they start
-# (conftest.py keeps the tests of a module-scoped fixture on one worker and spreads the rest). The SecantusDB pass
-# runs alongside in one more process at a lower priority, using the cores while the main pass waits; its output
-# follows the main pass's.
+# (conftest.py keeps the tests of a module-scoped fixture on one worker and spreads the rest).
+parallel=(-n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup)
 status=0
+.venv/bin/python -m pytest "${parallel[@]}" || status=$?
 if [ -z "${AGENTRL_TEST_MONGO_URI:-}" ]; then
-  secantus_log=$(mktemp)
-  nice -n 10 .venv/bin/python -m pytest --mongo-server=secantus tests/test_store_*.py tests/test_rollout_sampler.py \
-    tests/test_trainer_resume.py --deselect tests/test_store_secantus_faults.py >"$secantus_log" 2>&1 &
-  secantus=$!
-  trap 'kill "$secantus" 2>/dev/null || true' EXIT  # Ctrl-C or a failure stops it too
-fi
-.venv/bin/python -m pytest -n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup || status=$?
-if [ -n "${secantus:-}" ]; then
   echo "=== the store, rollout and resume tests on SecantusDB ==="
-  wait "$secantus" || { s=$?; [ "$status" -ne 0 ] || status=$s; }
-  cat "$secantus_log"
-  rm -f "$secantus_log"
+  .venv/bin/python -m pytest "${parallel[@]}" --mongo-server=secantus tests/test_store_*.py tests/test_rollout_sampler.py \
+    tests/test_trainer_resume.py --deselect tests/test_store_secantus_faults.py || { s=$?; [ "$status" -ne 0 ] || status=$s; }
 fi
 exit "$status"
