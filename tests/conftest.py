@@ -65,10 +65,11 @@ SLOW_MODULES = LONG_MODULES + (
 
 
 def uses_module_fixture(item: pytest.Item) -> bool:
-    """Whether one of the fixtures ``item`` uses is module-scoped (built once per module and worker)."""
+    """Whether one of the fixtures ``item`` uses is module-, package- or class-scoped (built once per such scope and
+    worker: its tests should share a worker)."""
     definitions = getattr(item, "_fixtureinfo", None)
     return definitions is not None and any(
-        defs[-1].scope == "module" for defs in definitions.name2fixturedefs.values() if defs)
+        defs[-1].scope in ("module", "package", "class") for defs in definitions.name2fixturedefs.values() if defs)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -15,7 +15,8 @@ from trainer_fixtures import make_samples, train_uninterrupted
 
 
 def loss_token_logprob_sums(model_dir: Path, samples) -> list[float]:
-    """Each sample's summed logprob over its loss tokens under the model at ``model_dir`` (fp32)."""
+    """Each sample's summed logprob over its loss tokens under the model at ``model_dir`` (fp32); before the step
+    these are the samples' own behaviour logprobs, which ``make_samples`` computed with the same model."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -34,9 +35,9 @@ def test_one_step_raises_the_rewarded_samples_and_lowers_the_others(mongo_server
     train_uninterrupted(mongo_server_uri, samples, tiny_model_dir, tmp_path / "out", "--loss_calculater", loss,
                         "--train_batch_size", str(len(samples)), "--max_steps", "1", "--learning_rate", "1e-4",
                         "--enable_sampling", "false")
-    before = loss_token_logprob_sums(tiny_model_dir, samples)
     after = loss_token_logprob_sums(tmp_path / "out" / "final", samples)
-    moves = [(next(a for a, m in zip(s.advantages, s.loss_mask) if m), new - old)
-             for s, old, new in zip(samples, before, after)]
+    moves = [(next(a for a, m in zip(s.advantages, s.loss_mask) if m), new - sum(s.logprobs))
+             for s, new in zip(samples, after)]
+    assert {advantage > 0 for advantage, _ in moves if advantage} == {True, False}, moves  # both signs are trained
     assert all(change > 0 for advantage, change in moves if advantage > 0), moves
     assert all(change < 0 for advantage, change in moves if advantage < 0), moves
