@@ -14,8 +14,10 @@ from pathlib import Path
 
 import httpx
 import pytest
+from pymongo import MongoClient
 
 from agentrl.envs.local import start_local_server
+from agentrl.store.models import EPOCH
 from env_fixtures import EPISODE_TASKS
 from rollout_fixtures import agentrl_cmd, documents, run_env
 from test_rollout_sampler import full_prompts
@@ -40,6 +42,15 @@ def sample_cmd(db_uri: str, model_dir: Path, engine_url: str, server: str, *extr
     return agentrl_cmd("sample", "--db_connection_string", db_uri, "--model_name_or_path", str(model_dir),
                        "--inference_urls", engine_url, "--env_server", f"textcraft={server}",
                        "--max_new_tokens", "24", "--max_concurrent_samples_per_process", "4", *extra)
+
+
+def expire_leases(db_uri: str) -> None:
+    """Age the leases of a dead sampler so a take-over need not wait them out."""
+    client = MongoClient(db_uri, tz_aware=True)
+    try:
+        client.get_default_database()["Record"].update_many({"leased": True}, {"$set": {"lease_expires_at": EPOCH}})
+    finally:
+        client.close()
 
 
 def live_instances(server: str) -> list[int]:
@@ -133,20 +144,26 @@ def test_a_sigkilled_samplers_instances_are_closed_by_the_attempt_that_takes_ove
 def test_a_sampler_killed_in_an_instance_window_leaves_nothing_open(
         point: str, db_uri: str, tmp_path: Path, tiny_model_dir: Path, engine_url: str) -> None:
     """Killed between creating an instance and recording it, the server's idle sweep closes it; killed between
-    closing it and marking it closed, the attempt that takes over marks it (closing it again is harmless)."""
+    closing it and marking it closed, the attempt that takes over marks it (closing it again is harmless).
+
+    The victim holds a long lease, so a loaded machine cannot let it lapse mid-attempt (the victim would then take
+    its own slot over and die in another window); once it is dead the test ages that lease instead of waiting."""
     url, stop = start_local_server("textcraft", instance_ttl_s=2)
     try:
         upload_env_tasks(db_uri, write_env_tasks(tmp_path / "tasks.jsonl", (0,), max_turns=2), generations=1)
-        args = ("--max_turns", "2", "--lease_s", "2", "--exit_when_done", "true")
-        victim = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args), capture_output=True,
-                                text=True, env={**run_env(), "AGENTRL_FAILPOINTS": f"{point}=exit"}, timeout=120)
+        args = ("--max_turns", "2", "--exit_when_done", "true")
+        victim = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args, "--lease_s", "120"),
+                                capture_output=True, text=True,
+                                env={**run_env(), "AGENTRL_FAILPOINTS": f"{point}=exit"}, timeout=120)
         assert victim.returncode == 86, victim.stdout + victim.stderr
+        assert [r["attempt"] for r in documents(db_uri, "Record")] == [1]
+        expire_leases(db_uri)
         if point == "episode.create.before_record":
             assert len(live_instances(url)) == 1 and not documents(db_uri, "Record", {"env_open": {"$exists": True}})
         else:
             assert live_instances(url) == [] and len(documents(db_uri, "Record", {"env_open": {"$exists": True}})) == 1
-        done = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args), capture_output=True,
-                              text=True, env=run_env(), timeout=120)
+        done = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args, "--lease_s", "2"),
+                              capture_output=True, text=True, env=run_env(), timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         records = documents(db_uri, "Record")
         assert [r["attempt"] for r in records] == [1, 2] and not any("env_open" in r for r in records)
