@@ -27,7 +27,7 @@ echo "=== ruff (pyproject.toml [tool.ruff]) ==="
 .venv/bin/ruff check --quiet --output-format concise . || { echo "ruff found the problems above (ruff check --fix fixes many)" >&2; exit 1; }
 # Three worker processes on 2 cores: most tests also wait on the servers, engines and trainers they start
 # (conftest.py keeps the tests of a module-scoped fixture on one worker and spreads the rest).
-parallel=(-n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup)
+parallel=(-n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup --durations=30)
 status=0
 .venv/bin/python -m pytest "${parallel[@]}" || status=$?
 if [ -z "${AGENTRL_TEST_MONGO_URI:-}" ]; then

@@ -59,16 +59,16 @@ def test_example_scripts_are_thin() -> None:
 
 def test_derived_defaults() -> None:
     plain = RunConfig(run_name="r")
-    assert (plain.num_tasks, plain.scorer, plain.warmup, plain.max_turns, plain.temperature) == (
-        64, "math", 24, 2, 0.7)
+    assert (plain.num_tasks, plain.rounds, plain.scorer, plain.warmup, plain.max_turns, plain.temperature) == (
+        32, 3, "math", 24, 2, 0.7)
     assert (plain.learning_rate, plain.warmup_learning_rate, plain.max_new_tokens) == (2e-6, 1e-4, 48)
     assert plain.run_dir == ROOT / "runs" / "r" and plain.output_dir == ROOT / "runs" / "r" / "output"
     own_model = RunConfig(model="m")
     assert own_model.warmup == 0 and own_model.run_name.startswith("minirl-")
     assert own_model.scorer == "math_format" and RunConfig(model="m", warmup=8).scorer == "math"
     env = RunConfig(env="textcraft", lora_r=8)
-    assert (env.num_tasks, env.scorer, env.warmup, env.warmup_epochs, env.max_turns, env.temperature) == (
-        None, "", 64, 2, 12, 1.0)
+    assert (env.num_tasks, env.rounds, env.scorer, env.warmup, env.warmup_epochs, env.max_turns,
+            env.temperature) == (None, 1, "", 64, 2, 12, 1.0)
     assert (env.learning_rate, env.warmup_learning_rate) == (5e-5, 2e-3)
     assert RunConfig(env="sciworld").warmup == 0
     assert RunConfig(env="textcraft", scorer="math", warmup=0, temperature=0.5).model_dump(

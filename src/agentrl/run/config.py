@@ -78,8 +78,11 @@ class RunConfig(BaseModel):
     tasks: Path = Field(TASK_SETS / "arith_tools.jsonl", description="RL task file (TASKS; default: "
                         "assets/tasks/arith_tools.jsonl; with --env: its train split)")
     num_tasks: int | None = Field(
-        None, ge=0, description="the first N RL tasks, 0: all (NUM_TASKS; default: 64; with --env: the whole "
+        None, ge=0, description="the first N RL tasks, 0: all (NUM_TASKS; default: 32; with --env: the whole "
         "train split)")
+    rounds: int | None = Field(
+        None, ge=1, description="rounds each RL task is sampled in; from the second on, the pass-rate curriculum "
+        "mostly skips a task whose last group was all solved or all failed (ROUNDS; default: 3; with --env: 1)")
     scorer: str | None = Field(
         None, description="--mode rl: scorer of every RL task, empty: the tasks' own (SCORER; default: math, 1 "
         "for a right answer, with a warm-up; without one math_format, which also gives 0.1 for a wrong answer in "
@@ -192,7 +195,8 @@ class RunConfig(BaseModel):
             self.warmup_epochs = self.warmup_epochs or 2
             self.warmup_learning_rate = self.warmup_learning_rate or (2e-3 if lora else 2e-4)
             self.temperature = 1.0 if self.temperature is None else self.temperature
-        self.num_tasks = 64 if self.num_tasks is None and not self.env else self.num_tasks
+        self.num_tasks = 32 if self.num_tasks is None and not self.env else self.num_tasks
+        self.rounds = self.rounds or (1 if self.env else 3)
         self.max_turns = self.max_turns or (12 if self.env else 2)
         self.temperature = 0.7 if self.temperature is None else self.temperature
         self.warmup = (0 if self.model else 24) if self.warmup is None else self.warmup

@@ -280,7 +280,8 @@ def start_samplers(run: Run, model: str | Path | None) -> None:
             "--max_concurrent_samples_per_process", str(config.samples_per_sampler),
             "--max_turns", str(config.max_turns), "--max_new_tokens", str(config.max_new_tokens),
             "--temperature", str(config.temperature), "--train_batch_size", str(config.train_batch_size),
-            "--max_staleness", str(config.max_staleness), *shlex.split(config.extra_sample_flags)])
+            "--max_staleness", str(config.max_staleness), "--rounds", str(config.rounds),
+            *shlex.split(config.extra_sample_flags)])
     say(f"samplers: {config.num_samplers} process(es) (logs {run.logs}/sampler-*.log)")
 
 

@@ -167,10 +167,11 @@ class SampleStream:
             lag = sample_staleness(sample, current_version)
             (stale if self.staleness_bound is not None and lag > self.staleness_bound else fresh).append(sample)
         if stale:
-            reason = (f"stale: sampled more than {self.staleness_bound} policy versions before version "
-                      f"{current_version}")
+            # One wording for every step, so that the run's summary counts these groups under one reason.
+            reason = f"stale: sampled more than {self.staleness_bound} policy versions before the step trained them"
             self.io.run(self._skip(self.parallel.dp_rank, step, stale, reason))
-            logger.info("step %d: skipped %d stale samples (%s)", step, len(stale), reason)
+            logger.info("step %d: skipped %d stale samples (%s, version %d)", step, len(stale), reason,
+                        current_version)
         return fresh, len(stale)
 
     async def _skip(self, rank: int, step: int, samples: Sequence[DBRecordData], reason: str) -> None:
