@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from _pytest.nodeid import NodeId
 from pymongo import MongoClient
 from pymongo.uri_parser import parse_uri
 
@@ -89,6 +90,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             shared = next((name for name in SHARED_ON_ONE_WORKER if name in item.fixturenames), None)
             if shared or uses_module_fixture(item):
                 item.add_marker(pytest.mark.xdist_group(shared or item.module.__name__))
+        if config.getvalue("loadgroup") and (group := item.get_closest_marker("xdist_group")) is not None:
+            group_node_id(item, str(group.args[0] if group.args else group.kwargs.get("name", "default")))
+
+
+def group_node_id(item: pytest.Item, group: str) -> None:
+    """``NODE_ID@GROUP``, the node id by which xdist's ``loadgroup`` sends a group's tests to one worker. xdist 3.8
+    writes it to ``item._nodeid``, which pytest 9 no longer reads (the id is ``item._id``), so without this every
+    test is scheduled alone and each worker builds the module fixtures again."""
+    if "@" not in item.nodeid:
+        item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 
 @pytest.fixture(scope="session")
