@@ -90,7 +90,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             shared = next((name for name in SHARED_ON_ONE_WORKER if name in item.fixturenames), None)
             if shared or uses_module_fixture(item):
                 item.add_marker(pytest.mark.xdist_group(shared or item.module.__name__))
-        if config.getvalue("loadgroup") and (group := item.get_closest_marker("xdist_group")) is not None:
+        if config.getoption("loadgroup", False) and (group := item.get_closest_marker("xdist_group")) is not None:
             group_node_id(item, str(group.args[0] if group.args else group.kwargs.get("name", "default")))
 
 
