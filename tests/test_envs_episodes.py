@@ -146,15 +146,15 @@ def test_a_sampler_killed_in_an_instance_window_leaves_nothing_open(
     """Killed between creating an instance and recording it, the server's idle sweep closes it; killed between
     closing it and marking it closed, the attempt that takes over marks it (closing it again is harmless).
 
-    The victim holds a long lease, so a loaded machine cannot let it lapse mid-attempt (the victim would then take
-    its own slot over and die in another window); once it is dead the test ages that lease instead of waiting."""
+    Both samplers hold long leases, so a loaded machine cannot let one lapse mid-attempt (the sampler would then
+    take its own slot over, and die in another window or add an attempt); once the victim is dead the test ages its
+    lease instead of waiting it out."""
     url, stop = start_local_server("textcraft", instance_ttl_s=2)
     try:
         upload_env_tasks(db_uri, write_env_tasks(tmp_path / "tasks.jsonl", (0,), max_turns=2), generations=1)
-        args = ("--max_turns", "2", "--exit_when_done", "true")
-        victim = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args, "--lease_s", "120"),
-                                capture_output=True, text=True,
-                                env={**run_env(), "AGENTRL_FAILPOINTS": f"{point}=exit"}, timeout=120)
+        args = ("--max_turns", "2", "--lease_s", "120", "--exit_when_done", "true")
+        victim = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args), capture_output=True,
+                                text=True, env={**run_env(), "AGENTRL_FAILPOINTS": f"{point}=exit"}, timeout=120)
         assert victim.returncode == 86, victim.stdout + victim.stderr
         assert [r["attempt"] for r in documents(db_uri, "Record")] == [1]
         expire_leases(db_uri)
@@ -162,8 +162,8 @@ def test_a_sampler_killed_in_an_instance_window_leaves_nothing_open(
             assert len(live_instances(url)) == 1 and not documents(db_uri, "Record", {"env_open": {"$exists": True}})
         else:
             assert live_instances(url) == [] and len(documents(db_uri, "Record", {"env_open": {"$exists": True}})) == 1
-        done = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args, "--lease_s", "2"),
-                              capture_output=True, text=True, env=run_env(), timeout=120)
+        done = subprocess.run(sample_cmd(db_uri, tiny_model_dir, engine_url, url, *args), capture_output=True,
+                              text=True, env=run_env(), timeout=120)
         assert done.returncode == 0, done.stdout + done.stderr
         records = documents(db_uri, "Record")
         assert [r["attempt"] for r in records] == [1, 2] and not any("env_open" in r for r in records)
