@@ -205,18 +205,21 @@ CHEATS = {  # name: (problem, answer, the end of the tests' error)
     "reads the tests from its program and other files": ("HumanEval/0", READ_THE_TESTS_FROM_FILES, WRONG),
     "reads the assert from the caller's frame": ("HumanEval/0", READ_THE_ASSERT_FROM_THE_CALLERS_FRAME, WRONG),
     "reads the tests through gc": ("HumanEval/0", READ_THE_TESTS_FROM_GC, WRONG),
-    "writes forged replies to every descriptor and exits 0": ("HumanEval/0", FORGED_REPLIES_ON_EVERY_DESCRIPTOR, WRONG),
+    # The tests either read a forged reply first (a wrong value) or see the process end first: both defeat it.
+    "writes forged replies to every descriptor and exits 0": ("HumanEval/0", FORGED_REPLIES_ON_EVERY_DESCRIPTOR,
+                                                              (WRONG, ENDED)),
 }
 
 
 @needs_sandbox
 @pytest.mark.parametrize(("task_id", "answer", "error"), list(CHEATS.values()), ids=list(CHEATS))
-async def test_a_cheat_scores_0(task_id: str, answer: str, error: str) -> None:
+async def test_a_cheat_scores_0(task_id: str, answer: str, error: str | tuple[str, ...]) -> None:
     """Each fails on its own account, not on a limit: the tests saw the answer's process end, a wrong value, or the
     answer's error."""
     result, details = await score(task_id, answer)
     assert (result, details["passed"], details["timed_out"], details["exit_code"]) == (0.0, False, False, 1), details
-    assert error in details["stderr"].rstrip().splitlines()[-1], details
+    last_line = details["stderr"].rstrip().splitlines()[-1]
+    assert any(end in last_line for end in ((error,) if isinstance(error, str) else error)), details
 
 
 RIGHT_PROBLEMS = ["HumanEval/0", "HumanEval/2", "HumanEval/4", "HumanEval/12", "HumanEval/32", "HumanEval/38",
