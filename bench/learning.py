@@ -47,6 +47,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--num_eval_tasks", type=int, default=64, help="held-out tasks (NUM_EVAL_TASKS)")
     parser.add_argument("--warmup", type=int, default=32, help="warm-up demonstrations (WARMUP)")
     parser.add_argument("--num_tasks", type=int, default=200, help="RL tasks: first N of the built-in set")
+    parser.add_argument("--rounds", type=int, default=1, help="rounds each RL task is sampled in (the recorded "
+                        "result: one; `agentrl run` defaults to 3 on its 32 tasks)")
     parser.add_argument("--num_generations", type=int, default=4)
     parser.add_argument("--train_batch_size", type=int, default=4)
     parser.add_argument("--max_new_tokens", type=int, default=48)
@@ -65,7 +67,7 @@ def run_example(args: argparse.Namespace, db_uri: str, run_dir: Path, run_name: 
     """Run ``minirl_example.sh``; past ``--time_limit_s`` stop it (it then stops everything it started)."""
     env = {**os.environ, "MONGO_URI": db_uri, "RUN_DIR": str(run_dir), "TRAIN_TIME_S": str(args.train_time_s),
            "TRAIN_STEPS": str(args.train_steps), "NUM_EVAL_TASKS": str(args.num_eval_tasks),
-           "WARMUP": str(args.warmup), "NUM_TASKS": str(args.num_tasks),
+           "WARMUP": str(args.warmup), "NUM_TASKS": str(args.num_tasks), "ROUNDS": str(args.rounds),
            "NUM_GENERATIONS": str(args.num_generations), "TRAIN_BATCH_SIZE": str(args.train_batch_size),
            "MAX_NEW_TOKENS": str(args.max_new_tokens), "MAX_TURNS": str(args.max_turns),
            "TEMPERATURE": str(args.temperature), "LEARNING_RATE": str(args.learning_rate),
