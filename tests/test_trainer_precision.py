@@ -113,6 +113,27 @@ def test_chunked_head_equals_one_block_with_gradients() -> None:
         assert torch.allclose(a.float(), b.float(), atol=1e-5)
 
 
+def test_head_at_chosen_positions_equals_the_whole_head_there_and_is_0_elsewhere() -> None:
+    torch.manual_seed(1)
+    hidden = torch.randn(3, 5, 16, requires_grad=True)
+    weight = torch.randn(50, 16, requires_grad=True)
+    targets = torch.randint(0, 50, (3, 5))
+    where = torch.rand(3, 5) < 0.5
+    where[0, 0] = True
+    whole = head_logprobs(hidden, weight, None, targets, 1.0)
+    chosen = head_logprobs(hidden, weight, None, targets, 1.0, chunk_bytes=4 * 50 * 2, where=where)  # 2 a chunk
+    assert torch.equal(chosen[~where], torch.zeros(int((~where).sum())))
+    assert torch.allclose(chosen[where], whole[where], atol=1e-6)
+    masked_whole = torch.autograd.grad((whole * where).sum(), (hidden, weight))
+    for a, b in zip(masked_whole, torch.autograd.grad(chosen.sum(), (hidden, weight))):
+        assert torch.allclose(a, b, atol=1e-5)
+    nothing = head_logprobs(hidden, weight, None, targets, 1.0, where=torch.zeros_like(where))
+    assert torch.equal(nothing, torch.zeros(3, 5))
+    hidden_grad, weight_grad = torch.autograd.grad(nothing.sum(), (hidden, weight), allow_unused=True)
+    assert weight_grad is None, "nothing scored: no (all-zero) gradient is made for the vocabulary-sized weight"
+    assert torch.equal(hidden_grad, torch.zeros_like(hidden)), "but the hidden states stay in the graph (FSDP2)"
+
+
 def test_auto_precision_follows_the_cpus_bf16_instructions() -> None:
     cpu = torch.device("cpu")
     flags = Path("/proc/cpuinfo").read_text().split() if Path("/proc/cpuinfo").is_file() else []

@@ -102,7 +102,7 @@ def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: 
             if deep:
                 kwargs["past_key_values"] = cache
             outputs.append(_predict(model, level.input_ids, level.labels, level.scored, temperature, chunk_bytes,
-                                    **kwargs).reshape(-1))
+                                    headless_if_unscored=depth + 1 < len(layout.levels), **kwargs).reshape(-1))
             if depth + 1 < len(layout.levels):
                 keys_values.append([cache.new[layer] for layer in sorted(cache.new)])
         for _ in range(len(layout.levels), layout.forward_levels):
@@ -194,18 +194,22 @@ def _cache_under_checkpointing(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _predict(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, wanted: torch.Tensor,
-             temperature: float, chunk_bytes: int, **model_kwargs) -> torch.Tensor:
+             temperature: float, chunk_bytes: int, headless_if_unscored: bool = False, **model_kwargs
+             ) -> torch.Tensor:
     """``[n, w]``: at ``(r, j)`` where some row is ``wanted`` at column ``j``, the logprob of ``labels[r, j]`` given
-    row ``r`` up to position ``j``; 0 elsewhere. The LM head runs only at those columns (``logits_to_keep``).
+    row ``r`` up to position ``j``; 0 elsewhere. The model's head step runs only at those columns
+    (``logits_to_keep``), the LM head itself only at the wanted positions.
 
     With nothing wanted the model still runs (the head at one column, the result times 0): FSDP2 ranks must make
-    the same collectives, and the caller's backward needs a graph."""
+    the same collectives, and the caller's backward needs a graph. ``headless_if_unscored`` skips the head instead
+    (for a level whose keys/values feed deeper ones): its ``[vocab, hidden]`` weight gradient would be zeros that
+    cost as much as a real one."""
     keep = wanted.any(dim=0).nonzero().squeeze(-1)
     nothing = keep.numel() == 0
-    if nothing:
+    if nothing and not headless_if_unscored:
         keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     head = model.get_output_embeddings()
-    with _scoring(head, labels[:, keep], temperature, chunk_bytes):
+    with _scoring(head, labels[:, keep], None if nothing else wanted[:, keep], temperature, chunk_bytes):
         # the model's forward ends in our head, which returns [n, K] logprobs in place of [n, K, V] logits
         picked = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep, **model_kwargs).logits
     if picked.shape != (input_ids.shape[0], keep.numel()):
@@ -225,14 +229,16 @@ def _check_model(model: torch.nn.Module, temperature: float) -> None:
 
 
 @contextlib.contextmanager
-def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, temperature: float, chunk_bytes: int) -> Iterator[None]:
+def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, where: torch.Tensor | None, temperature: float,
+             chunk_bytes: int) -> Iterator[None]:
     """Within the block, ``head`` (the model's ``lm_head``) maps hidden states ``[B, K, H]`` to the fp32 logprobs
-    ``[B, K]`` of ``target_ids``. The head stays the model's own module, so FSDP2 gathers its weight as usual."""
+    ``[B, K]`` of ``target_ids`` at the positions ``where`` (``head_logprobs``). The head stays the model's own
+    module, so FSDP2 gathers its weight as usual."""
     if not isinstance(head, torch.nn.Linear):
         raise ValueError(f"the LM head is a {type(head).__name__}, not a Linear layer")
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return head_logprobs(hidden, head.weight, head.bias, target_ids, temperature, chunk_bytes)
+        return head_logprobs(hidden, head.weight, head.bias, target_ids, temperature, chunk_bytes, where)
 
     head.forward = forward
     try:
@@ -242,20 +248,30 @@ def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, temperature: float
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target_ids: torch.Tensor,
-                  temperature: float, chunk_bytes: int = LOGIT_CHUNK_BYTES) -> torch.Tensor:
+                  temperature: float, chunk_bytes: int = LOGIT_CHUNK_BYTES, where: torch.Tensor | None = None
+                  ) -> torch.Tensor:
     """Logprobs ``[B, K]`` of ``target_ids`` ``[B, K]`` under ``softmax((hidden @ weight.T + bias) / temperature)``
-    (``hidden`` ``[B, K, H]``), the logits made in fp32 (or wider) chunks of positions of at most ``chunk_bytes``,
-    recomputed in backward when there are several."""
-    per_position = 4 * weight.shape[0] * hidden.shape[0]  # fp32 logits of one position of every row
-    step = max(1, chunk_bytes // per_position)
-    if hidden.shape[1] <= step:
-        return _chunk_logprobs(hidden, weight, bias, target_ids, temperature)
-    parts = []
-    for start in range(0, hidden.shape[1], step):
-        args = (hidden[:, start:start + step], weight, bias, target_ids[:, start:start + step], temperature)
-        parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
-                     else _chunk_logprobs(*args))
-    return torch.cat(parts, dim=1)
+    (``hidden`` ``[B, K, H]``) at the positions ``where`` (``[B, K]`` bool; default all) and 0 elsewhere, the
+    logits made in fp32 (or wider) chunks of at most ``chunk_bytes``, recomputed in backward when there are several.
+    With no position to score the result is zeros with a graph to ``hidden`` but not to the weight (whose gradient
+    would be all zeros, as costly as a real one): FSDP2 prepares a layer's backward from its output's graph."""
+    if where is None:
+        where = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
+    rows, targets = hidden[where], target_ids[where]  # [P, H], [P]
+    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
+    if rows.shape[0] == 0:
+        return out + rows.sum() * 0.0
+    step = max(1, chunk_bytes // (4 * weight.shape[0]))  # positions per chunk of fp32 logits
+    if rows.shape[0] <= step:
+        picked = _chunk_logprobs(rows, weight, bias, targets, temperature)
+    else:
+        parts = []
+        for start in range(0, rows.shape[0], step):
+            args = (rows[start:start + step], weight, bias, targets[start:start + step], temperature)
+            parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
+                         else _chunk_logprobs(*args))
+        picked = torch.cat(parts)
+    return out.to(picked.dtype).masked_scatter(where, picked)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
