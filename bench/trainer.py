@@ -36,8 +36,10 @@ seconds per group over ``--prefix_repeats`` after a warm-up:
   8 × (48 observation + 64 output) tokens of their own.
 
 Both sides get the token budget ``max(--max_tokens, the group's tokens with its prompt once)``, so the group's
-prompt is forwarded once (the long shape holds about 9,200 tokens in one micro-batch: about 13 GB of activations
-for SmolLM2-135M in fp32 on CPU; ``--gradient_checkpointing`` saves most of it).
+prompt is forwarded once (the long shape holds about 9,200 tokens in one micro-batch: over 20 GB of activations
+for SmolLM2-135M on CPU). ``--gradient_checkpointing`` recomputes activations on both sides; on CPU a shape whose
+per-sample micro-batches would need more than 80 % of the free memory (``activation_bytes``) is measured so anyway,
+said in the output and in the JSON (``[long_]gradient_checkpointing``).
 ``shared_prefix_speedup`` is one forward per sample over the shared forward, at ``--dtype`` on both sides;
 ``bf16_speedup`` is fp32 over ``--dtype auto``, both with shared prefixes (1.0 where ``auto`` is fp32); the
 ``long_`` keys are those of the long shape.
@@ -56,6 +58,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import torch
 
 from agentrl.precision import resolve_dtype
@@ -321,6 +324,17 @@ def seconds_per_group(model: torch.nn.Module, batches: list[MicroBatch], bf16: b
     return statistics.median(times[1:])
 
 
+def activation_bytes(model: torch.nn.Module, tokens: int) -> int:
+    """Rough upper estimate of the fp32 activations a forward + backward over ``tokens`` tokens keeps (measured
+    for SmolLM2-135M: ~2 MB a token; the long shape's 9,200-token micro-batches exhaust 24 GiB)."""
+    config = model.config
+    return tokens * config.num_hidden_layers * (20 * config.hidden_size + 6 * config.intermediate_size) * 4
+
+
+def available_bytes() -> int:
+    return psutil.virtual_memory().available
+
+
 def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.device) -> dict:
     """Seconds per group: one forward per sample vs shared prefixes at ``--dtype``, and fp32 vs ``auto`` shared."""
     from transformers import AutoModelForCausalLM
@@ -340,6 +354,12 @@ def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.dev
         budget = max(args.max_tokens, collate(samples).layout.computed_tokens)  # the group's prompt forwarded once
         alone = pack_micro_batches(samples, budget, min_shared=None)
         shared = pack_micro_batches(samples, budget)
+        needed = activation_bytes(model, max(b.layout.computed_tokens for b in alone))
+        checkpointing = args.gradient_checkpointing or (device.type == "cpu" and needed > 0.8 * available_bytes())
+        if checkpointing and not args.gradient_checkpointing:
+            print(f"({name}: about {needed / 2**30:.0f} GiB of activations per micro-batch, "
+                  f"{available_bytes() / 2**30:.0f} GiB available: both sides recompute activations)")
+            model.activation_checkpointing_enable()
         dense_tokens = sum(b.layout.computed_tokens for b in alone)
         shared_tokens = sum(b.layout.computed_tokens for b in shared)
         seconds = {
@@ -349,7 +369,10 @@ def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.dev
         }
         seconds["shared_auto"] = (seconds_per_group(model, shared, True, device, args.prefix_repeats) if auto_bf16
                                   else seconds["shared_fp32"])
+        if checkpointing and not args.gradient_checkpointing:
+            model.activation_checkpointing_disable()
         prefix = "" if name == "default" else f"{name}_"
+        figures[f"{prefix}gradient_checkpointing"] = checkpointing
         figures.update({f"{prefix}shared_prefix_speedup": seconds["dense"] / seconds["shared"],
                         f"{prefix}bf16_speedup": seconds["shared_fp32"] / seconds["shared_auto"],
                         f"{prefix}group_seconds": seconds,
