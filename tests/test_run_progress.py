@@ -64,7 +64,7 @@ def test_watch_and_report_explain_a_run_whose_groups_all_lack_variance(
                                         "--wall_s", "12", "--out", str(out)),
                             capture_output=True, text=True, env=run_env(), timeout=60)
     assert report.returncode == 0, report.stderr
-    assert "0 trainer steps in 0.2 min: 8 trajectories" in report.stdout
+    assert "0 trainer steps: 8 trajectories" in report.stdout and "(whole run 0.2 min)" in report.stdout
     assert "nothing was trained: 4 of 4 groups were dropped for zero reward variance" in report.stdout
     summary = json.loads(out.read_text())
     assert (summary["steps"], summary["trajectories"], summary["wall_s"]) == (0, 8, 12)

@@ -78,13 +78,13 @@ def render(summary: dict[str, Any]) -> list[str]:
     """The summary in words (what the example scripts print at the end)."""
     from agentrl.store.progress import failure_line, reason_label
 
-    wall = f" in {summary['wall_s'] / 60:.1f} min" if summary.get("wall_s") else ""
+    wall = f" (whole run {summary['wall_s'] / 60:.1f} min)" if summary.get("wall_s") else ""
     dropped = summary["groups_dropped"]
     why = (" (" + ", ".join(f"{n} {reason_label(reason)}" for reason, n in dropped.items()) + ")") if dropped else ""
     share = f" (kept share {summary['kept_share']:.0%})" if summary.get("kept_share") is not None else ""
-    lines = [f"{summary['steps']} trainer steps{wall}: {summary['trajectories']} trajectories, "
+    lines = [f"{summary['steps']} trainer steps: {summary['trajectories']} trajectories, "
              f"{summary['samples_trained']} samples trained, {summary['samples_skipped_stale']} skipped as stale; "
-             f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}{share}"]
+             f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}{share}{wall}"]
     curriculum = summary.get("curriculum") or {}
     if curriculum.get("tasks_deferred") or curriculum.get("revisits"):
         lines.append(f"curriculum: {curriculum['tasks_deferred']} tasks skipped after an all-solved or all-failed "
