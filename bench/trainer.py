@@ -325,14 +325,10 @@ def seconds_per_group(model: torch.nn.Module, batches: list[MicroBatch], bf16: b
 
 
 def activation_bytes(model: torch.nn.Module, tokens: int) -> int:
-    """Rough upper estimate of the fp32 activations a forward + backward over ``tokens`` tokens keeps (measured
-    for SmolLM2-135M: ~2 MB a token; the long shape's 9,200-token micro-batches exhaust 24 GiB)."""
+    """Rough estimate of the fp32 activations a forward + backward over ``tokens`` tokens keeps: ~2 MB a token for
+    SmolLM2-135M, whose long-shape micro-batches (~9,200 tokens) were killed for memory on a 24 GiB machine."""
     config = model.config
     return tokens * config.num_hidden_layers * (20 * config.hidden_size + 6 * config.intermediate_size) * 4
-
-
-def available_bytes() -> int:
-    return psutil.virtual_memory().available
 
 
 def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.device) -> dict:
@@ -355,10 +351,11 @@ def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.dev
         alone = pack_micro_batches(samples, budget, min_shared=None)
         shared = pack_micro_batches(samples, budget)
         needed = activation_bytes(model, max(b.layout.computed_tokens for b in alone))
-        checkpointing = args.gradient_checkpointing or (device.type == "cpu" and needed > 0.8 * available_bytes())
-        if checkpointing and not args.gradient_checkpointing:
+        available = psutil.virtual_memory().available
+        recompute = not args.gradient_checkpointing and device.type == "cpu" and needed > 0.8 * available
+        if recompute:  # for this shape only, both sides
             print(f"({name}: about {needed / 2**30:.0f} GiB of activations per micro-batch, "
-                  f"{available_bytes() / 2**30:.0f} GiB available: both sides recompute activations)")
+                  f"{available / 2**30:.0f} GiB available: both sides recompute activations)")
             model.activation_checkpointing_enable()
         dense_tokens = sum(b.layout.computed_tokens for b in alone)
         shared_tokens = sum(b.layout.computed_tokens for b in shared)
@@ -369,10 +366,10 @@ def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.dev
         }
         seconds["shared_auto"] = (seconds_per_group(model, shared, True, device, args.prefix_repeats) if auto_bf16
                                   else seconds["shared_fp32"])
-        if checkpointing and not args.gradient_checkpointing:
+        if recompute:
             model.activation_checkpointing_disable()
         prefix = "" if name == "default" else f"{name}_"
-        figures[f"{prefix}gradient_checkpointing"] = checkpointing
+        figures[f"{prefix}gradient_checkpointing"] = args.gradient_checkpointing or recompute
         figures.update({f"{prefix}shared_prefix_speedup": seconds["dense"] / seconds["shared"],
                         f"{prefix}bf16_speedup": seconds["shared_fp32"] / seconds["shared_auto"],
                         f"{prefix}group_seconds": seconds,

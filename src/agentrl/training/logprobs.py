@@ -258,9 +258,8 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if where is None:
         where = torch.ones(hidden.shape[:2], dtype=torch.bool, device=hidden.device)
     rows, targets = hidden[where], target_ids[where]  # [P, H], [P]
-    out = torch.zeros(where.shape, dtype=torch.float32, device=hidden.device)
     if rows.shape[0] == 0:
-        return out + rows.sum() * 0.0
+        return torch.zeros(where.shape, dtype=torch.float32, device=hidden.device) + rows.sum() * 0.0
     step = max(1, chunk_bytes // (4 * weight.shape[0]))  # positions per chunk of fp32 logits
     if rows.shape[0] <= step:
         picked = _chunk_logprobs(rows, weight, bias, targets, temperature)
@@ -271,7 +270,7 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             parts.append(checkpoint(_chunk_logprobs, *args, use_reentrant=False) if torch.is_grad_enabled()
                          else _chunk_logprobs(*args))
         picked = torch.cat(parts)
-    return out.to(picked.dtype).masked_scatter(where, picked)
+    return torch.zeros(where.shape, dtype=picked.dtype, device=hidden.device).masked_scatter(where, picked)
 
 
 def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
