@@ -177,9 +177,10 @@ def main() -> int:
               f"{device} ({dtype}) at {args.concurrency} concurrent requests")
         return 0
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-engine-") as built:
-        model_dir = args.model_name_or_path or str(default_model_path())
         if args.model_config:
             model_dir = str(build_random_model(args.model_config, Path(built) / Path(args.model_config).stem))
+        else:
+            model_dir = args.model_name_or_path or str(default_model_path())
         return measure(args, model_dir, device, dtype)
 
 

@@ -223,9 +223,10 @@ def main() -> int:
               f"{args.turns} turns per step; prefix shapes: {' '.join(args.prefix_shapes) or 'none'}")
         return 0
     with tempfile.TemporaryDirectory(prefix="agentrl-bench-model-") as built:
-        model_path = Path(args.model_name_or_path or default_model_path())
         if args.model_config:
             model_path = build_random_model(args.model_config, Path(built) / Path(args.model_config).stem)
+        else:
+            model_path = Path(args.model_name_or_path or default_model_path())
         figures = measure(args, model_path, device, bf16)
         if args.prefix_shapes:
             figures.update(measure_prefix(args, model_path, device))

@@ -16,11 +16,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from _pytest.nodeid import NodeId
 from pymongo import MongoClient
 from pymongo.uri_parser import parse_uri
 
 from agentrl.store.embedded import EmbeddedServer
+
+try:
+    from _pytest.nodeid import NodeId  # pytest >= 9
+except ImportError:  # older pytest reads item._nodeid, which xdist sets itself
+    NodeId = None
 
 # shared session fixtures (tiny models, engines, the SecantusDB server)
 pytest_plugins = ["inference_fixtures", "rollout_fixtures", "env_fixtures", "secantus_fixtures", "example_fixtures"]
@@ -98,7 +102,7 @@ def group_node_id(item: pytest.Item, group: str) -> None:
     """``NODE_ID@GROUP``, the node id by which xdist's ``loadgroup`` sends a group's tests to one worker. xdist 3.8
     writes it to ``item._nodeid``, which pytest 9 no longer reads (the id is ``item._id``), so without this every
     test is scheduled alone and each worker builds the module fixtures again."""
-    if "@" not in item.nodeid:
+    if NodeId is not None and "@" not in item.nodeid:
         item._id = NodeId.parse(f"{item.nodeid}@{group}")
 
 

@@ -96,8 +96,9 @@ def engine_samples(url: str, model_dir: Path) -> list[DBRecordData]:
 
 def test_fsdp2_trainer_step_under_nccl_matches_the_bf16_engine(scripted_model_dir: Path, mongo_server_uri: str,
                                                                tmp_path: Path) -> None:
-    """World size 1 under torchrun: NCCL, FSDP2 with bf16 layers and the fp32 logprob head; its logprobs of the
-    engine's samples (before the update) are within the bf16 bound of the engine's own."""
+    """World size 1 under torchrun: NCCL, FSDP2 with bf16 layers (``--dtype auto``, the default) and the fp32
+    logprob head; its logprobs of the engine's samples (before the update) are within the bf16 bound of the
+    engine's own."""
     engine = start_engine(scripted_model_dir, "--device", "cuda", "--dtype", "bfloat16")
     try:
         samples = engine_samples(engine.url, scripted_model_dir)
@@ -109,7 +110,7 @@ def test_fsdp2_trainer_step_under_nccl_matches_the_bf16_engine(scripted_model_di
     launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1"]
     done = run_trainer(trainer_args(uri, scripted_model_dir, tmp_path / "out", "--train_batch_size",
                                     str(len(samples)), "--enable_sampling", "false", "--max_steps", "1",
-                                    "--save_steps", "0"), launcher=launcher, timeout_s=300)
+                                    "--save_steps", "0", dtype=None), launcher=launcher, timeout_s=300)
     assert done.returncode == 0, done.stdout[-4000:]
     assert "(nccl, bf16)" in done.stdout, done.stdout[-4000:]
     client = sync_client(uri)

@@ -65,6 +65,7 @@ class PublishResult:
     failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
     probes: dict[str, PolicyProbe] = field(default_factory=dict)  # service base URL -> its check (when probed)
     seconds: float = 0.0
+    export_s: float = 0.0  # of ``seconds``: gathering and writing the weights (the rest: the services' loads)
 
 
 class WeightPublisher:
@@ -88,7 +89,7 @@ class WeightPublisher:
             export_adapter(model, self.parallel, path)
         else:
             export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
-        result = PublishResult(version=version, path=path)
+        result = PublishResult(version=version, path=path, export_s=time.monotonic() - started)
         failpoint("publish.after_export")
         expected = None if self.probe is None else trainer_logprobs(model, self.probe.token_ids, self.parallel.device)
         if self.parallel.is_main:
