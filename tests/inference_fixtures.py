@@ -15,7 +15,9 @@ import pytest
 from agentrl.inference.process import EngineProcess
 from agentrl.inference.tiny_model import build_tiny_model
 
-TEST_FLAGS = ("--num_threads", "1", "--max_total_tokens", "8192")
+TEST_FLAGS = ("--num_threads", "1", "--max_total_tokens", "8192", "--dtype", "float32")
+"""fp32, as the trainer's test flags: tests compare the engine's logprobs with fp32 references (an engine's
+``--dtype`` given by a test comes later and wins; ``test_trainer_precision.py`` covers ``auto``)."""
 TEST_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 

@@ -48,3 +48,35 @@ async def test_loaded_weights_reach_the_packed_layers(tiny_model_dir: Path, tiny
         logits = other(input_ids=torch.tensor([PROMPT + output.generated_tokens])).logits[0, len(PROMPT) - 1:-1]
     expected = torch.log_softmax(logits.float(), dim=-1).gather(-1, torch.tensor(output.generated_tokens)[:, None])
     assert torch.allclose(torch.tensor(output.logprobs), expected[:, 0], atol=2e-3)  # the other weights are ~0.05 away
+
+
+def test_bf16_matmuls_round_the_layers_inputs_and_weights_but_keep_the_head_and_activations_fp32(
+        tiny_model_dir: Path) -> None:
+    """``bf16_matmuls`` (the engine's ``auto`` on a CPU with bf16 units): each layer but the LM head computes
+    ``bf16(x) @ bf16(W)ᵀ`` and returns fp32, so the model's logits are those of an fp32 model whose layers (not its
+    head) multiply in bf16 (a bf16 model's are further away)."""
+    bf16_model(tiny_model_dir)  # skips where oneDNN has no bf16
+    plain = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    mixed = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    pack_linears(mixed, bf16_matmuls=True)
+    head = mixed.get_output_embeddings()
+    assert head.matmul_dtype == torch.float32
+    layers = [m for m in mixed.modules() if isinstance(m, PackedLinear) and m is not head]
+    assert {m.matmul_dtype for m in layers} == {torch.bfloat16}
+    assert mixed.state_dict()["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+
+    def rounded_matmul(module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        weight, bias = module.weight.bfloat16(), None if module.bias is None else module.bias.bfloat16()
+        return nn.functional.linear(inputs[0].bfloat16(), weight, bias).float()
+
+    hooks = [m.register_forward_hook(rounded_matmul) for m in plain.modules()
+             if isinstance(m, nn.Linear) and m is not plain.get_output_embeddings()]
+    ids = torch.tensor([PROMPT * 3])
+    with torch.no_grad():
+        logits = mixed(input_ids=ids).logits
+        expected = plain(input_ids=ids).logits
+        for hook in hooks:
+            hook.remove()
+        fp32 = plain(input_ids=ids).logits
+    assert logits.dtype == torch.float32
+    assert (logits - expected).abs().max() < 1e-3 < (logits - fp32).abs().max()

@@ -1,13 +1,15 @@
 """bf16 training against fp32 inference, on CPU with the real embedded SmolLM2-135M: the trainer's logprobs come
 from an fp32 LM head, so in bf16 they stay within a stated bound of the engine's fp32 logprobs, and the trainer's
-``logprob_mismatch_mean`` metric reports the gap. ``--dtype auto`` (the default of both) is bf16 for the trainer on
-a CPU with bf16 matrix instructions and fp32 for the engine on any CPU, so the default run is this case.
+``logprob_mismatch_mean`` metric reports the gap. ``--dtype auto`` (the default of both) is, on a CPU with bf16
+matrix instructions, bf16 for the trainer and, for the engine, an fp32 model whose layers but the LM head multiply
+in bf16 (``agentrl.inference.engine.bf16_matmuls``); the default run is that case.
 
 Bound: with bf16 decoder layers the remaining gap is the layers' own rounding. Measured on these four sampled
 completions (T=1, up to 40 tokens each): mean |Δ| = 0.0150 nats (max 0.113) with the fp32 head, 0.0254 (max 0.150) with
 bf16 logits upcast afterwards (the old behaviour), 6e-6 in fp32; ``BF16_MEAN_BOUND = 0.02`` separates the two. On eight
-fresh completions in ``auto`` (engine fp32, trainer bf16 with the fp32 head): 0.0145 (max 0.183); a bf16 engine (bf16
-logits) against the same trainer gives 0.0342 (max 0.371), above the bound. """
+fresh completions (engine fp32, trainer bf16 with the fp32 head): 0.0145 (max 0.183); a bf16 engine (bf16 logits)
+against the same trainer gives 0.0342 (max 0.371), above the bound; the engine's ``auto`` (bf16 matmuls, fp32 head)
+stays within it (``test_auto_engine_stays_within_the_bound_of_the_bf16_trainer``). """
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import pytest
 import torch
 
 from agentrl.inference.embedded_model import default_model_path
-from agentrl.inference.engine import EngineConfig, InferenceEngine
+from agentrl.inference.engine import EngineConfig, InferenceEngine, bf16_matmuls
 from agentrl.inference.engine import resolve_dtype as engine_dtype
 from agentrl.inference.protocol import GenerateRequest
 from agentrl.precision import resolve_dtype
@@ -44,6 +46,11 @@ def model_dir() -> Path:
 @pytest.fixture(scope="module")
 def engine_samples(model_dir: Path) -> list[DBRecordData]:
     """Four completions sampled (T=1) by the engine in fp32, with its per-token logprobs, as queued samples."""
+    return sample_completions(model_dir, "float32")
+
+
+def sample_completions(model_dir: Path, dtype: str) -> list[DBRecordData]:
+    """Four completions sampled (T=1) by the engine at ``dtype``, with its per-token logprobs, as queued samples."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -52,7 +59,7 @@ def engine_samples(model_dir: Path) -> list[DBRecordData]:
                for q in QUESTIONS]
 
     async def generate():
-        engine = InferenceEngine(EngineConfig(model_name_or_path=str(model_dir), dtype="float32"))
+        engine = InferenceEngine(EngineConfig(model_name_or_path=str(model_dir), dtype=dtype))
         engine.start()
         try:
             return [await engine.generate(GenerateRequest(
@@ -141,7 +148,9 @@ def test_auto_precision_follows_the_cpus_bf16_instructions() -> None:
         pytest.skip("the x86 CPU flags in /proc/cpuinfo are the independent check")
     native = bool({"amx_bf16", "avx512_bf16"} & set(flags))
     assert resolve_dtype("auto", cpu) == (torch.bfloat16 if native else torch.float32)
-    assert engine_dtype("auto", cpu) == torch.float32, "decoding on CPU stays fp32"
+    assert engine_dtype("auto", cpu) == torch.float32, "the engine's weights and logits on CPU stay fp32"
+    assert bf16_matmuls("auto", cpu) == native, "its layers multiply in bf16 where the CPU has bf16 units"
+    assert not bf16_matmuls("float32", cpu) and not bf16_matmuls("bfloat16", cpu)
     for name in ("float32", "bfloat16"):
         assert resolve_dtype(name, cpu) == engine_dtype(name, cpu) == getattr(torch, name)
     assert TrainConfig().precision == "auto"
@@ -154,8 +163,7 @@ def test_auto_precision_follows_the_cpus_bf16_instructions() -> None:
 @pytest.mark.timeout(400)
 def test_bf16_trainer_reports_the_engine_mismatch(model_dir: Path, engine_samples, mongo_server_uri: str,
                                                   tmp_path: Path) -> None:
-    """fp32, bf16 and the default (auto) trainer against the engine's auto (fp32 on CPU) samples."""
-    assert engine_dtype("auto", torch.device("cpu")) == torch.float32, "engine_samples are the engine's auto"
+    """fp32, bf16 and the default (auto) trainer against the fp32 engine's samples."""
     found = {}
     for precision, flags in (("fp32", ("--bf16", "false")), ("bf16", ("--dtype", "bfloat16")), ("auto", ())):
         name = "t_" + uuid.uuid4().hex[:12]
@@ -174,3 +182,21 @@ def test_bf16_trainer_reports_the_engine_mismatch(model_dir: Path, engine_sample
     assert 1e-3 < found["bf16"] < BF16_MEAN_BOUND, found
     auto_bf16 = resolve_dtype("auto", torch.device("cpu")) == torch.bfloat16
     assert found["auto"] == found["bf16" if auto_bf16 else "fp32"], found
+
+
+def test_auto_engine_stays_within_the_bound_of_the_bf16_trainer(model_dir: Path) -> None:
+    """The default pairing on a CPU with bf16 units: the engine's ``auto`` (bf16 matmuls, fp32 head) samples, the
+    trainer's bf16 (fp32 head) logprobs of them within the bound; the engine's are not fp32's, or this proves
+    nothing about bf16 matmuls."""
+    from transformers import AutoModelForCausalLM
+
+    if not bf16_matmuls("auto", torch.device("cpu")):
+        pytest.skip("this CPU has no bf16 matrix instructions: the engine's auto is plain fp32")
+    samples = sample_completions(model_dir, "auto")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        fp32 = _gaps(model, samples, lambda ids: model_token_logprobs(model, ids))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            bf16 = _gaps(model, samples, lambda ids: model_token_logprobs(model, ids))
+    assert fp32.mean() > 1e-3, float(fp32.mean())
+    assert bf16.mean() < BF16_MEAN_BOUND, float(bf16.mean())

@@ -4,8 +4,8 @@
 (compute capability 8.0 and later), and on CPUs with bf16 matrix instructions (x86 AMX-BF16 or AVX512-BF16; ARM's
 BF16 extension, as oneDNN reports it). Elsewhere bf16 is emulated and slower than fp32, so ``auto`` stays fp32.
 On a CPU with AVX512-BF16, a 256×1536 by 1536×1536 matmul runs about 2-5 times faster in bf16 than in fp32:
-training, which multiplies hundreds of rows at once, gains. The inference engine's ``auto`` stays fp32 on CPU
-(``agentrl.inference.engine.resolve_dtype``): decoding multiplies a few rows at a time, slower in bf16 there.
+training, which multiplies hundreds of rows at once, gains. The inference engine's ``auto`` on such a CPU keeps an
+fp32 model whose layers multiply in bf16 (``agentrl.inference.engine.bf16_matmuls``).
 """
 
 from __future__ import annotations

@@ -88,6 +88,7 @@ class BatchingConfig:
     max_running_requests: int = 64
     page_size: int = 32
     prefix_sharing: bool = True
+    bf16_matmuls: bool = False  # an fp32 model's layers (not its LM head) multiply in bf16 (``pack_linears``)
 
 
 class _RequestValue(ContinuousBatchingLogitsProcessor):
@@ -218,8 +219,8 @@ class ContinuousBatcher:
 
     def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None):
         self.model = model.eval()
-        pack_linears(self.model)
         self.config = config or BatchingConfig()
+        pack_linears(self.model, bf16_matmuls=self.config.bf16_matmuls)
         self.adapters = ServedAdapters(self.model)
         self._manager = _Manager(self.model, self._cb_config(), self.adapters)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)

@@ -9,6 +9,12 @@ packed weight from :data:`FP32_MIN_ROWS` rows on. :func:`pack_linears` turns eve
 into a :class:`PackedLinear` (still an ``nn.Linear``: the same parameters, state dict and forward hooks) holding
 the reordered copy of its weight.
 
+``bf16_matmuls`` (the engine's ``--dtype auto`` on a CPU with bf16 matrix instructions) keeps an fp32 model fp32
+but has every layer except the LM head multiply in bf16: its packed copy is bf16, its input is rounded to bf16 and
+its output returned in fp32. The residual stream, norms, attention and the LM head stay fp32, as in the trainer's
+bf16 mode (bf16 layers, fp32 head), so the engine-vs-trainer logprob gap stays within the precision test's bound,
+where a bf16 model (bf16 logits) exceeds it.
+
 The copy does not follow in-place changes of the weight: call :func:`repack` after loading new weights (the
 batcher does). The reordered copies take as much memory as the weights.
 """
@@ -32,27 +38,37 @@ def packing_supported(model: nn.Module) -> bool:
 
 
 class PackedLinear(nn.Linear):
-    """An ``nn.Linear`` that multiplies with a oneDNN-reordered copy of its weight (made by :meth:`repack`)."""
+    """An ``nn.Linear`` that multiplies with a oneDNN-reordered copy of its weight (made by :meth:`repack`) in
+    ``matmul_dtype`` (its weight's dtype, or bf16 for an fp32 layer that multiplies in bf16)."""
 
     packed: torch.Tensor
+    packed_bias: torch.Tensor | None
+    matmul_dtype: torch.dtype
 
     def repack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(self.matmul_dtype), None)
+        self.packed_bias = None if self.bias is None else self.bias.detach().to(self.matmul_dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        if self.matmul_dtype != self.weight.dtype:
+            return torch.ops.mkldnn._linear_pointwise(input.to(self.matmul_dtype), self.packed, self.packed_bias,
+                                                      "none", [], "").to(input.dtype)
         if self.weight.dtype == torch.float32 and input.numel() < FP32_MIN_ROWS * self.in_features:
             return super().forward(input)
         return torch.ops.mkldnn._linear_pointwise(input, self.packed, self.bias, "none", [], "")
 
 
-def pack_linears(model: nn.Module) -> int:
+def pack_linears(model: nn.Module, *, bf16_matmuls: bool = False) -> int:
     """Make every ``nn.Linear`` of ``model`` a :class:`PackedLinear` (if :func:`packing_supported`); returns how
-    many layers are packed."""
+    many layers are packed. ``bf16_matmuls``: the fp32 layers other than the LM head multiply in bf16."""
     if not packing_supported(model):
         return 0
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     linears = [module for module in model.modules() if type(module) is nn.Linear]
     for module in linears:
         module.__class__ = PackedLinear
+        in_bf16 = bf16_matmuls and module is not head and module.weight.dtype == torch.float32
+        module.matmul_dtype = torch.bfloat16 if in_bf16 else module.weight.dtype
     return repack(model)
 
 

@@ -275,7 +275,7 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         logger.info("registering in %s", redact(server_config.db_connection_string))
 
     def announce() -> None:
-        print(f"agentrl engine ready at {url} serving {engine.model_name} ({engine.device}, {engine.dtype})",
+        print(f"agentrl engine ready at {url} serving {engine.model_name} ({engine.device}, {engine.precision})",
               flush=True)
 
     app = create_app(engine, registration, on_ready=announce,
