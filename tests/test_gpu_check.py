@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 KIT_LIMIT = 48 * 2**20
 TRAVEL_LIMIT = 64 * 2**20
-CHECKS = ["install", "environment", "imports", "pytest_gpu", "bench_trainer", "bench_engine", "rl_loop"]
+CHECKS = ["install", "environment", "imports", "pytest_gpu", "bench_trainer", "bench_engine", "rl_loop", "profile"]
 CUDA_CHECKS = CHECKS[3:]
 
 
@@ -80,6 +80,9 @@ def test_dry_run_lists_every_check_and_skips_the_cuda_ones(kit: Path, tmp_path: 
     log = (tmp_path / "gpu_check.log").read_text()
     assert "dry run: would train a qwen3 model (28 layers, hidden 1024)" in log
     assert "4 tests collected" in log
+    profiled = report["checks"]["profile"]["profile"]  # the kit's py-spy ran the dry run, its profile was read
+    assert profiled["main"]["samples"] > 0, profiled
+    assert any(name.startswith("main (loop.py)") for name, _ in profiled["main"]["inclusive"]), profiled
 
 
 def test_without_cuda_and_without_dry_run_the_cuda_checks_fail(kit: Path, tmp_path: Path) -> None:
@@ -88,6 +91,6 @@ def test_without_cuda_and_without_dry_run_the_cuda_checks_fail(kit: Path, tmp_pa
                           env={**os.environ, "OUT": str(tmp_path), "PYTHON": str(ROOT / ".venv/bin/python")})
     assert done.returncode == 1, done.stdout + done.stderr
     checks = json.loads((tmp_path / "gpu_check.json").read_text())["checks"]
-    assert list(checks) == ["environment", "bench_trainer"]
+    assert list(checks) == ["install", "environment", "bench_trainer"]  # --only keeps what the others need
     assert checks["bench_trainer"] == {"ok": False, "status": "failed", "seconds": 0.0,
                                        "reason": "no CUDA device (on a machine without one, use --dry-run)"}

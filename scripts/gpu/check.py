@@ -1,6 +1,6 @@
 """The GPU check: every CUDA path of AgentRL measured in one command on a GPU machine without internet.
 
-    python3 scripts/gpu/check.py [--dry-run] [--kit .whl] [--budget_s 480]     (scripts/gpu_check.sh runs it)
+    python3 scripts/gpu/check.py [--dry-run] [--kit .whl] [--budget_s 560]     (scripts/gpu_check.sh runs it)
 
 Steps, in order, each timed, run as a subprocess under its own time limit (and the whole run's budget), so one
 failure or hang does not hide the others:
@@ -14,6 +14,7 @@ pytest_gpu     ``pytest -m gpu tests/test_gpu.py``: bf16 engine, FSDP2 step unde
 bench_trainer  ``bench/trainer.py``, random Qwen3-0.6B shape, ~16k tokens a step: tokens/s and MFU
 bench_engine   ``bench/engine.py``, the same shape: tokens/s at 1, 16 and 64 concurrent requests
 rl_loop        ``bench/loop.py``: database on the CPU, engine and trainer on the GPU; step and publish times
+profile        ``bench/loop.py`` again, shorter, under py-spy (from the kit): where each process's CPU time goes
 =============  =====================================================================================================
 
 Results: ``$OUT/gpu_check.json`` (``{"device": ..., "checks": {name: {"ok", "status", "seconds", ...figures}}}``)
@@ -114,6 +115,49 @@ def bench_engine_figures(work: Path, output: str) -> dict:
             "logprob_mean_abs_diff": found.get("logprob_mean_abs_diff")}
 
 
+ROLES = (("agentrl.train", "trainer"), (" engine", "engine"), (" sample", "sampler"), ("nx_server", "database"),
+         ("tools serve", "tools"), ("bench/loop.py", "bench"))
+"""A profiled process's role, by a piece of its command line (the first that matches)."""
+
+
+def py_spy_figures(work: Path, output: str, top: int = 15) -> dict:
+    """Per process of a ``py-spy record --subprocesses --format raw`` profile (named by ``ROLES``; the profiled
+    command itself, whose command line py-spy does not read, is ``main``): its samples, and the functions with the
+    largest shares of them, inclusive (a function and what it calls) and self (the line running, which on a GPU
+    includes waiting for the device)."""
+    from collections import Counter
+
+    path = work / "profile.txt"
+    if not path.is_file():
+        return {}
+    records, pending = [], ""
+    for line in path.read_text(errors="replace").splitlines():  # a command line may hold newlines
+        pending = f"{pending}\n{line}" if pending else line
+        if re.search(r" \d+$", pending):
+            stack, count = pending.rsplit(" ", 1)
+            records.append((stack, int(count)))
+            pending = ""
+    processes: dict[str, dict] = {}
+    for stack, count in records:
+        frames = stack.split(";")
+        own = [i for i, frame in enumerate(frames) if frame.startswith("process ")]
+        command = frames[own[-1]] if own else "?"
+        shown = re.sub(r'^process \d+:"?', "", command).rstrip('"')
+        role = next((name for piece, name in ROLES if piece in command), shown[:60] or "main")
+        entry = processes.setdefault(role, {"samples": 0, "inclusive": Counter(), "self": Counter()})
+        entry["samples"] += count
+        calls = frames[own[-1] + 1:] if own else frames
+        for name in {re.sub(r":\d+\)$", ")", frame) for frame in calls}:
+            entry["inclusive"][name] += count
+        if calls:
+            entry["self"][calls[-1]] += count
+    return {"profile": {role: {
+        "samples": entry["samples"],
+        **{kind: [[name, round(100 * n / entry["samples"], 1)] for name, n in entry[kind].most_common(top)]
+           for kind in ("inclusive", "self")}}
+        for role, entry in sorted(processes.items(), key=lambda item: -item[1]["samples"])}}
+
+
 def steps(ctx: Context) -> list[Step]:
     work, python = str(ctx.work), ctx.python
     kit_wheels = sorted(str(p) for p in ctx.kit.glob("*.whl"))
@@ -122,6 +166,10 @@ def steps(ctx: Context) -> list[Step]:
     if sys.version_info[:2] != GPU_PYTHON:  # a dry run here: install for the GPU machines' interpreter
         install[4:4] = [*pip_target_flags()]
     self_probe = [python, str(Path(__file__).resolve()), "--probe"]
+    py_spy = [str(ctx.site / "bin" / "py-spy"), "record", "--subprocesses", "--rate", "50", "--format", "raw",
+              "--output", f"{work}/profile.txt", "--"]
+    loop_profiled = [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps", "3",
+                     "--train_batch_size", "8", "--timeout_s", "120", "--json", f"{work}/profile_loop.json"]
     return [
         Step("install", install, 120, figures=lambda w, o: {"wheels": len(kit_wheels), "megabytes": round(
             sum(Path(p).stat().st_size for p in kit_wheels) / 2**20, 1)}),
@@ -143,6 +191,8 @@ def steps(ctx: Context) -> list[Step]:
         Step("rl_loop", [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps",
                          "4", "--train_batch_size", "8", "--timeout_s", "200", "--json", f"{work}/rl_loop.json"],
              240, cuda=True, figures=lambda w, o: dict(read_json(w / "rl_loop.json").items())),
+        Step("profile", [*py_spy, *loop_profiled], 150, cuda=True, dry_argv=[*py_spy, *loop_profiled, "--dry_run"],
+             figures=py_spy_figures),
     ]
 
 
@@ -233,8 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", dest="dry_run", action="store_true",
                         help="on a machine without CUDA: run the CPU-side steps, check the CUDA steps' arguments")
     parser.add_argument("--kit", default=str(ROOT / ".whl"), help="the kit made by scripts/gpu_wheels.sh")
-    parser.add_argument("--budget_s", type=float, default=480.0, help="wall-clock budget of all steps")
-    parser.add_argument("--only", nargs="+", default=None, metavar="STEP", help="run these steps alone")
+    parser.add_argument("--budget_s", type=float, default=560.0, help="wall-clock budget of all steps")
+    parser.add_argument("--only", nargs="+", default=None, metavar="STEP",
+                        help="run these steps alone (and install and environment, which the others need)")
     parser.add_argument("--probe", nargs="+", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.probe:
@@ -249,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
               "budget_s": args.budget_s, "checks": {}}
     with (out / "gpu_check.log").open("w") as log:
         for step in steps(ctx):
-            if args.only and step.name not in args.only:
+            if args.only and step.name not in {*args.only, "install", "environment"}:
                 continue
             entry = run_step(step, ctx, log, deadline - time.monotonic())
             if step.name == "environment":

