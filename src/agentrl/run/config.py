@@ -150,6 +150,8 @@ class RunConfig(BaseModel):
                                         "5e-5 with --lora_r)")
     max_staleness: int = Field(1, ge=0, description="policy versions a sample may lag behind (MAX_STALENESS)")
     save_steps: int = Field(8, ge=0, description="checkpoint every N steps (SAVE_STEPS)")
+    save_total_limit: int = Field(1, ge=1, description="checkpoints kept, newest first: resuming needs the last one "
+                                  "only, and each holds the weights and optimizer state (SAVE_TOTAL_LIMIT)")
     lora_r: int = Field(
         0, ge=0, description="LoRA rank: adapters on every linear layer (alpha 32, no dropout) in the warm-up and "
         "RL, at 10× the RL and 30× the warm-up learning rate; 0: full fine-tuning (LORA_R)")
