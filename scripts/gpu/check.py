@@ -116,15 +116,15 @@ def bench_engine_figures(work: Path, output: str) -> dict:
 
 
 ROLES = (("agentrl.train", "trainer"), (" engine", "engine"), (" sample", "sampler"), ("nx_server", "database"),
-         ("tools serve", "tools"), ("bench/loop.py", "bench"))
-"""A profiled process's role, by a piece of its command line (the first that matches)."""
+         ("tools serve", "tools"), ("bench/loop.py", "main"))
+"""A profiled process's role, by a piece of its command line (the first that matches); ``main`` is the profiled
+command, whose command line py-spy reads only sometimes (empty otherwise)."""
 
 
 def py_spy_figures(work: Path, output: str, top: int = 15) -> dict:
-    """Per process of a ``py-spy record --subprocesses --format raw`` profile (named by ``ROLES``; the profiled
-    command itself, whose command line py-spy does not read, is ``main``): its samples, and the functions with the
-    largest shares of them, inclusive (a function and what it calls) and self (the line running, which on a GPU
-    includes waiting for the device)."""
+    """Per process of a ``py-spy record --subprocesses --format raw`` profile (named by ``ROLES``): its samples,
+    and the functions with the largest shares of them, inclusive (a function and what it calls) and self (the line
+    running, which on a GPU includes waiting for the device)."""
     from collections import Counter
 
     path = work / "profile.txt"
