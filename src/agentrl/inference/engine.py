@@ -105,9 +105,9 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
 
 def bf16_matmuls(dtype: str, device: torch.device) -> bool:
     """Whether the fp32 model's layers multiply in bf16 (``packed_linear``): ``auto`` on a CPU with bf16 matrix
-    instructions. Measured on 2 AVX-512-BF16 cores, embedded model: 1.3-1.7x the fp32 engine's tokens/s at 16
-    requests, engine-vs-trainer (bf16 layers, fp32 head) logprob gap 0.018 mean nats against 0.014 for the fp32
-    engine, where a bf16 model (bf16 logits) gives 0.034 (``tests/test_trainer_precision.py``)."""
+    instructions. Measured on 2 AVX-512-BF16 cores, embedded model: 1.26x the fp32 engine's tokens/s at 16
+    requests (1.12x at 64), engine-vs-trainer (bf16 layers, fp32 head) logprob gap 0.018 mean nats against 0.015
+    for the fp32 engine, where a bf16 model (bf16 logits) gives 0.027-0.034 (``tests/test_trainer_precision.py``)."""
     from agentrl.precision import native_bf16
 
     return dtype == "auto" and device.type == "cpu" and native_bf16(device)
