@@ -12,8 +12,6 @@ import logging
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-import openai
-
 from agentrl.log import redact
 from agentrl.scoring.agent_config import LLMPoolConfig
 
@@ -34,6 +32,8 @@ class LLMUnavailableError(RuntimeError):
 
 def is_unreachable(error: Exception) -> bool:
     """A connection error, a timeout, an HTTP 5xx or 429: the service is down or overloaded, not the request."""
+    import openai  # here, not at the top: a sampler without an LLM judge never needs it (~0.4 s to import)
+
     if isinstance(error, openai.APIConnectionError | TimeoutError):  # APITimeoutError is a connection error
         return True
     return isinstance(error, openai.APIStatusError) and (error.status_code >= 500 or error.status_code == 429)
@@ -51,6 +51,8 @@ async def chat_with_failover(
     API error, a timeout (``pool.timeout``), an empty reply, or when ``parse`` raises ``ValueError``. Waits
     between attempts grow by ``backoff_factor``. ``params`` go to ``chat.completions.create``.
     """
+    import openai
+
     failures: list[str] = []
     unreachable = True
     for endpoint in pool.models:
