@@ -62,6 +62,8 @@ def _check_verdicts(db_uri: str, healthy: EngineProcess, faulty: EngineProcess, 
     assert values["policy_probe_services"] == 2.0 and values["policy_probe_failures"] == 1.0, values
     assert values["policy_probe_max_mean_abs_diff"] > 0.1, values
     assert values["publish_failures"] == 0.0  # the faulty engine answered the update with success
+    parts = [values[f"publish_{part}_s"] for part in ("export", "load", "probe")]
+    assert min(parts) > 0 and sum(parts) <= values["publish_s"], values  # where the publish's time went
     errors = [r.getMessage() for r in caplog.records if "policy probe" in r.getMessage()]
     assert len(errors) == 1 and faulty.url in errors[0] and "exceeds" in errors[0], errors
 

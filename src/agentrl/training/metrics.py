@@ -14,8 +14,9 @@ progress line on the console; ``--report_to tensorboard`` / ``wandb`` also send 
 * engine vs trainer: ``logprob_mismatch_mean``/``_max``: |behaviour logprob − trainer logprob| on loss tokens,
   before the update (``_fresh``: only tokens sampled by the current version, i.e. pure numerical mismatch);
 * optimisation and speed: ``grad_norm``, ``learning_rate``, ``policy_version``, ``epoch``, ``step_s``,
-  ``wait_s``, ``publish_s`` (of which ``publish_export_s`` gathering and writing the weights, the rest the
-  services' loads), ``publish_failures``, ``tokens_per_s`` (real tokens / compute time of the step).
+  ``wait_s``, ``publish_s`` (of which ``publish_export_s`` gathering and writing the weights,
+  ``publish_load_s`` the services' loads, each waiting for its running requests, and ``publish_probe_s`` the
+  policy probe), ``publish_failures``, ``tokens_per_s`` (real tokens / compute time of the step).
 """
 
 from __future__ import annotations

@@ -65,7 +65,11 @@ class PublishResult:
     failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
     probes: dict[str, PolicyProbe] = field(default_factory=dict)  # service base URL -> its check (when probed)
     seconds: float = 0.0
-    export_s: float = 0.0  # of ``seconds``: gathering and writing the weights (the rest: the services' loads)
+    # of ``seconds``: gathering and writing the weights; the services' loads (each waits for its running requests);
+    # the policy probe (the trainer's forward pass and the services' answers). The rest: the bump and pruning.
+    export_s: float = 0.0
+    load_s: float = 0.0
+    probe_s: float = 0.0
 
 
 class WeightPublisher:
@@ -91,7 +95,9 @@ class WeightPublisher:
             export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
         result = PublishResult(version=version, path=path, export_s=time.monotonic() - started)
         failpoint("publish.after_export")
+        probe_started = time.monotonic()
         expected = None if self.probe is None else trainer_logprobs(model, self.probe.token_ids, self.parallel.device)
+        result.probe_s = time.monotonic() - probe_started
         if self.parallel.is_main:
             self.io.run(self._announce(result, expected))
             pruned = self._prune(version)
@@ -104,14 +110,18 @@ class WeightPublisher:
     async def _announce(self, result: PublishResult, expected: list[float] | None) -> None:
         services = await self.store.services.serving()
         result.services = len(services)
+        started = time.monotonic()
         errors = await asyncio.gather(*(self._load_on(s.base_url, result) for s in services))
+        result.load_s = time.monotonic() - started
         for service, error in zip(services, errors):
             if error is not None:
                 result.failures[service.base_url] = error
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
                              result.version, service.base_url, error)
         if expected is not None:
+            started = time.monotonic()
             await self._probe([s.base_url for s in services if s.base_url not in result.failures], result, expected)
+            result.probe_s += time.monotonic() - started
         failpoint("publish.before_bump")
         lora_name = policy_adapter_name(result.version) if self.adapter else None
         try:

@@ -439,7 +439,8 @@ class Trainer:
                       skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
         if cfg.enable_sampling and step % cfg.sync_every == 0:
             result = self._publish()
-            values.update(publish_s=result.seconds, publish_export_s=result.export_s,
+            values.update(publish_s=result.seconds, publish_export_s=result.export_s, publish_load_s=result.load_s,
+                          publish_probe_s=result.probe_s,
                           publish_failures=float(len(result.failures)), policy_version=float(self.version))
             if self.publisher.probe is not None:
                 values.update(probe_metrics(result.probes))
