@@ -81,7 +81,9 @@ async def check_service(base_url: str, token_ids: list[int], expected: list[floa
     """Have the service at ``base_url`` score ``token_ids`` and judge it (``None``: it could not be reached)."""
     from agentrl.inference.client import InferenceRequestError, InferenceServiceError, SGLangClient
 
-    params = {"max_new_tokens": 1, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
+    # Prefill only (SGLang scores a prompt this way): a generated token would queue the probe behind the requests
+    # the load held back, whose prompts the flushed cache prefills again (~0.8 s a publish on a CPU engine).
+    params = {"max_new_tokens": 0, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
     async with SGLangClient(base_url, max_retries=retries) as client:
         try:
             result = await client.generate(token_ids, params, lora_path=adapter, logprob_start_len=0)
