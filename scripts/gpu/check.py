@@ -168,8 +168,11 @@ def steps(ctx: Context) -> list[Step]:
     self_probe = [python, str(Path(__file__).resolve()), "--probe"]
     py_spy = [str(ctx.site / "bin" / "py-spy"), "record", "--subprocesses", "--rate", "50", "--format", "raw",
               "--output", f"{work}/profile.txt", "--"]
-    loop_profiled = [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps", "3",
-                     "--train_batch_size", "8", "--timeout_s", "120", "--json", f"{work}/profile_loop.json"]
+
+    def loop(steps: int, timeout_s: int, name: str) -> list[str]:  # bench/loop.py on the GPU, its figures in NAME.json
+        return [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps", str(steps),
+                "--train_batch_size", "8", "--timeout_s", str(timeout_s), "--json", f"{work}/{name}.json"]
+
     return [
         Step("install", install, 120, figures=lambda w, o: {"wheels": len(kit_wheels), "megabytes": round(
             sum(Path(p).stat().st_size for p in kit_wheels) / 2**20, 1)}),
@@ -188,11 +191,8 @@ def steps(ctx: Context) -> list[Step]:
                               "--dtype", "bfloat16", "--concurrency", "1", "16", "64", "--repeats", "3",
                               "--num_threads", "4", "--output", f"{work}/bench_engine.json"], 150, cuda=True,
              figures=bench_engine_figures),
-        Step("rl_loop", [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps",
-                         "4", "--train_batch_size", "8", "--timeout_s", "200", "--json", f"{work}/rl_loop.json"],
-             240, cuda=True, figures=lambda w, o: dict(read_json(w / "rl_loop.json").items())),
-        Step("profile", [*py_spy, *loop_profiled], 150, cuda=True, dry_argv=[*py_spy, *loop_profiled, "--dry_run"],
-             figures=py_spy_figures),
+        Step("rl_loop", loop(4, 200, "rl_loop"), 240, cuda=True, figures=lambda w, o: read_json(w / "rl_loop.json")),
+        Step("profile", [*py_spy, *loop(3, 120, "profile_loop")], 150, cuda=True, figures=py_spy_figures),
     ]
 
 
