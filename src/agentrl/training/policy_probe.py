@@ -82,8 +82,8 @@ async def check_service(base_url: str, token_ids: list[int], expected: list[floa
     from agentrl.inference.client import InferenceRequestError, InferenceServiceError, SGLangClient
 
     # Prefill only (SGLang scores a prompt this way): a generated token would queue the probe behind the requests
-    # the load held back, whose prompts the flushed cache prefills again (main job on CPU: the probe's median went
-    # from 0.83 s to 0.55 s a publish).
+    # the load held back, whose prompts the flushed cache prefills again (main job on CPU, fresh clones: the probe's
+    # median 0.83 s a publish before, 0.67 s after).
     params = {"max_new_tokens": 0, "temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0}
     async with SGLangClient(base_url, max_retries=retries) as client:
         try:
