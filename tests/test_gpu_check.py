@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 KIT_LIMIT = 48 * 2**20
 TRAVEL_LIMIT = 64 * 2**20
-CHECKS = ["install", "environment", "imports", "pytest_gpu", "bench_trainer", "bench_engine", "rl_loop", "profile"]
+CHECKS = ["install", "environment", "imports", "pytest_gpu", "bench_trainer", "bench_engine", "rl_loop"]
 CUDA_CHECKS = CHECKS[3:]
 
 
@@ -80,7 +80,7 @@ def test_dry_run_lists_every_check_and_skips_the_cuda_ones(kit: Path, tmp_path: 
     log = (tmp_path / "gpu_check.log").read_text()
     assert "dry run: would train a qwen3 model (28 layers, hidden 1024)" in log
     assert "4 tests collected" in log
-    profiled = report["checks"]["profile"]["profile"]  # the kit's py-spy ran the dry run, its profile was read
+    profiled = report["checks"]["rl_loop"]["profile"]  # the kit's py-spy ran the dry run, its profile was read
     assert profiled["main"]["samples"] > 0, profiled
     assert any(name.startswith("main (loop.py)") for name, _ in profiled["main"]["inclusive"]), profiled
 
@@ -94,3 +94,26 @@ def test_without_cuda_and_without_dry_run_the_cuda_checks_fail(kit: Path, tmp_pa
     assert list(checks) == ["install", "environment", "bench_trainer"]  # --only keeps what the others need
     assert checks["bench_trainer"] == {"ok": False, "status": "failed", "seconds": 0.0,
                                        "reason": "no CUDA device (on a machine without one, use --dry-run)"}
+
+
+def test_a_step_that_fails_runs_its_fallback_and_says_so(tmp_path: Path) -> None:
+    import importlib.util
+    import io
+    import sys
+
+    spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu" / "check.py")
+    check = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = check  # dataclasses look their module up
+    spec.loader.exec_module(check)
+    ctx = check.Context(python=sys.executable, work=tmp_path, site=tmp_path, kit=tmp_path, dry_run=False,
+                        env=dict(os.environ))
+    failing = [sys.executable, "-c", "import sys; print('profiler refused'); sys.exit(3)"]
+    plain = [sys.executable, "-c", "print('measured')"]
+    figures = lambda work, output: {"measured": "measured" in output}  # noqa: E731
+    log = io.StringIO()
+    entry = check.run_step(check.Step("loop", failing, 60, fallback=plain, figures=figures), ctx, log, 100)
+    assert entry["status"] == "passed" and entry["measured"], entry
+    assert entry["first_try"] == "exit status 3: profiler refused", entry
+    entry = check.run_step(check.Step("loop", failing, 60, figures=figures), ctx, log, 100)
+    assert entry["status"] == "failed" and entry["reason"] == "exit status 3: profiler refused", entry
+    assert log.getvalue().count("===== loop: exit 3") == 2

@@ -13,7 +13,8 @@ from agentrl.store import DBRecordData
 from agentrl.training.config import TrainConfig
 from agentrl.training.data import sample_staleness, split_shares, to_merged, tokens_if_unmerged
 from agentrl.training.launcher import BOOLEAN_FIELDS, LaunchConfigError, apply_launch_config
-from agentrl.training.weights import WeightsError, load_pretrained
+from agentrl.training.parallel import ParallelState
+from agentrl.training.weights import WeightsError, export_pretrained, load_pretrained
 
 
 def _sample(**fields) -> DBRecordData:
@@ -66,6 +67,19 @@ def test_pretrained_weights_are_required(tiny_model_dir: Path, tmp_path: Path) -
         str(tiny_model_dir / "model.safetensors"))[dropped])
     assert json.loads((tiny_model_dir / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
+
+
+def test_a_bf16_export_is_the_model_rounded_and_leaves_it_untouched(tiny_model_dir: Path, tmp_path: Path) -> None:
+    model = load_pretrained(tiny_model_dir)
+    before = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    export_pretrained(model, ParallelState(), tmp_path / "bf16", dtype=torch.bfloat16)
+    saved = load_file(str(tmp_path / "bf16" / "model.safetensors"))
+    assert saved and set(saved) <= set(before)
+    for name, tensor in saved.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, before[name].to(torch.bfloat16)), name
+    assert all(torch.equal(tensor, before[name]) and tensor.dtype == torch.float32
+               for name, tensor in model.state_dict().items())
+    assert json.loads((tmp_path / "bf16" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 ACCELERATE_FSDP2 = {"ACCELERATE_MIXED_PRECISION": "bf16", "ACCELERATE_USE_FSDP": "true", "FSDP_VERSION": "2",
                    "FSDP_ACTIVATION_CHECKPOINTING": "true", "FSDP_RESHARD_AFTER_FORWARD": "false",

@@ -137,13 +137,23 @@ def load_tokenizer(path: str | Path, trust_remote_code: bool = False) -> Any | N
         return None
 
 
-def full_state_dict(model: nn.Module, parallel: ParallelState) -> dict[str, torch.Tensor]:
-    """The whole model's state dict on rank 0's CPU (empty on the other ranks). Every rank must call it."""
+def full_state_dict(model: nn.Module, parallel: ParallelState, *,
+                    dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
+    """The whole model's state dict on rank 0's CPU (empty on the other ranks), gathered one tensor at a time;
+    ``dtype``: floating tensors converted on their device before the copy to the CPU (on a GPU, a bf16 export
+    moves half the bytes of an fp32 one and converts nothing on the CPU). Every rank must call it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    state = get_model_state_dict(model, options=options)
-    return state if parallel.is_main else {}
+    sharded = get_model_state_dict(model, options=StateDictOptions(full_state_dict=False))  # names as saved
+    state = {}
+    for name, tensor in sharded.items():  # the same order on every rank
+        full = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+        if parallel.is_main:
+            if dtype is not None and full.is_floating_point():
+                full = full.to(dtype)
+            state[name] = full.detach().to("cpu")
+    return state
 
 
 def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, *, dtype: torch.dtype,
@@ -157,13 +167,13 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
     """
     from transformers import AutoModelForCausalLM
 
-    state = full_state_dict(model, parallel)
-    if parallel.is_main and lora.is_adapted(model) and getattr(model, "hf_quantizer", None) is not None:
+    adapted = lora.is_adapted(model)
+    state = full_state_dict(model, parallel, dtype=None if adapted else dtype)  # adapters merge in full precision
+    if parallel.is_main and adapted and getattr(model, "hf_quantizer", None) is not None:
         export_merged_from_base(model, state, out_dir, tokenizer=tokenizer)
     elif parallel.is_main:
-        if lora.is_adapted(model):
-            state = lora.merge_state_dict(model, state)
-        state = {name: tensor.to(dtype) for name, tensor in state.items()}
+        if adapted:
+            state = {name: tensor.to(dtype) for name, tensor in lora.merge_state_dict(model, state).items()}
         tmp = out_dir.with_name(f".{out_dir.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         with torch.device("meta"):
