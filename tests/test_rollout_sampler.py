@@ -266,3 +266,42 @@ def test_admission_finishes_a_started_group_and_starts_no_other_while_the_pipeli
         sampler.send_signal(signal.SIGTERM)
         output, _ = sampler.communicate(timeout=60)
     assert sampler.returncode == 0, output
+
+
+async def test_a_heartbeat_falling_due_while_a_slot_settles_does_not_cut_the_settlement(
+        db_uri: str, tmp_path: Path, scripted_model_dir: Path, scripted_engine_url: str,
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    """The trajectory's heartbeats stop before its settlement writes. A heartbeat that fell due after ``finish``
+    dropped the lease found it gone, took it for a take-over and cancelled the worker while it claimed the group
+    stage: the stage then waited a whole lease for a recovery, and a lone sampler warned that another one had
+    taken its trajectory (seen in an evaluation: 40 s for the last of 64 tasks). The database's reply to the lease
+    drop is slowed down here (in process) so that a heartbeat falls due meanwhile; nothing else produces that
+    timing on demand."""
+    import asyncio
+    import logging
+
+    from agentrl.cli.main import build_parser
+    from agentrl.cli.sample import config_from_args
+    from agentrl.rollout.process import sampler_resources
+    from agentrl.rollout.sampler import Sampler
+    from agentrl.store.slots import SlotLeases
+
+    lease_s = 3.0  # heartbeats every second (the embedded database compares dates to the second)
+    drop = SlotLeases._drop_lease
+
+    async def slow_reply(self: SlotLeases, rid: str, lease_id: str) -> None:
+        await drop(self, rid, lease_id)
+        await asyncio.sleep(lease_s / 3 * 1.5)
+
+    monkeypatch.setattr(SlotLeases, "_drop_lease", slow_reply)
+    caplog.set_level(logging.INFO, logger="agentrl.rollout")
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add",)), "--num_generations", "2")
+    argv = sample_args(db_uri, scripted_model_dir, scripted_engine_url, write_mcp_config(tmp_path / "mcp.json"),
+                       "--temperature", "0", "--lease_s", str(lease_s))
+    config = config_from_args(build_parser().parse_args(argv[argv.index("sample"):]))
+    async with sampler_resources(config) as resources:
+        stats = await asyncio.wait_for(Sampler(resources, owner=resources.inference.owner).run(), 120)
+    assert "lost the lease" not in caplog.text, caplog.text[-2000:]
+    assert stats.trajectories == 2 and stats.group_stages == 1, stats
+    [task] = documents(db_uri, "Task")
+    assert task["status"] == "completed" and sorted(task["settled_slots"]) == [0, 1], task

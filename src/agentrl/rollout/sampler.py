@@ -405,6 +405,10 @@ class Sampler:
                 ended = {"num_turns": result.num_turns, "outcome": result.outcome, "final_answer": result.final_answer,
                          "policy_version": result.policy_version, "error": result.error,
                          "meta": {"branches": result.num_branches}, "score_details": details}
+                # No heartbeat from here: one landing after finish dropped the lease would find it gone and cancel
+                # this task mid-way (the group stage it claims then waits a whole lease for another sampler).
+                beat.cancel()
+                await asyncio.wait([beat])
                 if score_error is None:
                     self.stats.scored += 1
                     self.stats.reward_sum += score
@@ -413,7 +417,6 @@ class Sampler:
                     self.stats.score_errors += 1
                     group = await store.slots.finish(lease, RecordStatus.FAILED, **ended, score_error=score_error,
                                                      failure_class=str(FailureClass.SCORE_ERROR))
-                beat.cancel()
                 self._count(result)
                 self.stats.trajectory_commands[claim_commands + sum(used.values())] += 1
             except LeaseLost as error:
