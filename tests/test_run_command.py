@@ -62,6 +62,7 @@ def test_derived_defaults() -> None:
     assert (plain.num_tasks, plain.rounds, plain.scorer, plain.warmup, plain.max_turns, plain.temperature) == (
         32, 3, "math", 24, 2, 0.7)
     assert (plain.learning_rate, plain.warmup_learning_rate, plain.max_new_tokens) == (2e-6, 1e-4, 48)
+    assert plain.num_eval_tasks == 64 and RunConfig(num_eval_tasks=0).num_eval_tasks == 0
     assert plain.run_dir == ROOT / "runs" / "r" and plain.output_dir == ROOT / "runs" / "r" / "output"
     own_model = RunConfig(model="m")
     assert own_model.warmup == 0 and own_model.run_name.startswith("minirl-")
@@ -69,7 +70,7 @@ def test_derived_defaults() -> None:
     env = RunConfig(env="textcraft", lora_r=8)
     assert (env.num_tasks, env.rounds, env.scorer, env.warmup, env.warmup_epochs, env.max_turns,
             env.temperature) == (None, 1, "", 64, 2, 12, 1.0)
-    assert (env.learning_rate, env.warmup_learning_rate) == (5e-5, 2e-3)
+    assert (env.learning_rate, env.warmup_learning_rate, env.num_eval_tasks) == (5e-5, 2e-3, 32)
     assert RunConfig(env="sciworld").warmup == 0
     assert RunConfig(env="textcraft", scorer="math", warmup=0, temperature=0.5).model_dump(
         include={"scorer", "warmup", "temperature"}) == {"scorer": "math", "warmup": 0, "temperature": 0.5}
