@@ -16,7 +16,8 @@ from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConf
 
 # `agentrl sample --help` and `agentrl eval --help` before the flags were generated (hand-written argparse).
 SAMPLE_FLAGS = {
-    "--adv_scaling", "--agent_config_path", "--balance_sample", "--curriculum", "--curriculum_revisit_prob",
+    "--adv_scaling", "--agent_config_path", "--balance_sample", "--curriculum", "--curriculum_by_type",
+    "--curriculum_revisit_prob",
     "--db_connection_string", "--drop_zero_advantage", "--efficient_rewarding", "--env_server", "--exit_when_done",
     "--frequency_penalty", "--help", "--inference_urls", "--lease_s", "--leave_one_out",
     "--max_concurrent_samples_per_process", "--max_consecutive_failures", "--max_new_tokens", "--max_prompt_tokens",

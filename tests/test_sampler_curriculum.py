@@ -17,7 +17,7 @@ from pymongo import MongoClient
 
 from agentrl import failpoints
 from agentrl.rollout.config import GroupConfig
-from agentrl.rollout.curriculum import CurriculumConfig, next_round
+from agentrl.rollout.curriculum import CurriculumConfig, deferred_types, next_round
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.store import RecordStatus, Store, TaskStatus
 from agentrl.trajectory.advantages import AdvantageConfig
@@ -45,6 +45,24 @@ def test_revisits_are_seeded_and_geometric() -> None:
     assert next_round(last.model_copy(update={"revisit_prob": 1.0}), "train:t0", 1, taught=False) == 2
 
 
+
+def test_a_type_whose_recent_groups_all_taught_nothing_is_deferred_and_revisited_now_and_then() -> None:
+    never = CurriculumConfig(revisit_prob=0.0)
+    outcomes = [("average", False), ("travel", True), ("average", False), ("growth", False), (None, False),
+                (None, False), ("travel", False), ("travel", False)]
+    assert deferred_types(never, outcomes) == {"average"}  # growth: one group; travel: a mixed group of its last 3
+    assert deferred_types(never, [*outcomes, ("travel", False)]) == {"average"}
+    assert deferred_types(never, [*outcomes, *[("travel", False)] * 2]) == {"average", "travel"}  # last 4 untaught
+    assert deferred_types(never, [*outcomes, ("average", True)]) == set()
+    for off in ({"mode": "none"}, {"by_type": False}, {"revisit_prob": 1.0}):
+        assert deferred_types(never.model_copy(update=off), outcomes) == set()
+    # With revisits, a deferred type is let through with revisit_prob for each new group of it (reproducibly).
+    cfg = CurriculumConfig(revisit_prob=0.25, seed=5)
+    histories = {f"type{i}": [(f"type{i}", False)] * (2 + i % 3) for i in range(4000)}
+    through = [name not in deferred_types(cfg, history) for name, history in histories.items()]
+    assert through == [name not in deferred_types(cfg, history) for name, history in histories.items()]
+    assert abs(sum(through) / len(through) - 0.25) < 0.03
+
 @pytest.mark.parametrize("scores,taught", [([1.0, 1.0], False), ([1.0, 0.0], True)])
 async def test_a_group_stage_cut_before_closing_creates_the_next_round_once(
         db_uri: str, monkeypatch: pytest.MonkeyPatch, scores: list[float], taught: bool) -> None:
@@ -70,8 +88,9 @@ async def test_a_group_stage_cut_before_closing_creates_the_next_round_once(
         await run_group_stage(store, redo, GroupConfig(), AdvantageConfig(), curriculum)
         tasks = {doc["_id"]: doc async for doc in store.db.Task.find({})}
     first = tasks.pop("train:t0000")
-    assert (first["status"], first["next_round"], first["pass_rate"]) == (
-        str(TaskStatus.COMPLETED), expected, sum(s >= 0.5 for s in scores) / len(scores))
+    assert (first["status"], first["next_round"], first["pass_rate"], bool(first["taught"])) == (
+        str(TaskStatus.COMPLETED), expected, sum(s >= 0.5 for s in scores) / len(scores), taught)
+    assert await store_outcomes(db_uri) == [(None, taught)]
     if expected is None:
         assert tasks == {} and first["rounds_skipped"] == ROUNDS - 1
     else:
@@ -154,3 +173,8 @@ def test_the_curriculum_samples_less_of_what_teaches_nothing(db_uri: str, mongo_
             f"({expected['rounds_skipped']} task rounds skipped in all), {expected['revisits']} revisited after "
             "skipping") in runs["pass_rate"]["text"]
     assert "kept share" in runs["none"]["text"]
+
+
+async def store_outcomes(db_uri: str) -> list[tuple[str | None, bool]]:
+    async with Store(db_uri) as store:
+        return await store.slots.recent_outcomes("train")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+from datetime import timedelta
 
 import pytest
 
 from agentrl.store import LeaseLost, RecordStatus, Store, Task, TaskStatus
 from agentrl.store.models import FailureClass, utcnow
-from store_helpers import insert_tasks
+from store_helpers import insert_tasks, make_task
 
 # NX-27017 compares query dates at one-second resolution (the query side is truncated), so an expired lease
 # becomes visible up to a second late there; waits in these tests add that slack.
@@ -30,6 +31,31 @@ async def test_claims_fill_groups_in_order_and_stop_when_exhausted(db_uri: str) 
         task = Task.from_mongo(await store.db.Task.find_one({"_id": "train:t0000"}))
         assert task.status == TaskStatus.RUNNING and task.unclaimed == 0 and len(task.claim_ids) == 2
 
+
+
+async def test_a_deferred_task_type_is_claimed_only_when_nothing_else_is_open(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        tasks = [make_task(i, num_generations=1) for i in range(5)]
+        types = ["hard", "easy", "hard", None, "easy"]
+        await store.db.Task.insert_many([t.model_copy(update={"task_type": kind}).to_mongo()
+                                         for t, kind in zip(tasks, types, strict=True)])
+        claimed = [(await store.slots.claim("train", "s1", deferred_types={"hard"})).task.id for _ in range(5)]
+        assert claimed == ["train:t0001", "train:t0003", "train:t0004", "train:t0000", "train:t0002"]
+        assert await store.slots.claim("train", "s1", deferred_types={"hard"}) is None
+
+
+async def test_recent_outcomes_are_the_closed_groups_oldest_first(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        tasks = [make_task(i, num_generations=1) for i in range(4)]
+        closed = [("hard", False), ("easy", True), (None, True)]
+        for index, (task, (kind, taught)) in enumerate(zip(tasks, closed, strict=False)):
+            doc = task.model_copy(update={"task_type": kind, "status": TaskStatus.COMPLETED, "taught": taught,
+                                          "updated_at": utcnow() + timedelta(seconds=index)}).to_mongo()
+            await store.db.Task.insert_one(doc)
+        await store.db.Task.insert_one(tasks[3].to_mongo())  # open: no outcome yet
+        assert await store.slots.recent_outcomes("train") == closed
+        assert await store.slots.recent_outcomes("train", limit=2) == closed[1:]
+        assert await store.slots.recent_outcomes("valid") == []
 
 async def test_sampling_load_counts_whole_groups_until_their_samples_are_trained(db_uri: str) -> None:
     """Admission control's view: a started group counts with all its slots (running, unclaimed, or finished and

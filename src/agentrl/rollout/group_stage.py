@@ -213,14 +213,16 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
 async def _schedule_next_round(store: Store, task: Task, scored: list[Record], cfg: GroupConfig,
                                curriculum: CurriculumConfig) -> dict[str, Any]:
     """Create the Task of the round its content is sampled in next, if any (``agentrl.rollout.curriculum``);
-    returns what the closing Task records: its pass rate, next round and the rounds skipped until then."""
+    returns what the closing Task records: its pass rate, next round, the rounds skipped until then and whether
+    the group taught anything."""
     solved = [r.score >= SUCCESS_SCORE for r in scored if r.score is not None]
-    following = next_round(curriculum, task.first_round_id or task.id, task.round, not zero_variance(scored, cfg))
+    taught = not zero_variance(scored, cfg)
+    following = next_round(curriculum, task.first_round_id or task.id, task.round, taught)
     if following is not None:
         await store.slots.add_task(round_task(task, following))
     skipped = (following if following is not None else curriculum.rounds + 1) - task.round - 1
     return {"pass_rate": sum(solved) / len(solved) if solved else None, "next_round": following,
-            "rounds_skipped": max(skipped, 0)}
+            "rounds_skipped": max(skipped, 0), "taught": taught}
 
 
 def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float, reward: float,

@@ -48,6 +48,7 @@ from pymongo.errors import ConnectionFailure, PyMongoError
 from agentrl.envs.client import EnvUnavailable
 from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import ANSWER, AgentResources, TrajectoryResult, run_trajectory
+from agentrl.rollout.curriculum import deferred_types
 from agentrl.rollout.episode import episode_of, run_episode
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import NoInferenceService
@@ -159,6 +160,8 @@ class Sampler:
         self._staging: set[asyncio.Task] = set()  # trajectory tasks that went on to their group stage
         self._leases: dict[asyncio.Task, SlotLease] = {}
         self._next_slot_recovery = 0.0  # while admission control holds new groups back
+        self._deferred_types: frozenset[str] = frozenset()  # the curriculum by type: their new groups wait
+        self._next_types_refresh = 0.0  # after each group stage of this sampler, else every quarter lease
         self._admission_commands = 0  # what admission control cost the last claim
 
     def stop(self) -> None:
@@ -291,7 +294,7 @@ class Sampler:
             admitted = await self._admit()
         self._admission_commands = sum(used.values())
         if admitted:
-            return await slots.claim(split, self.owner)
+            return await slots.claim(split, self.owner, deferred_types=await self._refresh_deferred_types(now))
         if now < self._next_slot_recovery:
             return None
         # Not admitted: no new slot, but lost slots of started groups are still recovered (they count against
@@ -301,6 +304,23 @@ class Sampler:
         if lease is None:
             self._next_slot_recovery = now + self.cfg.concurrency.lease_s / 4
         return lease
+
+    async def _refresh_deferred_types(self, now: float) -> frozenset[str]:
+        """The task types whose new groups wait (``agentrl.rollout.curriculum.deferred_types``), from the recent
+        groups of the train split: read again after each group stage of this sampler, else every quarter lease
+        (other samplers' stages)."""
+        curriculum = self.cfg.curriculum
+        if self.cfg.split != "train" or curriculum.mode != "pass_rate" or not curriculum.by_type:
+            return frozenset()
+        if now >= self._next_types_refresh:
+            self._next_types_refresh = now + self.cfg.concurrency.lease_s / 4
+            outcomes = await self.res.store.slots.recent_outcomes(self.cfg.split)
+            deferred = deferred_types(curriculum, outcomes)
+            if deferred != self._deferred_types:
+                logger.info("curriculum: new groups of %s wait until no other Task is open",
+                            ", ".join(sorted(deferred)) or "no task type")
+            self._deferred_types = deferred
+        return self._deferred_types
 
     async def _admit(self) -> bool:
         if self.cfg.split != "train":
@@ -359,6 +379,7 @@ class Sampler:
         finally:
             beat.cancel()
         self.stats.group_stages += 1
+        self._next_types_refresh = 0.0
         self.stats.samples_queued += outcome.samples_queued
 
     async def _heartbeat(self, lease: SlotLease, worker: asyncio.Task) -> None:

@@ -116,6 +116,8 @@ class Task(Document):
     next_round: int | None = Field(None, description="set by the group stage: the round its content is sampled in "
                                                      "next (None: not again)")
     rounds_skipped: int = Field(0, description="set by the group stage: rounds the curriculum skips after it")
+    taught: bool | None = Field(None, description="set by the group stage: its rewards varied (the group was not "
+                                "dropped for zero variance)")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
 

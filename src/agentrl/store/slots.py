@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from collections.abc import Collection
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -149,14 +150,18 @@ class SlotLeases:
 
     # ------------------------------------------------------------------------------------------------- claiming
 
-    async def claim(self, split: str, owner: str) -> SlotLease | None:
-        """Claim one sample slot of ``split`` for ``owner``; ``None`` when no slot is available."""
+    async def claim(self, split: str, owner: str, *, deferred_types: Collection[str] = ()) -> SlotLease | None:
+        """Claim one sample slot of ``split`` for ``owner``; ``None`` when no slot is available. A never-claimed
+        slot of a Task whose ``task_type`` is in ``deferred_types`` is claimed only when no other Task is open
+        (the curriculum by type, ``agentrl.rollout.curriculum``)."""
         if time.monotonic() >= self._next_expiry_probe:
             self._next_expiry_probe = time.monotonic() + self.lease_s / 4
             lease = await self._take_over_expired(split, owner)
             if lease is not None:
                 return lease
-        lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES)
+        lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES, deferred_types)
+        if lease is None and deferred_types:
+            lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES)
         if lease is not None:
             return lease
         return await self.recover(split, owner)
@@ -188,14 +193,16 @@ class SlotLeases:
                 return lease
         return None
 
-    async def _claim_unclaimed(self, split: str, owner: str, states: tuple[str, ...]) -> SlotLease | None:
-        """Claim a never-claimed slot of the first Task in ``states`` (by round, then upload order): two writes, the
-        slot on the Task (which also marks it ``running``: the write an interrupter looks after, see
-        ``interrupt_idle``) and then its Record."""
+    async def _claim_unclaimed(self, split: str, owner: str, states: tuple[str, ...],
+                               other_than: Collection[str] = ()) -> SlotLease | None:
+        """Claim a never-claimed slot of the first Task in ``states`` (by round, then upload order) whose
+        ``task_type`` is not in ``other_than``: two writes, the slot on the Task (which also marks it ``running``:
+        the write an interrupter looks after, see ``interrupt_idle``) and then its Record."""
         lease_id = uuid.uuid4().hex
         status = {"$in": list(states)} if len(states) > 1 else states[0]
+        types = {"task_type": {"$nin": sorted(other_than)}} if other_than else {}
         doc = await self.tasks.find_one_and_update(
-            {"split": split, "status": status, "unclaimed": {"$gt": 0}},
+            {"split": split, "status": status, "unclaimed": {"$gt": 0}, **types},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
              "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now(), "claimed_at": self.now()}},
             sort=[("round", 1), ("order", 1)],
@@ -359,6 +366,13 @@ class SlotLeases:
             unclaimed += doc["unclaimed"]
         ready = await self.records.count_documents({"split": split, "status": str(RecordStatus.READY)})
         return SamplingLoad(group_slots=group_slots, unclaimed_in_started_groups=unclaimed, ready_records=ready)
+
+    async def recent_outcomes(self, split: str, limit: int = 256) -> list[tuple[str | None, bool]]:
+        """``(task_type, taught)`` of the last ``limit`` groups of ``split`` closed by a group stage, oldest first."""
+        docs = [doc async for doc in self.tasks.find(
+            {"split": split, "status": str(TaskStatus.COMPLETED), "taught": {"$in": [True, False]}},
+            {"task_type": 1, "taught": 1}, sort=[("updated_at", -1)], limit=limit)]
+        return [(doc.get("task_type"), bool(doc["taught"])) for doc in reversed(docs)]
 
     async def sampling_finished(self, split: str) -> bool:
         """Whether ``split`` has Tasks and every one of them is done (all slots settled, group stage run)."""
