@@ -292,9 +292,10 @@ class Sampler:
             return lease
         with self.res.store.commands.tally() as used:  # per new group, not per trajectory
             admitted = await self._admit()
+            deferred = await self._refresh_deferred_types(now) if admitted else frozenset()
         self._admission_commands = sum(used.values())
         if admitted:
-            return await slots.claim(split, self.owner, deferred_types=await self._refresh_deferred_types(now))
+            return await slots.claim(split, self.owner, deferred_types=deferred)
         if now < self._next_slot_recovery:
             return None
         # Not admitted: no new slot, but lost slots of started groups are still recovered (they count against

@@ -45,7 +45,8 @@ by ``Calls.insert``, the rest here):
 6. the lease dropped — and, for the group's last slot, the group-stage lease taken.
 
 Heartbeats happen only every ``lease_s / 3`` (and at a fence whose lease runs short); per group come admission
-control (the sampler's, before a claim starts a group) and the group stage.
+control (the sampler's, before a claim starts a group, with the curriculum's read of the recent outcomes after a
+group stage of its own: ``recent_outcomes``) and the group stage.
 
 Shutdown: a sampler that stops gives its slots back (``release``) and then marks ``interrupted`` every started
 Task that nobody works on (``interrupt_idle``), so a finished run leaves nothing ``running``. Such a Task is open
