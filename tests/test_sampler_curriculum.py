@@ -178,3 +178,28 @@ def test_the_curriculum_samples_less_of_what_teaches_nothing(db_uri: str, mongo_
 async def store_outcomes(db_uri: str) -> list[tuple[str | None, bool]]:
     async with Store(db_uri) as store:
         return await store.slots.recent_outcomes("train")
+
+
+def test_a_sampler_claims_a_type_that_teaches_nothing_last(db_uri: str, tmp_path: Path, scripted_model_dir: Path,
+                                                           scripted_engine_url: str) -> None:
+    """``add``, ``mul`` and ``bad`` (type ``easy``) are always solved at temperature 0: after two of them the third
+    waits until ``coin``, uploaded after it, has been claimed (one group at a time)."""
+    from scripted_model import SCRIPTS
+
+    kinds = {"add": "easy", "mul": "easy", "bad": "easy", "coin": "coin"}
+    rows = [{"id": s.task_id, "question": s.question, "answer": s.answer, "task_type": kinds[s.task_id]}
+            for task_id in kinds for s in SCRIPTS if s.task_id == task_id]
+    path = tmp_path / "typed.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    upload(db_uri, path, "--num_generations", "4")
+    done = subprocess.run(
+        sample_args(db_uri, scripted_model_dir, scripted_engine_url, write_mcp_config(tmp_path / "mcp.json"),
+                    "--temperature", "0", "--curriculum_revisit_prob", "0", "--max_concurrent_samples_per_process",
+                    "1"), capture_output=True, text=True, env=run_env(), timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "curriculum: new groups of easy wait until no other Task is open" in done.stderr
+    tasks = documents(db_uri, "Task")
+    assert all(t["status"] == "completed" for t in tasks)
+    first_claims = {t["_id"].split(":")[1]: min(r["created_at"] for r in documents(db_uri, "Record", {
+        "task_id": t["_id"]})) for t in tasks}
+    assert sorted(first_claims, key=first_claims.get) == ["add", "mul", "coin", "bad"], first_claims

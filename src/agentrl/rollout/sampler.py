@@ -162,6 +162,7 @@ class Sampler:
         self._next_slot_recovery = 0.0  # while admission control holds new groups back
         self._deferred_types: frozenset[str] = frozenset()  # the curriculum by type: their new groups wait
         self._next_types_refresh = 0.0  # after each group stage of this sampler, else every quarter lease
+        self._typed_tasks = False  # whether it claimed a Task with a task_type (else no type can be deferred)
         self._admission_commands = 0  # what admission control cost the last claim
 
     def stop(self) -> None:
@@ -197,6 +198,7 @@ class Sampler:
                         with self.res.store.commands.tally() as used:
                             lease = await self._claim(now)
                         if lease is not None:
+                            self._typed_tasks |= lease.task.task_type is not None
                             self.stats.commands_by_part["claim"] += sum(used.values())
                             self.stats.commands_by_part["admission"] += self._admission_commands
                             task = asyncio.create_task(self._sample(lease, sum(used.values())), name=lease.record_id)
@@ -309,9 +311,10 @@ class Sampler:
     async def _refresh_deferred_types(self, now: float) -> frozenset[str]:
         """The task types whose new groups wait (``agentrl.rollout.curriculum.deferred_types``), from the recent
         groups of the train split: read again after each group stage of this sampler, else every quarter lease
-        (other samplers' stages)."""
+        (other samplers' stages); never read while this sampler has claimed no Task with a ``task_type``."""
         curriculum = self.cfg.curriculum
-        if self.cfg.split != "train" or curriculum.mode != "pass_rate" or not curriculum.by_type:
+        if (self.cfg.split != "train" or curriculum.mode != "pass_rate" or not curriculum.by_type
+                or not self._typed_tasks):
             return frozenset()
         if now >= self._next_types_refresh:
             self._next_types_refresh = now + self.cfg.concurrency.lease_s / 4
