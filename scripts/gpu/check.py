@@ -170,10 +170,8 @@ def steps(ctx: Context) -> list[Step]:
     self_probe = [python, str(Path(__file__).resolve()), "--probe"]
     py_spy = [str(ctx.site / "bin" / "py-spy"), "record", "--subprocesses", "--nonblocking", "--rate", "50",
               "--format", "raw", "--output", f"{work}/profile.txt", "--"]
-
-    def loop(steps: int, timeout_s: int, name: str) -> list[str]:  # bench/loop.py on the GPU, its figures in NAME.json
-        return [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps", str(steps),
-                "--train_batch_size", "8", "--timeout_s", str(timeout_s), "--json", f"{work}/{name}.json"]
+    rl_loop = [python, "bench/loop.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--steps", "4",
+               "--train_batch_size", "8", "--timeout_s", "200", "--json", f"{work}/rl_loop.json"]
 
     return [
         Step("install", install, 120, figures=lambda w, o: {"wheels": len(kit_wheels), "megabytes": round(
@@ -193,7 +191,7 @@ def steps(ctx: Context) -> list[Step]:
                               "--dtype", "bfloat16", "--concurrency", "1", "16", "64", "--repeats", "3",
                               "--num_threads", "4", "--output", f"{work}/bench_engine.json"], 150, cuda=True,
              figures=bench_engine_figures),
-        Step("rl_loop", [*py_spy, *loop(4, 200, "rl_loop")], 240, cuda=True, fallback=loop(4, 200, "rl_loop"),
+        Step("rl_loop", [*py_spy, *rl_loop], 240, cuda=True, fallback=rl_loop,
              figures=lambda w, o: {**read_json(w / "rl_loop.json"), **py_spy_figures(w, o)}),
     ]
 
