@@ -40,7 +40,6 @@ import statistics
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from pymongo.errors import ConnectionFailure, PyMongoError
@@ -52,6 +51,7 @@ from agentrl.rollout.curriculum import deferred_types
 from agentrl.rollout.episode import episode_of, run_episode
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import NoInferenceService
+from agentrl.rollout.keep_alive import KeepAlive
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
 from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
@@ -369,8 +369,8 @@ class Sampler:
         """Run ``group``'s stage in its own task, heartbeating its lease; stop it if another sampler took it over."""
         stage = asyncio.create_task(run_group_stage(self.res.store, group, self.cfg.group, self.cfg.advantage,
                                                     self.cfg.curriculum))
-        beat = asyncio.create_task(self._keep_alive(lambda: self.res.store.slots.heartbeat_group(group), stage,
-                                                    f"the group stage of Task {group.task.id}"))
+        beat = KeepAlive(lambda: self.res.store.slots.heartbeat_group(group), stage,
+                         f"the group stage of Task {group.task.id}", self.cfg.concurrency.lease_s)
         try:
             outcome = await stage
         except asyncio.CancelledError:
@@ -386,29 +386,6 @@ class Sampler:
         self._next_types_refresh = 0.0
         self.stats.samples_queued += outcome.samples_queued
 
-    async def _heartbeat(self, lease: SlotLease, worker: asyncio.Task) -> None:
-        await self._keep_alive(lambda: self.res.store.slots.heartbeat(lease), worker, f"trajectory {lease.record_id}")
-
-    async def _keep_alive(self, beat: Callable[[], Awaitable[None]], work: asyncio.Task, what: str) -> None:
-        """Heartbeat a lease every ``lease_s / 3`` while ``work`` runs; cancel ``work`` once the lease is lost.
-
-        Database errors do not stop the heartbeats: they are logged and retried every 2 s (the lease is measured on
-        the server, so an outage shorter than the remaining lease costs nothing; after a longer one the first
-        heartbeat that lands either extends the lease or finds it taken over)."""
-        interval = self.cfg.concurrency.lease_s / 3
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                await beat()
-                interval = self.cfg.concurrency.lease_s / 3
-            except LeaseLost:
-                logger.warning("lost the lease on %s (another sampler took it over); stopping it", what)
-                work.cancel()
-                return
-            except PyMongoError as error:
-                logger.warning("could not extend the lease on %s (%s); retrying", what, error)
-                interval = min(self.cfg.concurrency.lease_s / 3, 2.0)
-
     async def _sample(self, lease: SlotLease, claim_commands: int) -> None:
         """Roll out, score and settle ``lease``'s slot (see the module docstring for the writes), then run the
         Task's group stage if this settlement completed it. ``claim_commands``: what its claim cost."""
@@ -418,7 +395,8 @@ class Sampler:
         given_back: Exception | None = None  # an infrastructure failure, which may call for a pause
         group: GroupLease | None = None
         with store.commands.tally() as used:  # this trajectory's commands, its heartbeat task's included
-            beat = asyncio.create_task(self._heartbeat(lease, worker))
+            beat = KeepAlive(lambda: store.slots.heartbeat(lease), worker, f"trajectory {lease.record_id}",
+                             self.cfg.concurrency.lease_s)
             try:
                 episode = episode_of(lease.task.metadata) is not None
                 result = await (run_episode if episode else run_trajectory)(self.res, lease, calls)
@@ -432,8 +410,7 @@ class Sampler:
                          "meta": {"branches": result.num_branches}, "score_details": details}
                 # No heartbeat from here: one landing after finish dropped the lease would find it gone and cancel
                 # this task mid-way (the group stage it claims then waits a whole lease for another sampler).
-                beat.cancel()
-                await asyncio.wait([beat])
+                await beat.stop()
                 if score_error is None:
                     self.stats.scored += 1
                     self.stats.reward_sum += score
@@ -452,8 +429,7 @@ class Sampler:
                 # Infrastructure (no inference service, the judge, an environment server, the database), not the
                 # policy: no score; the attempt is given back without counting as failed. If the database stays
                 # unreachable, the lease expires and the slot is taken over just the same.
-                beat.cancel()
-                await asyncio.wait([beat])  # no heartbeat may extend the lease after it is given back
+                await beat.stop()  # no heartbeat may extend the lease after it is given back
                 given_back = error
                 logger.warning("%s: giving %s back unscored, to be retried%s", error, lease.record_id,
                                "; pausing until an inference service is live" if isinstance(error, NoInferenceService)
