@@ -22,7 +22,7 @@
 #   TEMPERATURE        sampling temperature, 0 for greedy (0.7)        SEED      sampling seed (0)
 #   MAX_TURNS          LLM calls per trajectory (2)                     MAX_NEW_TOKENS  tokens per call (128)
 #   CONCURRENCY        trajectories in flight (16)                      FORCE     1: recompute a stored result
-#   ENGINE_THREADS     CPU threads of the engine started here (2)
+#   ENGINE_THREADS     CPU threads of the engine started here (one less than the CPUs, at least 1)
 #   EXTRA_EVAL_FLAGS   more `agentrl eval` flags, e.g. "--query_prompt '...' --max_prompt_tokens 8192"
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)

@@ -169,7 +169,11 @@ def test_the_command_lines_agentrl_run_builds_parse(tmp_path: Path) -> None:
         config.train_batch_size, config.max_staleness, config.temperature)
     assert sampler.inference_urls == ["http://127.0.0.1:2", "http://127.0.0.1:3"] and sampler.rollout.seed == 3
     held_out = eval_config(_parse(*processes.commands["eval-start"][3:]))
-    assert held_out.engine_args == ["--num_threads", str(config.engine_threads)] and held_out.force
+    assert held_out.engine_args == [] and held_out.force  # ENGINE_THREADS unset: the engine's own default
+    run.config = config.model_copy(update={"engine_threads": 2})
+    with pytest.raises(_Recorded):
+        stages.held_out_eval(run, "start", "--model_name_or_path", "m")
+    assert eval_config(_parse(*processes.commands["eval-start"][3:])).engine_args == ["--num_threads", "2"]
     assert (held_out.rollout.temperature, held_out.rollout.query_prompt) == (0.0, "Q: {query}")
     evaluation = eval_config(_parse(*processes.commands["eval"][3:]))
     assert evaluation.rollout.top_p == 0.9 and evaluation.tools.mcp_config == "mcp.json"

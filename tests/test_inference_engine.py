@@ -216,3 +216,18 @@ async def test_prompt_token_logprobs_as_sglang_returns_them(engine_url: str, tin
     assert too_far.status_code == 400, too_far.text
     assert (f"logprob_start_len ({len(PROMPT)}) is higher than the number of input tokens ({len(PROMPT)})"
             in too_far.json()["error"]["message"])
+
+
+def test_the_engine_leaves_a_core_to_its_neighbours(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its default thread team is one less than its CPUs (one thread beat two on 2 cores at every concurrency
+    measured), and ``$OMP_NUM_THREADS`` overrides it."""
+    import os
+
+    from agentrl.inference.engine import default_num_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    for cpus, threads in ((1, 1), (2, 1), (16, 15)):
+        monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert default_num_threads() == threads
+    monkeypatch.setenv("OMP_NUM_THREADS", "4")
+    assert default_num_threads() == 4

@@ -21,8 +21,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--port", type=int, default=30000, help="port to listen on, 0 for a free one (default: 30000)")
     parser.add_argument("--device", default=None, help="cpu, cuda, cuda:N (default: cuda if available, else cpu)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                        help="weights dtype (auto: bfloat16 on CUDA GPUs with bf16 support, float32 elsewhere, CPUs "
-                             "included: bf16 decoding is several times slower there)")
+                        help="weights dtype (auto: bfloat16 on CUDA GPUs with bf16 support; on a CPU with bf16 matrix "
+                             "instructions float32 weights whose layers but the LM head multiply in bf16; float32 "
+                             "elsewhere)")
     parser.add_argument("--weight_version", default="0", help="version reported for the initial weights")
     parser.add_argument("--preferred_sampling_params", default=None, metavar="JSON",
                         help="the server's values of sampling parameters a /generate request omits, as SGLang's "
@@ -47,7 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                              "KEY' (SGLang's --api-key; default: $AGENTRL_INFERENCE_API_KEY, which the samplers, "
                              "trainer and evaluations send; prefer the variable: a command line is visible to other "
                              "users)")
-    parser.add_argument("--num_threads", type=int, default=None, help="torch CPU threads (default: torch's)")
+    parser.add_argument("--num_threads", type=int, default=None,
+                        help="torch CPU threads (default: $OMP_NUM_THREADS if set, else one less than the CPUs this "
+                             "machine gives the engine, at least 1: a decode step's small operations wait for "
+                             "every thread of the team, and the server and its neighbours need a core)")
     parser.add_argument("--db_connection_string", default=None, metavar="URI",
                         help="register the engine in this run database's InferenceService collection, heartbeat, "
                              "mark it DOWN on exit (default: $AGENTRL_DB if set, else no registration)")
@@ -70,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
 
     from agentrl.inference.client import API_KEY_ENV
     from agentrl.inference.embedded_model import default_model_path
-    from agentrl.inference.engine import EngineConfig
+    from agentrl.inference.engine import EngineConfig, default_num_threads
     from agentrl.inference.server import ServerConfig, serve
     from agentrl.listen import is_loopback
 
@@ -81,8 +85,7 @@ def run(args: argparse.Namespace) -> int:
               "samplers and the trainer run, or keep the default 127.0.0.1", file=sys.stderr)
         return 2
 
-    if args.num_threads:
-        torch.set_num_threads(args.num_threads)
+    torch.set_num_threads(args.num_threads or default_num_threads())
     db = None if args.no_register else (args.db_connection_string or os.environ.get("AGENTRL_DB"))
     try:
         preferred = json.loads(args.preferred_sampling_params) if args.preferred_sampling_params else None

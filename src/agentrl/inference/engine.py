@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import time
 import uuid
 from collections.abc import Callable
@@ -93,6 +94,17 @@ class EngineConfig(BaseModel):
 
 def resolve_device(device: str | None) -> torch.device:
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+
+
+def default_num_threads() -> int:
+    """The engine's torch CPU threads when none are asked for: ``$OMP_NUM_THREADS`` if set, else one less than the
+    CPUs this process may run on (at least 1). A decode step is thousands of small operations, and a thread team
+    as large as the machine waits at each one for a member that the HTTP server, the tokenizer or a process beside
+    the engine (samplers, tools, a trainer) has preempted. On 2 cores one thread beat two at 1, 4, 16 and 64
+    concurrent requests, by 1.15-1.4x (docs/benchmarks.md)."""
+    if os.environ.get("OMP_NUM_THREADS", "").isdigit():
+        return max(1, int(os.environ["OMP_NUM_THREADS"]))
+    return max(1, len(os.sched_getaffinity(0)) - 1)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

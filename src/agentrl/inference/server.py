@@ -27,6 +27,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http import HTTPStatus
 from types import FrameType
 
+import torch
 import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -275,8 +276,10 @@ def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
         logger.info("registering in %s", redact(server_config.db_connection_string))
 
     def announce() -> None:
-        print(f"agentrl engine ready at {url} serving {engine.model_name} ({engine.device}, {engine.precision})",
-              flush=True)
+        threads = torch.get_num_threads()
+        where = f"{engine.device}, {threads} thread{'s' * (threads != 1)}" if engine.device.type == "cpu" else \
+            str(engine.device)
+        print(f"agentrl engine ready at {url} serving {engine.model_name} ({where}, {engine.precision})", flush=True)
 
     app = create_app(engine, registration, on_ready=announce,
                      api_key=server_config.api_key.get_secret_value() if server_config.api_key else None)

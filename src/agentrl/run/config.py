@@ -57,7 +57,9 @@ class RunConfig(BaseModel):
     sglang_urls: str | None = Field(
         None, description="comma-separated SGLang servers serving --model (SGLANG_URLS; default: an `agentrl "
         "engine` started here, serving the warmed-up model)")
-    engine_threads: int = Field(2, ge=1, description="CPU threads of the engines started here (ENGINE_THREADS)")
+    engine_threads: int | None = Field(
+        None, ge=1, description="CPU threads of the engines started here (ENGINE_THREADS; default: the engine's, "
+        "one less than the CPUs this machine gives it)")
     engine_startup_s: float = Field(600.0, gt=0, description="how long the engine may take to start "
                                     "(ENGINE_STARTUP_S)")
 

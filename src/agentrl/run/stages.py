@@ -164,6 +164,11 @@ def upload_tasks(run: Run, tasks: Path, limit: int | None = None) -> None:
          f"the upload of {tasks} failed")
 
 
+def engine_thread_flags(config: RunConfig) -> list[str]:
+    """``agentrl engine``'s thread flag for ``--engine_threads`` (none: the engine's default)."""
+    return [] if config.engine_threads is None else ["--num_threads", str(config.engine_threads)]
+
+
 def use_inference(run: Run, model: str | Path | None) -> None:
     """The SGLang servers of ``--sglang_urls``, or an `agentrl engine` serving ``model`` started here."""
     config = run.config
@@ -174,7 +179,7 @@ def use_inference(run: Run, model: str | Path | None) -> None:
     lora = ["--enable_lora"] if config.lora_publish == "adapter" else []
     engine = run.processes.start("engine", [
         *AGENTRL, "engine", *model_flags(model), "--port", "0", "--db_connection_string", run.database_uri(),
-        "--num_threads", str(config.engine_threads), "--max_running_requests", "64", *lora])
+        *engine_thread_flags(config), "--max_running_requests", "64", *lora])
     say(f"inference: starting agentrl engine on {model or EMBEDDED_MODEL} (log {engine.log})")
     ready = run.processes.wait_until_ready(engine, r"agentrl engine ready at (http:\S*).*", config.engine_startup_s)
     run.inference_urls = ready[1]
@@ -203,12 +208,13 @@ def held_out_eval(run: Run, label: str, *model: str) -> None:
     out, log = run.dir / f"eval-{label}.json", run.logs / f"eval-{label}.log"
     say(f"held-out evaluation ({label}): {config.num_eval_tasks} tasks of {tasks.name}, greedy "
         f"(log {log})")
+    threads = engine_thread_flags(config)
     done = run.processes.call(f"eval-{label}", [
         *AGENTRL, "eval", "--tasks", str(tasks), "--limit", str(config.num_eval_tasks),
         "--name", f"{run.name} {label}", "--db_connection_string", run.database_uri(), *run.tool_flags,
         *run.prompt_flags, "--answer_schema", config.answer_schema, "--max_turns", str(config.max_turns),
         "--max_new_tokens", str(config.max_new_tokens), "--temperature", "0", "--seed", str(config.eval_seed),
-        "--force", "--engine_args", f"--num_threads {config.engine_threads}", "--output", str(out), *model,
+        "--force", *(["--engine_args", shlex.join(threads)] if threads else []), "--output", str(out), *model,
         "--max_concurrent_samples_per_process", str(HELD_OUT_CONCURRENCY), *shlex.split(config.extra_eval_flags)],
         log=log)
     if done.status != 0:
