@@ -229,5 +229,8 @@ def test_the_engine_leaves_a_core_to_its_neighbours(monkeypatch: pytest.MonkeyPa
     for cpus, threads in ((1, 1), (2, 1), (16, 15)):
         monkeypatch.setattr(os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
         assert default_num_threads() == threads
+    monkeypatch.delattr(os, "sched_getaffinity")  # macOS has no affinity: all its CPUs
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert default_num_threads() == 7
     monkeypatch.setenv("OMP_NUM_THREADS", "4")
     assert default_num_threads() == 4

@@ -104,7 +104,8 @@ def default_num_threads() -> int:
     concurrent requests, by 1.15-1.4x (docs/benchmarks.md)."""
     if os.environ.get("OMP_NUM_THREADS", "").isdigit():
         return max(1, int(os.environ["OMP_NUM_THREADS"]))
-    return max(1, len(os.sched_getaffinity(0)) - 1)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1  # (macOS)
+    return max(1, cpus - 1)
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
