@@ -29,7 +29,8 @@ def test_the_shipped_files_are_the_generators_output_and_disjoint() -> None:
 
 def test_every_answer_is_what_the_calculator_computes() -> None:
     tasks = generate_arith_tasks(200, seed=0)
-    assert Counter(t["task_type"] for t in tasks) == dict.fromkeys(TEMPLATES, 25)
+    counts = Counter(t["task_type"] for t in tasks)
+    assert set(counts) == set(TEMPLATES) and max(counts.values()) - min(counts.values()) <= 1  # cycled in turn
     assert len({t["id"] for t in tasks}) == len({t["query"] for t in tasks}) == 200
     for task in tasks:
         assert (task["scorer"], task["answer_schema"]) == ("math", "boxed")

@@ -1,7 +1,10 @@
 """Generator of the built-in task set ``assets/tasks/arith_tools.jsonl``: arithmetic word problems.
 
 The numbers are large enough that a calculator helps (multi-digit products, percentages, decimals), and every
-answer is exact (an integer or a short decimal). Each task carries the calculator ``expression`` that computes
+answer is exact (an integer or a short decimal). The 16 task types come in 8 pairs, a simpler and a harder form of
+one kind of problem (an average of two numbers and one of four to eight; cartons that divide exactly and cartons
+that round up; one price cut and two), so that difficulty is graded within each kind: a small warmed-up model
+solves some forms always, some never and many sometimes, and it is the last that RL can learn from. Each task carries the calculator ``expression`` that computes
 its answer (kept in the Task's metadata), which makes tool-use demonstrations for a supervised warm start easy
 to generate and lets tests check every answer with the calculator.
 
@@ -111,6 +114,90 @@ def _average(rng: random.Random) -> Problem:
     return question, Decimal(sum(values)) / days, f"({' + '.join(str(v) for v in values)}) / {days}"
 
 
+def _pallets(rng: random.Random) -> Problem:
+    pallets, crates, per_crate = rng.randint(4, 40), rng.randint(6, 48), rng.randint(12, 96)
+    item = rng.choice(["bottles", "jars", "cans", "boxes"])
+    question = (
+        f"A warehouse ships {pallets} pallets. Each pallet carries {crates} crates, and each crate holds "
+        f"{per_crate} {item}. How many {item} are shipped in total?"
+    )
+    return question, Decimal(pallets * crates * per_crate), f"{pallets} * {crates} * {per_crate}"
+
+
+def _bill_with_tip(rng: random.Random) -> Problem:
+    people, share_cents = rng.randint(4, 24), rng.randint(1505, 9875)
+    total_cents = people * share_cents
+    tip_cents = rng.randint(total_cents // 10, total_cents // 5)
+    bill, tip = _money(total_cents - tip_cents), _money(tip_cents)
+    question = (
+        f"{people} friends have dinner. The bill is ${bill} and they add a tip of ${tip}. They split the total "
+        "equally. How many dollars does each friend pay?"
+    )
+    return question, _money(share_cents), f"({bill} + {tip}) / {people}"
+
+
+def _discount_twice(rng: random.Random) -> Problem:
+    price = rng.randint(140, 2400)
+    first, second = rng.choice([10, 20, 25, 30, 40]), rng.choice([5, 10, 15, 20, 25])
+    item = rng.choice(["laptop", "bicycle", "sofa", "camera", "washing machine"])
+    sale = Decimal(price) * (100 - first) * (100 - second) / 10000
+    question = (
+        f"A {item} costs ${price}. It is marked down by {first}%, and the reduced price is then cut by another "
+        f"{second}%. What is the final price in dollars?"
+    )
+    return question, sale, f"{price} * (100 - {first}) / 100 * (100 - {second}) / 100"
+
+
+def _revenue_one_item(rng: random.Random) -> Problem:
+    loaves, loaf_cents = rng.randint(40, 400), rng.randint(175, 690)
+    loaf = _money(loaf_cents)
+    question = f"A bakery sells {loaves} loaves of bread at ${loaf} each. What is its revenue in dollars?"
+    return question, loaves * loaf, f"{loaves} * {loaf}"
+
+
+def _travel_two_legs(rng: random.Random) -> Problem:
+    first, second = rng.randint(18, 160) * 4, rng.randint(18, 160) * 4
+    hours_first, hours_second = rng.randint(2, 9), rng.randint(2, 9)
+    vehicle = rng.choice(["train", "truck", "ferry", "bus"])
+    question = (
+        f"A {vehicle} travels at {first} km per hour for {hours_first} hours, then at {second} km per hour for "
+        f"{hours_second} hours. How many kilometres does it cover in total?"
+    )
+    return (question, Decimal(first * hours_first + second * hours_second),
+            f"{first} * {hours_first} + {second} * {hours_second}")
+
+
+def _growth_three_years(rng: random.Random) -> Problem:
+    start, rate = rng.randint(12, 950) * 100, rng.randint(2, 15)
+    things = rng.choice(["a savings account balance", "an investment fund's value", "a company's yearly revenue"])
+    value = Decimal(start) * (100 + rate) ** 3 / 1000000
+    question = (
+        f"{things[0].upper()}{things[1:]} is ${start} and grows by {rate}% each year. "
+        "What is it in dollars after 3 years?"
+    )
+    return question, value, f"{start} * (1 + {rate} / 100) ** 3"
+
+
+def _cartons_exact(rng: random.Random) -> Problem:
+    per_carton = rng.choice([6, 8, 12, 18, 24, 30, 36])
+    cartons = rng.randint(150, 5000)
+    count = cartons * per_carton
+    question = (
+        f"A farm collects {count} eggs and packs them into cartons of {per_carton}, filling every carton. "
+        "How many cartons does it fill?"
+    )
+    return question, Decimal(cartons), f"{count} / {per_carton}"
+
+
+def _average_of_two(rng: random.Random) -> Problem:
+    first, second = rng.randint(1200, 9800), rng.randint(1200, 9800)
+    question = (
+        f"A shop's sales were {first} dollars on Monday and {second} dollars on Tuesday. "
+        "What were its average daily sales over the two days in dollars?"
+    )
+    return question, Decimal(first + second) / 2, f"({first} + {second}) / 2"
+
+
 TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
     "bulk_order": _bulk_order,
     "shared_bill": _shared_bill,
@@ -120,6 +207,14 @@ TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
     "growth": _growth,
     "cartons": _cartons,
     "average": _average,
+    "bulk_order_pallets": _pallets,
+    "shared_bill_tip": _bill_with_tip,
+    "discount_twice": _discount_twice,
+    "revenue_one_item": _revenue_one_item,
+    "travel_two_legs": _travel_two_legs,
+    "growth_three_years": _growth_three_years,
+    "cartons_exact": _cartons_exact,
+    "average_of_two": _average_of_two,
 }
 
 
