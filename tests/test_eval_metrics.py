@@ -157,3 +157,20 @@ def test_paired_difference_compares_the_same_tasks_with_a_95_percent_interval() 
                "eval": {label: {"accuracy": 0.5, "mean_reward": 0.5, "num_tasks": 4} for label in ("warmup", "after")}}
     assert any(line.startswith("after over warmup: +0.000 held-out accuracy, paired 95% interval [")
                for line in render(summary))
+
+
+def test_the_summary_names_the_task_types_the_last_stage_changed_and_those_never_right() -> None:
+    from agentrl.cli.report import eval_entry, type_lines
+
+    def evaluation(right: dict[str, int]) -> dict:  # an `agentrl eval` result of 4 tasks per type, greedy
+        return eval_entry({"metrics": {}, "by_type": {name: {"correct": c, "valid_samples": 4, "samples": 4}
+                                                      for name, c in right.items()}})
+
+    evals = {"before": evaluation({"add": 0, "mul": 0, "avg": 0}), "warmup": evaluation({"add": 3, "mul": 1, "avg": 0}),
+             "after": evaluation({"add": 4, "mul": 1, "avg": 0})}
+    assert type_lines(evals) == ["by task type, warmup → after: add 3 → 4 of 4",
+                                 "right in no evaluation: avg (1 of 3 types)"]
+    evals["after"] = evaluation({"add": 3, "mul": 1, "avg": 2})
+    assert type_lines(evals) == ["by task type, warmup → after: avg 0 → 2 of 4"]
+    assert type_lines({"warmup": evaluation({"add": 1}), "after": evaluation({"add": 2})}) == []  # one type
+    assert type_lines({"after": evaluation({"add": 1, "mul": 0})}) == []  # one evaluation

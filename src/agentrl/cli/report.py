@@ -34,7 +34,9 @@ def eval_entry(data: dict[str, Any]) -> dict[str, Any]:
             "num_tasks": data.get("num_tasks", metrics.get("tasks")), "correct": metrics.get("correct"),
             "errors": metrics.get("errors"), "name": data.get("name"), "model": data.get("model"),
             "per_task": [{"id": row["id"], "correct": row["correct"], "valid": row["valid"]}
-                         for row in data.get("per_task") or []]}
+                         for row in data.get("per_task") or []],
+            "by_type": {name: {"correct": row.get("correct", 0), "samples": row.get("valid_samples", 0)}
+                        for name, row in (data.get("by_type") or {}).items()}}
 
 
 def read_evals(specs: list[str]) -> dict[str, dict[str, Any]]:
@@ -72,6 +74,25 @@ def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: floa
 
 def _rate(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def type_lines(evals: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the last stage changed the held-out result, by task type, and the types no evaluation got right (RL
+    cannot reinforce a success it never samples); nothing for evaluations of fewer than 2 types."""
+    labels = list(evals)
+    tables = [evals[label].get("by_type") or {} for label in labels]
+    types = sorted(set().union(*tables))
+    if len(labels) < 2 or len(types) < 2:
+        return []
+    before, after = tables[-2], tables[-1]
+    changed = [f"{name} {before[name]['correct']} → {after[name]['correct']} of {after[name]['samples']}"
+               for name in types if name in before and name in after
+               and before[name]["correct"] != after[name]["correct"]]
+    lines = [f"by task type, {labels[-2]} → {labels[-1]}: {', '.join(changed) or 'no type changed'}"]
+    never = [name for name in types if all(table.get(name, {}).get("correct", 0) == 0 for table in tables)]
+    if never:
+        lines.append(f"right in no evaluation: {', '.join(never)} ({len(never)} of {len(types)} types)")
+    return lines
 
 
 def render(summary: dict[str, Any]) -> list[str]:
@@ -117,6 +138,7 @@ def render(summary: dict[str, Any]) -> list[str]:
             lines.append(f"{paired['to']} over {paired['from']}: {paired['difference']:+.3f} held-out accuracy, paired "
                          f"95% interval [{low:+.3f}, {high:+.3f}] over {paired['tasks']} tasks ({paired['better']} "
                          f"better, {paired['worse']} worse)")
+        lines += type_lines(evals)
     for problem in summary["diagnosis"]:
         lines.append(f"nothing was trained: {problem}")
     return lines
