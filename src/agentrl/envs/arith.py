@@ -4,9 +4,11 @@ The numbers are large enough that a calculator helps (multi-digit products, perc
 answer is exact (an integer or a short decimal). The 16 task types come in 8 pairs, a simpler and a harder form of
 one kind of problem (an average of two numbers and one of four to eight; cartons that divide exactly and cartons
 that round up; one price cut and two), so that difficulty is graded within each kind: a small warmed-up model
-solves some forms always, some never and many sometimes, and it is the last that RL can learn from. Each task carries the calculator ``expression`` that computes
-its answer (kept in the Task's metadata), which makes tool-use demonstrations for a supervised warm start easy
-to generate and lets tests check every answer with the calculator.
+solves some forms always, some never and many sometimes, and it is the last that RL can learn from.
+
+Each task carries the calculator ``expression`` that computes its answer (kept in the Task's metadata), which
+makes tool-use demonstrations for a supervised warm start easy to generate and lets tests check every answer with
+the calculator.
 
 Three disjoint sets are shipped in ``assets/tasks/`` (``SHIPPED_SETS``): ``arith_tools.jsonl`` for RL,
 ``arith_heldout.jsonl`` for held-out evaluation and ``arith_warmup.jsonl`` for warm-up demonstrations (different
