@@ -20,7 +20,7 @@
 #                      rounds each is sampled in (3; the curriculum mostly skips tasks always or never solved)
 #   SCORER             scorer of every RL task (math; math_format without a warm-up; empty: the tasks' own)
 #   EVAL_TASKS, NUM_EVAL_TASKS   held-out tasks (assets/tasks/arith_heldout.jsonl), the first N scored greedily
-#                      before and after training (64, with ENV 32; 0: no evaluation)
+#                      before and after training (32; 0: no evaluation)
 #   WARMUP             demonstrations to fine-tune on before RL (24 with the embedded model, 0 with MODEL);
 #                      WARMUP_TASKS, WARMUP_EPOCHS (1), WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R), WARMUP_THREADS
 #   ENGINE_THREADS (one less than the CPUs), ENGINE_STARTUP_S (600), NUM_GENERATIONS (4), NUM_SAMPLERS (1),

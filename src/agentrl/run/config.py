@@ -100,8 +100,8 @@ class RunConfig(BaseModel):
         "final model (EVAL_TASKS; default: assets/tasks/arith_heldout.jsonl; --mode eval: the tasks to evaluate, "
         "TASKS, default assets/tasks/arith_tools.jsonl; with --env: its test split)")
     num_eval_tasks: int | None = Field(
-        None, ge=0, description="the first N of them (NUM_EVAL_TASKS; default: 64, with --env 32; 0: no "
-        "evaluation; --mode eval: LIMIT, default 8, 0: all)")
+        None, ge=0, description="the first N of them (NUM_EVAL_TASKS; default: 32, 0: no evaluation; --mode eval: "
+        "LIMIT, default 8, 0: all)")
     eval_samples_per_task: int = Field(2, ge=1, description="--mode eval: samples per task, k of pass@k and avg@k "
                                        "(K)")
     eval_repeats: int = Field(1, ge=1, description="--mode eval: repeat the k samples R times (REPEATS)")
@@ -188,8 +188,7 @@ class RunConfig(BaseModel):
         self.run_dir = self.run_dir or REPO / "runs" / self.run_name
         self.output_dir = self.output_dir or self.run_dir / "output"
         self.eval_tasks = self.eval_tasks or TASK_SETS / ("arith_tools.jsonl" if evaluating else "arith_heldout.jsonl")
-        if self.num_eval_tasks is None:
-            self.num_eval_tasks = 8 if evaluating else 32 if self.env else 64
+        self.num_eval_tasks = (8 if evaluating else 32) if self.num_eval_tasks is None else self.num_eval_tasks
         self.max_new_tokens = self.max_new_tokens or (128 if evaluating else 48)
         self.learning_rate = self.learning_rate or (5e-5 if lora else 2e-6)
         if evaluating:
