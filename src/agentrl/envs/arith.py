@@ -18,6 +18,7 @@ seeds; no question appears in two sets). Regenerate them with ``python -m agentr
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import random
 from collections.abc import Callable
@@ -82,15 +83,15 @@ def _travel(rng: random.Random) -> Problem:
     return question, distance, f"{speed} * ({hours} + {minutes} / 60)"
 
 
-def _growth(rng: random.Random) -> Problem:
+def _growth(rng: random.Random, years: int = 2) -> Problem:
     start, rate = rng.randint(12, 950) * 100, rng.randint(2, 15)
     things = rng.choice(["a savings account balance", "an investment fund's value", "a company's yearly revenue"])
-    value = Decimal(start) * (100 + rate) ** 2 / 10000
+    value = Decimal(start) * (100 + rate) ** years / 100 ** years
     question = (
         f"{things[0].upper()}{things[1:]} is ${start} and grows by {rate}% each year. "
-        "What is it in dollars after 2 years?"
+        f"What is it in dollars after {years} years?"
     )
-    return question, value, f"{start} * (1 + {rate} / 100) ** 2"
+    return question, value, f"{start} * (1 + {rate} / 100) ** {years}"
 
 
 def _cartons(rng: random.Random) -> Problem:
@@ -169,17 +170,6 @@ def _travel_two_legs(rng: random.Random) -> Problem:
             f"{first} * {hours_first} + {second} * {hours_second}")
 
 
-def _growth_three_years(rng: random.Random) -> Problem:
-    start, rate = rng.randint(12, 950) * 100, rng.randint(2, 15)
-    things = rng.choice(["a savings account balance", "an investment fund's value", "a company's yearly revenue"])
-    value = Decimal(start) * (100 + rate) ** 3 / 1000000
-    question = (
-        f"{things[0].upper()}{things[1:]} is ${start} and grows by {rate}% each year. "
-        "What is it in dollars after 3 years?"
-    )
-    return question, value, f"{start} * (1 + {rate} / 100) ** 3"
-
-
 def _cartons_exact(rng: random.Random) -> Problem:
     per_carton = rng.choice([6, 8, 12, 18, 24, 30, 36])
     cartons = rng.randint(150, 5000)
@@ -214,7 +204,7 @@ TEMPLATES: dict[str, Callable[[random.Random], Problem]] = {
     "discount_twice": _discount_twice,
     "revenue_one_item": _revenue_one_item,
     "travel_two_legs": _travel_two_legs,
-    "growth_three_years": _growth_three_years,
+    "growth_three_years": functools.partial(_growth, years=3),
     "cartons_exact": _cartons_exact,
     "average_of_two": _average_of_two,
 }
