@@ -5,7 +5,7 @@ what shared prefixes and bf16 buy.
                                       [--steps 4] [--samples_per_step 4] [--turns 4] [--turn_tokens 64]
                                       [--group_size 1] [--max_tokens 4096] [--loss_calculater GRPO]
                                       [--dtype auto] [--gradient_checkpointing] [--prefix_shapes default long]
-                                      [--prefix_repeats 2] [--json FILE] [--dry_run]
+                                      [--prefix_repeats 2] [--prefix_only] [--profile] [--json FILE] [--dry_run]
 
 ``--model_config`` builds a model of that architecture (a Hugging Face ``config.json``; ``bench/configs/`` has
 Qwen3-0.6B, Qwen2.5-1.5B, Qwen3-4B and Qwen2.5-7B shapes) with seeded random weights, saved to a temporary
@@ -33,7 +33,10 @@ seconds per group over ``--prefix_repeats`` after a warm-up:
 * ``default``: the default run's shape, a group of 4 trajectories of 2 turns: a 310-token prompt shared by the
   group, then about 52 tokens of their own (two outputs and a tool result);
 * ``long``: an agent with a long prompt, a group of 8 trajectories of 8 turns: a 2,048-token shared prompt, then
-  8 × (48 observation + 64 output) tokens of their own.
+  8 × (48 observation + 64 output) tokens of their own;
+* ``prompt_1k`` and ``group_16`` (not measured unless named): the default shape with a 1,024-token prompt, and with
+  16 trajectories in the group; with the others they place where sharing starts to pay on a GPU, whose model calls
+  are bound by kernel launches at these sizes (why the trainer's ``--share_prefix`` is off by default on CUDA).
 
 Both sides get the token budget ``max(--max_tokens, the group's tokens with its prompt once)``, so the group's
 prompt is forwarded once (the long shape holds about 9,200 tokens in one micro-batch: over 20 GB of activations
@@ -42,7 +45,9 @@ per-sample micro-batches would need more than 80 % of the free memory (``activat
 said in the output and in the JSON (``[long_]gradient_checkpointing``).
 ``shared_prefix_speedup`` is one forward per sample over the shared forward, at ``--dtype`` on both sides;
 ``bf16_speedup`` is fp32 over ``--dtype auto``, both with shared prefixes (1.0 where ``auto`` is fp32); the
-``long_`` keys are those of the long shape.
+keys of the other shapes start with their name (``long_``...). ``--prefix_only`` skips the trainer-vs-loop part;
+``--profile`` adds, per shape, ``torch.profiler``'s operators of one shared forward + backward with the largest self
+CPU time (and their device time on CUDA): where a launch-bound pass spends its time.
 """
 
 from __future__ import annotations
@@ -73,7 +78,10 @@ PEAK_BF16_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e1
 PREFIX_SHAPES = {  # group size, shared prompt tokens, turns, new observation tokens per later turn, output tokens
     "default": {"group_size": 4, "prompt": 310, "turns": 2, "observation": 12, "output": 20},
     "long": {"group_size": 8, "prompt": 2048, "turns": 8, "observation": 48, "output": 64},
+    "prompt_1k": {"group_size": 4, "prompt": 1024, "turns": 2, "observation": 12, "output": 20},
+    "group_16": {"group_size": 16, "prompt": 310, "turns": 2, "observation": 12, "output": 20},
 }
+MEASURED_BY_DEFAULT = ["default", "long"]
 
 
 def free_port() -> int:
@@ -197,8 +205,11 @@ def main() -> int:
     parser.add_argument("--gradient_checkpointing", action="store_true", help="both loops recompute activations")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="compute precision of both loops, resolved as the trainer resolves it")
-    parser.add_argument("--prefix_shapes", nargs="*", default=list(PREFIX_SHAPES), choices=list(PREFIX_SHAPES),
+    parser.add_argument("--prefix_shapes", nargs="*", default=MEASURED_BY_DEFAULT, choices=list(PREFIX_SHAPES),
                         help="group shapes for the shared-prefix and bf16 figures (none: skip them)")
+    parser.add_argument("--prefix_only", action="store_true", help="skip the trainer-vs-plain-loop measurement")
+    parser.add_argument("--profile", action="store_true",
+                        help="per prefix shape, the operators of one shared pass with the most self CPU time")
     parser.add_argument("--prefix_repeats", type=int, default=2, help="measured forward+backward passes per figure")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures to FILE")
     parser.add_argument("--dry_run", action="store_true", help="check the arguments and the model, measure nothing")
@@ -227,7 +238,7 @@ def main() -> int:
             model_path = build_random_model(args.model_config, Path(built) / Path(args.model_config).stem)
         else:
             model_path = Path(args.model_name_or_path or default_model_path())
-        figures = measure(args, model_path, device, bf16)
+        figures = {} if args.prefix_only else measure(args, model_path, device, bf16)
         if args.prefix_shapes:
             figures.update(measure_prefix(args, model_path, device))
     if args.json:
@@ -314,15 +325,20 @@ def seconds_per_group(model: torch.nn.Module, batches: list[MicroBatch], bf16: b
     for _ in range(repeats + 1):  # the first pass is a warm-up
         synchronize(device)
         started = time.perf_counter()
-        for batch in batches:
-            batch = batch.to(device)
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
-                logprobs = layout_logprobs(model, batch.layout)
-            (-(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
+        group_pass(model, batches, bf16, device)
         synchronize(device)
         times.append(time.perf_counter() - started)
-        model.zero_grad(set_to_none=True)
     return statistics.median(times[1:])
+
+
+def group_pass(model: torch.nn.Module, batches: list[MicroBatch], bf16: bool, device: torch.device) -> None:
+    """One forward + backward over ``batches`` (gradients dropped afterwards)."""
+    for batch in batches:
+        batch = batch.to(device)
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            logprobs = layout_logprobs(model, batch.layout)
+        (-(logprobs * batch.loss_mask).sum() / batch.loss_mask.sum()).backward()
+    model.zero_grad(set_to_none=True)
 
 
 def activation_bytes(model: torch.nn.Module, tokens: int) -> int:
@@ -367,9 +383,11 @@ def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.dev
         }
         seconds["shared_auto"] = (seconds_per_group(model, shared, True, device, args.prefix_repeats) if auto_bf16
                                   else seconds["shared_fp32"])
+        prefix = "" if name == "default" else f"{name}_"
+        if args.profile:
+            figures[f"{prefix}shared_profile"] = profile_pass(model, shared, bf16, device)
         if recompute:
             model.activation_checkpointing_disable()
-        prefix = "" if name == "default" else f"{name}_"
         figures[f"{prefix}gradient_checkpointing"] = args.gradient_checkpointing or recompute
         figures.update({f"{prefix}shared_prefix_speedup": seconds["dense"] / seconds["shared"],
                         f"{prefix}bf16_speedup": seconds["shared_fp32"] / seconds["shared_auto"],
@@ -381,7 +399,28 @@ def measure_prefix(args: argparse.Namespace, model_path: Path, device: torch.dev
               f"{seconds['dense'] / seconds['shared']:.2f} | {seconds['shared_fp32']:.2f} | "
               f"{seconds['shared_auto']:.2f} | {seconds['shared_fp32'] / seconds['shared_auto']:.2f} |")
     print(f"(per sample and shared at --dtype {args.dtype}; auto is {figures['precision_auto']} here)")
+    for name in args.prefix_shapes if args.profile else ():
+        prefix = "" if name == "default" else f"{name}_"
+        print(f"\n{name}, one shared forward + backward: operators by self CPU time\n")
+        print("| operator | calls | self CPU, ms | self device, ms |\n|---|---:|---:|---:|")
+        for row in figures[f"{prefix}shared_profile"]:
+            print(f"| {row['name']} | {row['calls']} | {row['self_cpu_ms']:.1f} | {row['self_device_ms']:.1f} |")
     return figures
+
+
+def profile_pass(model: torch.nn.Module, batches: list[MicroBatch], bf16: bool, device: torch.device,
+                 top: int = 15) -> list[dict]:
+    """The ``top`` operators by self CPU time of one forward + backward over ``batches`` (after a warm-up pass)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    group_pass(model, batches, bf16, device)
+    with profile(activities=activities) as prof:
+        group_pass(model, batches, bf16, device)
+        synchronize(device)
+    rows = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:top]
+    return [{"name": e.key, "calls": e.count, "self_cpu_ms": e.self_cpu_time_total / 1e3,
+             "self_device_ms": getattr(e, "self_device_time_total", 0.0) / 1e3} for e in rows]
 
 
 if __name__ == "__main__":

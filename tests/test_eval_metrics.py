@@ -157,6 +157,9 @@ def test_paired_difference_compares_the_same_tasks_with_a_95_percent_interval() 
                "eval": {label: {"accuracy": 0.5, "mean_reward": 0.5, "num_tasks": 4} for label in ("warmup", "after")}}
     assert any(line.startswith("after over warmup: +0.000 held-out accuracy, paired 95% interval [")
                for line in render(summary))
+    assert not any("the trainer ended after" in line for line in render(summary))
+    summary.update(train_steps=24, steps=22)  # the tasks ran out before the step budget
+    assert "the trainer ended after 22 of 24 steps: no task was left to sample" in "\n".join(render(summary))
 
 
 def test_the_summary_names_the_task_types_the_last_stage_changed_and_those_never_right() -> None:

@@ -11,7 +11,8 @@ environment    interpreter, torch, CUDA device; every requirement of the kit's r
 imports        every ``agentrl`` module imports (those of the environments' and scenarios' packages, which the kit
                leaves out, are listed apart)
 pytest_gpu     ``pytest -m gpu tests/test_gpu.py``: bf16 engine, FSDP2 step under NCCL, LoRA publish, QLoRA
-bench_trainer  ``bench/trainer.py``, random Qwen3-0.6B shape, ~16k tokens a step: tokens/s and MFU
+bench_trainer  ``bench/trainer.py``, random Qwen3-0.6B shape, ~16k tokens a step: tokens/s and MFU; shared prefixes at
+               four group shapes, with the operators of each shared pass (``--profile``)
 bench_engine   ``bench/engine.py``, the same shape: tokens/s at 1, 16 and 64 concurrent requests
 rl_loop        ``bench/loop.py`` under py-spy (from the kit): database on the CPU, engine and trainer on the GPU;
                step and publish times, and where each process's CPU time goes (without py-spy if it cannot run)
@@ -185,6 +186,7 @@ def steps(ctx: Context) -> list[Step]:
              figures=pytest_figures),
         Step("bench_trainer", [python, "bench/trainer.py", "--model_config", MODEL_CONFIG, "--samples_per_step",
                                "8", "--turns", "4", "--turn_tokens", "448", "--max_tokens", "16384", "--steps", "3",
+                               "--prefix_shapes", "default", "prompt_1k", "group_16", "long", "--profile",
                                "--json", f"{work}/bench_trainer.json"], 200, cuda=True,
              figures=lambda w, o: read_json(w / "bench_trainer.json")),
         Step("bench_engine", [python, "bench/engine.py", "--model_config", MODEL_CONFIG, "--device", "cuda",

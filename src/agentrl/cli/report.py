@@ -23,6 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="an `agentrl eval --output` result to include under LABEL (repeatable, in order: the "
                              "first is the starting point, the last the final model), e.g. before=eval0.json")
     parser.add_argument("--wall_s", type=float, default=None, help="wall time of the run, for the summary")
+    parser.add_argument("--train_steps", type=int, default=None, metavar="N",
+                        help="the trainer's step budget (--max_steps): the summary says when the run ended short of it")
     parser.add_argument("--out", default=None, metavar="FILE.json", help="write the summary as JSON")
     parser.set_defaults(func=run)
 
@@ -52,12 +54,14 @@ def read_evals(specs: list[str]) -> dict[str, dict[str, Any]]:
     return evals
 
 
-def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: float | None) -> dict[str, Any]:
+def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: float | None,
+                  train_steps: int | None = None) -> dict[str, Any]:
     from agentrl.store.progress import diagnose, progress_fields, read_progress
     from agentrl.store.summary import reward_by_version
 
     progress = read_progress(db, split)
-    summary: dict[str, Any] = {"database": db.name, **progress_fields(progress), "wall_s": wall_s, "eval": evals,
+    summary: dict[str, Any] = {"database": db.name, **progress_fields(progress), "wall_s": wall_s,
+                               "train_steps": train_steps, "eval": evals,
                                "reward_by_version": reward_by_version(db["Record"], split)}
     labels = list(evals)
     if len(labels) >= 2:
@@ -111,6 +115,10 @@ def render(summary: dict[str, Any]) -> list[str]:
         lines.append(f"curriculum: {curriculum['tasks_deferred']} tasks skipped after an all-solved or all-failed "
                      f"group ({curriculum['rounds_skipped']} task rounds skipped in all), {curriculum['revisits']} "
                      "revisited after skipping")
+    budget = summary.get("train_steps")
+    if budget and 0 < summary["steps"] < budget:
+        lines.append(f"the trainer ended after {summary['steps']} of {budget} steps: no task was left to sample; "
+                     "more tasks or rounds (NUM_TASKS, ROUNDS in the example scripts) give it more groups to keep")
     failures = summary["failures"]
     if failures:
         lines.append(f"{sum(failures.values())} records not trained, by failure class: {failure_line(failures)}")
@@ -157,7 +165,7 @@ def run(args: argparse.Namespace) -> int:
     uri = resolve_connection_string(args.db_connection_string)
     client = sync_client(uri, serverSelectionTimeoutMS=5000)
     try:
-        summary = build_summary(client[database_name(uri)], args.split, evals, args.wall_s)
+        summary = build_summary(client[database_name(uri)], args.split, evals, args.wall_s, args.train_steps)
     finally:
         client.close()
     for line in render(summary):

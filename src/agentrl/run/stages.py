@@ -339,7 +339,8 @@ def report(run: Run) -> None:
     """`agentrl report`: the summary of the run with its held-out evaluations, also in ``RUN_DIR/summary.json``."""
     print(flush=True)
     call(run, "report", [*AGENTRL, "report", "--db_connection_string", run.database_uri(), *run.eval_results,
-                         "--wall_s", str(int(time.monotonic() - run.started)), "--out", str(run.dir / "summary.json")],
+                         "--wall_s", str(int(time.monotonic() - run.started)), "--out", str(run.dir / "summary.json"),
+                         "--train_steps", str(run.config.train_steps)],
          "`agentrl report` failed")
 
 
