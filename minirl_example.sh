@@ -16,7 +16,7 @@
 #   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio; none: no tools)
 #   ENV, ENV_SERVER    textcraft | babyai | sciworld: train on that AgentGym environment instead (MAX_TURNS 12,
 #                      TEMPERATURE 1.0, the environment's reward, WARMUP 64 oracle demonstrations for 2 epochs)
-#   TASKS, NUM_TASKS, ROUNDS   RL task file (assets/tasks/arith_tools.jsonl), its first N tasks (32), and the
+#   TASKS, NUM_TASKS, ROUNDS   RL task file (assets/tasks/arith_tools.jsonl), its first N tasks (48), and the
 #                      rounds each is sampled in (3; the curriculum mostly skips tasks always or never solved)
 #   SCORER             scorer of every RL task (math; math_format without a warm-up; empty: the tasks' own)
 #   EVAL_TASKS, NUM_EVAL_TASKS   held-out tasks (assets/tasks/arith_heldout.jsonl), the first N scored greedily

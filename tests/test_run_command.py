@@ -60,7 +60,7 @@ def test_example_scripts_are_thin() -> None:
 def test_derived_defaults() -> None:
     plain = RunConfig(run_name="r")
     assert (plain.num_tasks, plain.rounds, plain.scorer, plain.warmup, plain.max_turns, plain.temperature) == (
-        32, 3, "math", 24, 2, 0.7)
+        48, 3, "math", 24, 2, 0.7)
     assert (plain.learning_rate, plain.warmup_learning_rate, plain.max_new_tokens) == (2e-6, 1e-4, 48)
     assert plain.num_eval_tasks == 32 and RunConfig(num_eval_tasks=0).num_eval_tasks == 0
     assert plain.run_dir == ROOT / "runs" / "r" and plain.output_dir == ROOT / "runs" / "r" / "output"

@@ -80,7 +80,7 @@ class RunConfig(BaseModel):
     tasks: Path = Field(TASK_SETS / "arith_tools.jsonl", description="RL task file (TASKS; default: "
                         "assets/tasks/arith_tools.jsonl; with --env: its train split)")
     num_tasks: int | None = Field(
-        None, ge=0, description="the first N RL tasks, 0: all (NUM_TASKS; default: 32; with --env: the whole "
+        None, ge=0, description="the first N RL tasks, 0: all (NUM_TASKS; default: 48; with --env: the whole "
         "train split)")
     rounds: int | None = Field(
         None, ge=1, description="rounds each RL task is sampled in; from the second on, the pass-rate curriculum "
@@ -199,7 +199,7 @@ class RunConfig(BaseModel):
             self.warmup_epochs = self.warmup_epochs or 2
             self.warmup_learning_rate = self.warmup_learning_rate or (2e-3 if lora else 2e-4)
             self.temperature = 1.0 if self.temperature is None else self.temperature
-        self.num_tasks = 32 if self.num_tasks is None and not self.env else self.num_tasks
+        self.num_tasks = 48 if self.num_tasks is None and not self.env else self.num_tasks
         self.rounds = self.rounds or (1 if self.env else 3)
         self.max_turns = self.max_turns or (12 if self.env else 2)
         self.temperature = 0.7 if self.temperature is None else self.temperature
