@@ -36,7 +36,7 @@ seconds per group over ``--prefix_repeats`` after a warm-up:
   8 × (48 observation + 64 output) tokens of their own;
 * ``prompt_1k`` and ``group_16`` (not measured unless named): the default shape with a 1,024-token prompt, and with
   16 trajectories in the group; with the others they place where sharing starts to pay on a GPU, whose model calls
-  are bound by kernel launches at these sizes (why the trainer's ``--share_prefix`` is off by default on CUDA).
+  are bound by kernel launches at these sizes.
 
 Both sides get the token budget ``max(--max_tokens, the group's tokens with its prompt once)``, so the group's
 prompt is forwarded once (the long shape holds about 9,200 tokens in one micro-batch: over 20 GB of activations

@@ -212,14 +212,10 @@ def empty_micro_batch(pad_token_id: int = 0) -> MicroBatch:
 
 
 def align_passes(micro: list[MicroBatch], parallel: ParallelState, pad_token_id: int = 0) -> int:
-    """Make this rank's passes match the other data-parallel ranks' (FSDP2 makes collectives in every model call):
-    as many passes (``empty_micro_batch`` appended) and, in each, as many model calls (``layout.forward_levels``,
-    the deepest prefix forest of that pass on any rank). Every rank calls it; returns this rank's real passes."""
+    """Make this rank's passes match the other data-parallel ranks' (FSDP2 makes collectives in every model call,
+    and every pass is one model call): as many passes, ``empty_micro_batch`` appended. Every rank calls it; returns
+    this rank's real passes."""
     real = len(micro)
     passes = int(parallel.all_reduce([float(real)], op="max", group="dp")[0])
     micro.extend(empty_micro_batch(pad_token_id) for _ in range(passes - real))
-    if passes:
-        calls = parallel.all_reduce([float(batch.layout.forward_levels) for batch in micro], op="max", group="dp")
-        for batch, count in zip(micro, calls):
-            batch.layout.forward_levels = int(count)
     return real

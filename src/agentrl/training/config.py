@@ -115,11 +115,8 @@ class TrainConfig(BaseModel):
     max_tokens: int = Field(8192, ge=1, description="tokens the model forwards per micro-batch, padding included "
                             "and a shared prefix once; a longer sample gets a micro-batch of its own")
     pad_to_multiple_of: int = Field(1, ge=1, description="pad micro-batch length to a multiple of this")
-    share_prefix: bool | None = Field(
-        None, description="forward a token prefix that samples of a micro-batch share (a group's prompt, a "
-        "trajectory's common turns) once, not once per sample (default: on CPU yes; on CUDA no: there a model call "
-        "is bound by kernel launches and a second one per level cost more than the saving, 0.47-0.53× at groups of "
-        "1.5-6k tokens, 1.07-1.28× at 23k, on an H200 with Qwen3-0.6B)")
+    share_prefix: bool = Field(True, description="forward a token prefix that samples of a micro-batch share (a "
+                               "group's prompt, a trajectory's common turns) once, not once per sample")
     temperature: float = Field(RunValues.model_fields["temperature"].default, gt=0.0,
                                description=f"sampling temperature of the behaviour logprobs; {RUN_VALUE_HELP}")
     preferred_sampling_params: dict[str, Any] | None = Field(

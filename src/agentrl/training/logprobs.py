@@ -11,27 +11,28 @@ magnitude (~0.05 nats for a logit of 20) before any upcast. The fp32 ``[tokens, 
 of at most ``LOGIT_CHUNK_BYTES``; with gradients each chunk is recomputed in the backward pass (activation
 checkpointing), so at most one chunk of fp32 logits is alive at a time.
 
-Shared prefixes: ``layout_logprobs`` forwards a micro-batch level by level along its prefix forest
-(``agentrl.training.prefix_tree``): each level is one model call whose rows attend to the keys/values their ancestors'
-rows produced, kept with their gradient (a read-only ``Cache``), so a span shared by several samples is computed once
-and receives the sum of their gradients. Deeper levels get an explicit 4D mask (a row sees its ancestors' real tokens
-and its own earlier ones) and explicit positions; Hugging Face uses a 4D mask as given, so restarted positions are
-never read as packed-sequence boundaries.
+Shared prefixes: ``layout_logprobs`` forwards a micro-batch's prefix forest (``agentrl.training.prefix_tree``) in one
+model call, each tree packed into one row: a node's tokens follow its ancestors', under an explicit 4D mask (a token
+sees its ancestors' tokens and its own node's earlier ones) and explicit positions (each node continues its parent's
+count), so a span shared by several samples is computed once and receives the sum of their gradients. Hugging Face
+uses a 4D mask as given, so restarted positions are never read as packed-sequence boundaries. One call per pass
+(instead of one per level) keeps the matrix products large and the kernel launches few: on CPU a group of 4 sharing
+a 310-token prompt took 1.70-1.78 s packed against 1.99-2.34 s level by level (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
-from transformers.cache_utils import Cache
 
 if TYPE_CHECKING:
-    from agentrl.training.prefix_tree import ForwardLayout, Level
+    from agentrl.training.prefix_tree import ForwardLayout
 
 LOGIT_CHUNK_BYTES = 1 << 28
 """Largest fp32 logits block (rows × vocabulary × 4 bytes) made at once: 256 MiB."""
@@ -83,39 +84,88 @@ def model_token_logprobs(
 
 def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: float = 1.0,
                     chunk_bytes: int = LOGIT_CHUNK_BYTES) -> torch.Tensor:
-    """``token_logprobs`` ``[B, T]`` of a micro-batch forwarded level by level along ``layout`` (see the module doc
-    and ``agentrl.training.prefix_tree``): equal to ``model_token_logprobs`` of each sample alone, with each shared
-    span computed once. The LM head runs (in fp32) only where some sample has a loss token; a level without one
-    still runs the model, as do the empty calls up to ``layout.forward_levels`` (FSDP2 ranks must make the same
-    collectives). Needs a model that ``shared_prefix_unsupported`` accepts when the layout has several levels."""
+    """``token_logprobs`` ``[B, T]`` of a micro-batch forwarded in one model call along ``layout`` (see the module
+    doc and ``agentrl.training.prefix_tree``): equal to ``model_token_logprobs`` of each sample alone, with each
+    shared span computed once. The LM head runs (in fp32) only where some sample has a loss token; a pass without one
+    still runs the model (FSDP2 ranks make the same collectives). Needs a model that ``shared_prefix_unsupported``
+    accepts when the layout has several levels."""
     _check_model(model, temperature)
-    outputs: list[torch.Tensor] = []
-    keys_values: list[list[tuple[torch.Tensor, torch.Tensor]]] = []  # per level, per layer
-    deep = len(layout.levels) > 1
-    with _cache_under_checkpointing(model) if deep else contextlib.nullcontext():
-        for depth, level in enumerate(layout.levels):
-            kwargs = {}
-            cache = _AncestorCache(_gather_past(keys_values, level.ancestors) if depth else None)
-            if depth:
-                kwargs.update(attention_mask=_level_mask(level, layout.levels[:depth], model),
-                              position_ids=level.positions)
-            if deep:
-                kwargs["past_key_values"] = cache
-            outputs.append(_predict(model, level.input_ids, level.labels, level.scored, temperature, chunk_bytes,
-                                    headless_if_unscored=depth + 1 < len(layout.levels), **kwargs).reshape(-1))
-            if depth + 1 < len(layout.levels):
-                keys_values.append([cache.new[layer] for layer in sorted(cache.new)])
-        for _ in range(len(layout.levels), layout.forward_levels):
-            pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
-            outputs.append(_predict(model, pad, pad, pad.bool(), temperature, chunk_bytes).reshape(-1))
-    flat = torch.cat([outputs[0].new_zeros(1), *outputs])
+    if len(layout.levels) > 1:
+        packed = _pack(layout, model)
+        picked = _predict(model, packed.input_ids, packed.labels, packed.scored, temperature, chunk_bytes,
+                          attention_mask=packed.mask, position_ids=packed.positions)
+        flat = torch.cat([picked.new_zeros(1), picked.reshape(-1)])
+        return flat[packed.index[layout.out_index]]
+    if layout.levels:
+        level = layout.levels[0]
+        picked = _predict(model, level.input_ids, level.labels, level.scored, temperature, chunk_bytes)
+    else:  # nothing to predict: the model still runs (FSDP2 ranks make the same collectives; the loss needs a graph)
+        pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
+        picked = _predict(model, pad, pad, pad.bool(), temperature, chunk_bytes)
+    flat = torch.cat([picked.new_zeros(1), picked.reshape(-1)])
     return flat[layout.out_index]
 
 
+@dataclass
+class _Packed:
+    """A layout's levels packed into one row per tree: a node's tokens follow its ancestors' in its tree's row."""
+
+    input_ids: torch.Tensor  # [trees, W]
+    positions: torch.Tensor
+    labels: torch.Tensor
+    scored: torch.Tensor
+    mask: torch.Tensor  # [trees, 1, W, W]: a token sees its ancestors' tokens and its own node's up to itself
+    index: torch.Tensor  # flattened level position (1 + ..., as ``out_index`` counts) -> 1 + packed position
+
+
+def _pack(layout: ForwardLayout, model: torch.nn.Module) -> _Packed:
+    levels, device = layout.levels, layout.out_index.device
+    lengths = [level.real.sum(dim=1).tolist() for level in levels]
+    ancestors = [level.ancestors.tolist() for level in levels]
+    trees = len(lengths[0])
+    fill = [0] * trees  # tokens placed in each tree's row so far
+    place: list[list[tuple[int, int]]] = []  # per level, per row: (tree, offset)
+    for depth, rows in enumerate(lengths):
+        placed = []
+        for row, length in enumerate(rows):
+            tree = ancestors[depth][0][row] if depth else row
+            placed.append((tree, fill[tree]))
+            fill[tree] += length
+        place.append(placed)
+    width = max(fill)
+    input_ids = torch.zeros((trees, width), dtype=torch.long, device=device)
+    positions, labels = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
+    scored = torch.zeros((trees, width), dtype=torch.bool, device=device)
+    allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(trees, 1, 1)  # padding sees itself
+    index = torch.zeros(1 + sum(level.input_ids.numel() for level in levels), dtype=torch.long, device=device)
+    base = 1
+    for depth, level in enumerate(levels):
+        row_width = level.input_ids.shape[1]
+        for row, (tree, offset) in enumerate(place[depth]):
+            length, end = lengths[depth][row], offset + lengths[depth][row]
+            input_ids[tree, offset:end] = level.input_ids[row, :length]
+            positions[tree, offset:end] = level.positions[row, :length]
+            labels[tree, offset:end] = level.labels[row, :length]
+            scored[tree, offset:end] = level.scored[row, :length]
+            allowed[tree, offset:end, offset:end] = torch.ones((length, length), dtype=torch.bool,
+                                                               device=device).tril()
+            for above in range(depth):
+                a_tree, a_offset = place[above][ancestors[depth][above][row]]
+                allowed[tree, offset:end, a_offset:a_offset + lengths[above][ancestors[depth][above][row]]] = True
+            start = base + row * row_width
+            index[start:start + length] = 1 + tree * width + torch.arange(offset, end, device=device)
+        base += level.input_ids.numel()
+    mask = allowed[:, None]
+    if model.config._attn_implementation != "sdpa":
+        dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    return _Packed(input_ids, positions, labels, scored, mask, index)
+
+
 def shared_prefix_unsupported(model: torch.nn.Module) -> str | None:
-    """Why ``model`` cannot forward shared prefixes once (``None``: it can). The rows of a deeper level attend to
-    cached ancestor keys/values under an explicit 4D mask: that needs SDPA or eager attention and full attention
-    in every layer (a sliding window would need the window in the mask)."""
+    """Why ``model`` cannot forward shared prefixes once (``None``: it can). A packed row's tokens attend to their
+    ancestors' under an explicit 4D mask: that needs SDPA or eager attention and full attention in every layer (a
+    sliding window would need the window in the mask)."""
     config = model.config
     implementation = getattr(config, "_attn_implementation", None)
     if implementation not in ("sdpa", "eager"):
@@ -130,83 +180,17 @@ def shared_prefix_unsupported(model: torch.nn.Module) -> str | None:
     return None
 
 
-class _AncestorCache(Cache):
-    """The keys/values of a level's ancestor rows (``[n, kv_heads, W, head_dim]`` per layer, with gradient).
-
-    ``update`` returns them followed by the level's own keys/values and records the latter for deeper levels; it
-    never stores the concatenation, so calling it again (activation checkpointing recomputes a layer in backward)
-    gives the same result."""
-
-    def __init__(self, past: list[tuple[torch.Tensor, torch.Tensor]] | None):
-        super().__init__(layers=[])
-        self.past = past
-        self.new: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        self.new[layer_idx] = (key_states, value_states)
-        if self.past is None:
-            return key_states, value_states
-        keys, values = self.past[layer_idx]
-        return torch.cat([keys, key_states], dim=-2), torch.cat([values, value_states], dim=-2)
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0 if self.past is None else int(self.past[layer_idx][0].shape[-2])
-
-
-def _gather_past(keys_values: list[list[tuple[torch.Tensor, torch.Tensor]]], ancestors: torch.Tensor
-                 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per layer, each row's ancestors' keys and values, shallowest first (the backward sums the copies)."""
-    past = []
-    for layer in range(len(keys_values[0])):
-        keys = [keys_values[k][layer][0].index_select(0, ancestors[k]) for k in range(len(keys_values))]
-        values = [keys_values[k][layer][1].index_select(0, ancestors[k]) for k in range(len(keys_values))]
-        past.append((torch.cat(keys, dim=-2), torch.cat(values, dim=-2)))
-    return past
-
-
-def _level_mask(level: Level, shallower: list[Level], model: torch.nn.Module) -> torch.Tensor:
-    """``[n, 1, w, W + w]``: a row's query sees its ancestors' real tokens and its own real tokens up to itself."""
-    n, width = level.real.shape
-    past = torch.cat([above.real.index_select(0, level.ancestors[k]) for k, above in enumerate(shallower)], dim=1)
-    causal = torch.ones((width, width), dtype=torch.bool, device=past.device).tril()
-    allowed = torch.cat([past[:, None, :].expand(n, width, -1), causal & level.real[:, None, :]], dim=-1)[:, None]
-    if model.config._attn_implementation == "sdpa":
-        return allowed
-    dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-    return torch.zeros(allowed.shape, dtype=dtype, device=past.device).masked_fill(~allowed, torch.finfo(dtype).min)
-
-
-@contextlib.contextmanager
-def _cache_under_checkpointing(model: torch.nn.Module) -> Iterator[None]:
-    """Within the block, decoder layers under activation checkpointing keep the cache they are given (Hugging Face
-    drops it otherwise): ``_AncestorCache`` gives the same result when the backward pass recomputes a layer."""
-    from transformers.modeling_layers import GradientCheckpointingLayer
-
-    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and m.gradient_checkpointing]
-    for layer in layers:
-        layer._can_checkpoint_with_cache = True
-    try:
-        yield
-    finally:
-        for layer in layers:
-            del layer._can_checkpoint_with_cache
-
-
 def _predict(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, wanted: torch.Tensor,
-             temperature: float, chunk_bytes: int, headless_if_unscored: bool = False, **model_kwargs
-             ) -> torch.Tensor:
+             temperature: float, chunk_bytes: int, **model_kwargs) -> torch.Tensor:
     """``[n, w]``: at ``(r, j)`` where some row is ``wanted`` at column ``j``, the logprob of ``labels[r, j]`` given
     row ``r`` up to position ``j``; 0 elsewhere. The model's head step runs only at those columns
     (``logits_to_keep``), the LM head itself only at the wanted positions.
 
     With nothing wanted the model still runs (the head at one column, the result times 0): FSDP2 ranks must make
-    the same collectives, and the caller's backward needs a graph. ``headless_if_unscored`` skips the head instead
-    (for a level whose keys/values feed deeper ones): its ``[vocab, hidden]`` weight gradient would be zeros that
-    cost as much as a real one."""
+    the same collectives, and the caller's backward needs a graph."""
     keep = wanted.any(dim=0).nonzero().squeeze(-1)
     nothing = keep.numel() == 0
-    if nothing and not headless_if_unscored:
+    if nothing:
         keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     head = model.get_output_embeddings()
     with _scoring(head, labels[:, keep], None if nothing else wanted[:, keep], temperature, chunk_bytes):

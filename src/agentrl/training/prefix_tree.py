@@ -165,17 +165,10 @@ class ForwardLayout:
 
     ``out_index`` (``[B, T]``) indexes the concatenation of a 0 and every level's flattened ``[n, w]`` predicted
     logprobs: entry ``(b, i)`` is the logprob of token ``i`` of row ``b``'s sample (0: position 0 and padding).
-    ``forward_levels`` (at least ``len(levels)``, and at least 1 so that the loss always has a graph) is how many
-    model calls the forward makes: data-parallel ranks agree on it, and the calls past the real levels are empty
-    ones that keep FSDP2's collectives in step.
     """
 
     levels: list[Level]
     out_index: torch.Tensor
-    forward_levels: int = 0
-
-    def __post_init__(self) -> None:
-        self.forward_levels = max(self.forward_levels, len(self.levels), 1)
 
     @property
     def computed_tokens(self) -> int:

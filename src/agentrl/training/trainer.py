@@ -298,12 +298,7 @@ class Trainer:
 
     def _min_shared(self) -> int | None:
         """The shortest token prefix forwarded once for the samples sharing it (None: every sample alone)."""
-        share = self.cfg.share_prefix
-        if share is None:
-            share = self.parallel.device.type != "cuda"
-            if not share:
-                logger.info("shared prefixes are forwarded once per sample on CUDA (--share_prefix true to share)")
-        if not share:
+        if not self.cfg.share_prefix:
             return None
         reason = next(filter(None, (shared_prefix_unsupported(m) for m in (self.model, self.ref_model) if m)), None)
         if reason is not None:
