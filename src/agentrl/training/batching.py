@@ -14,8 +14,9 @@ Planning (``plan_micro_batches``): the budget ``max_tokens`` counts the tokens t
 included and each shared span once. Samples are ordered lexicographically, so those sharing a prefix are
 neighbours, and the prefix forest of the step's samples gives its groups (its trees). A group over the budget is cut
 into runs of neighbours that fit (each run forwards its prefix once); the pieces are then placed first-fit
-decreasing, a micro-batch costing what its pieces cost together (per level, rows times the longest row). A sample
-over the budget alone gets a micro-batch of its own.
+decreasing, a micro-batch costing what its pieces cost together (per level, rows times the longest row: the padded
+levels; the packed call forwards its trees padded to the longest, about as many tokens). A sample over the budget
+alone gets a micro-batch of its own.
 """
 
 from __future__ import annotations

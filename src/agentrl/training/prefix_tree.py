@@ -1,4 +1,4 @@
-"""Shared token prefixes of a micro-batch as a forest, and the level-by-level forward layout it gives.
+"""Shared token prefixes of a micro-batch as a forest, and the forward layout it gives.
 
 The samples of a GRPO group start with the same prompt (system prompt, tool schemas, question), and branches of one
 trajectory also share their first turns. ``build_forest`` finds these spans from the token ids alone: it sorts the
@@ -7,9 +7,10 @@ neighbours, so no pair is compared twice and nothing is re-tokenised. A span sha
 node when it is at least ``min_shared`` tokens long (shorter spans are cheaper to repeat than to forward apart); the
 samples below it continue in child nodes. A sample's tokens are the spans of the nodes on its root-to-node path.
 
-Forward layout (``ForwardLayout``): the nodes of one depth form a *level*, one padded row per node, forwarded in one
-model call; a deeper level attends to the keys/values its ancestors' rows produced (with gradient), so every shared
-span is computed once. Token alignment, with ``[a, b)`` a node's span:
+Forward layout (``ForwardLayout``): the nodes of one depth form a *level*, one padded row per node;
+``agentrl.training.logprobs.layout_logprobs`` packs the levels into one row per tree (a node's tokens after its
+ancestors', attending to them) and forwards them in one model call, so every shared span is computed once. Token
+alignment, with ``[a, b)`` a node's span:
 
 * a root row holds tokens ``0 .. b-2`` at positions ``0 .. b-2`` and predicts tokens ``1 .. b-1``;
 * any other row holds tokens ``a-1 .. b-2`` at positions ``a-1 .. b-2`` and predicts tokens ``a .. b-1``. Its first
@@ -161,7 +162,7 @@ class Level:
 
 @dataclass
 class ForwardLayout:
-    """How to forward a micro-batch level by level (see the module doc).
+    """How to forward a micro-batch: its forest's nodes by depth (see the module doc).
 
     ``out_index`` (``[B, T]``) indexes the concatenation of a 0 and every level's flattened ``[n, w]`` predicted
     logprobs: entry ``(b, i)`` is the logprob of token ``i`` of row ``b``'s sample (0: position 0 and padding).
