@@ -90,20 +90,20 @@ def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: 
     still runs the model (FSDP2 ranks make the same collectives). Needs a model that ``shared_prefix_unsupported``
     accepts when the layout has several levels."""
     _check_model(model, temperature)
+    out_index = layout.out_index
     if len(layout.levels) > 1:
         packed = _pack(layout, model)
         picked = _predict(model, packed.input_ids, packed.labels, packed.scored, temperature, chunk_bytes,
                           attention_mask=packed.mask, position_ids=packed.positions)
-        flat = torch.cat([picked.new_zeros(1), picked.reshape(-1)])
-        return flat[packed.index[layout.out_index]]
-    if layout.levels:
+        out_index = packed.index[out_index]
+    elif layout.levels:
         level = layout.levels[0]
         picked = _predict(model, level.input_ids, level.labels, level.scored, temperature, chunk_bytes)
     else:  # nothing to predict: the model still runs (FSDP2 ranks make the same collectives; the loss needs a graph)
-        pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
+        pad = torch.zeros((1, 1), dtype=torch.long, device=out_index.device)
         picked = _predict(model, pad, pad, pad.bool(), temperature, chunk_bytes)
     flat = torch.cat([picked.new_zeros(1), picked.reshape(-1)])
-    return flat[layout.out_index]
+    return flat[out_index]
 
 
 @dataclass
@@ -119,7 +119,8 @@ class _Packed:
 
 
 def _pack(layout: ForwardLayout, model: torch.nn.Module) -> _Packed:
-    levels, device = layout.levels, layout.out_index.device
+    """Built on the CPU (many small copies) and moved to the layout's device at once."""
+    levels, device = [level.to("cpu") for level in layout.levels], layout.out_index.device
     lengths = [level.real.sum(dim=1).tolist() for level in levels]
     ancestors = [level.ancestors.tolist() for level in levels]
     trees = len(lengths[0])
@@ -133,11 +134,11 @@ def _pack(layout: ForwardLayout, model: torch.nn.Module) -> _Packed:
             fill[tree] += length
         place.append(placed)
     width = max(fill)
-    input_ids = torch.zeros((trees, width), dtype=torch.long, device=device)
+    input_ids = torch.zeros((trees, width), dtype=torch.long)
     positions, labels = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
-    scored = torch.zeros((trees, width), dtype=torch.bool, device=device)
-    allowed = torch.eye(width, dtype=torch.bool, device=device).repeat(trees, 1, 1)  # padding sees itself
-    index = torch.zeros(1 + sum(level.input_ids.numel() for level in levels), dtype=torch.long, device=device)
+    scored = torch.zeros((trees, width), dtype=torch.bool)
+    allowed = torch.eye(width, dtype=torch.bool).repeat(trees, 1, 1)  # padding sees itself
+    index = torch.zeros(1 + sum(level.input_ids.numel() for level in levels), dtype=torch.long)
     base = 1
     for depth, level in enumerate(levels):
         row_width = level.input_ids.shape[1]
@@ -147,19 +148,18 @@ def _pack(layout: ForwardLayout, model: torch.nn.Module) -> _Packed:
             positions[tree, offset:end] = level.positions[row, :length]
             labels[tree, offset:end] = level.labels[row, :length]
             scored[tree, offset:end] = level.scored[row, :length]
-            allowed[tree, offset:end, offset:end] = torch.ones((length, length), dtype=torch.bool,
-                                                               device=device).tril()
+            allowed[tree, offset:end, offset:end] = torch.ones((length, length), dtype=torch.bool).tril()
             for above in range(depth):
                 a_tree, a_offset = place[above][ancestors[depth][above][row]]
                 allowed[tree, offset:end, a_offset:a_offset + lengths[above][ancestors[depth][above][row]]] = True
             start = base + row * row_width
-            index[start:start + length] = 1 + tree * width + torch.arange(offset, end, device=device)
+            index[start:start + length] = 1 + tree * width + torch.arange(offset, end)
         base += level.input_ids.numel()
     mask = allowed[:, None]
     if model.config._attn_implementation != "sdpa":
         dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
-    return _Packed(input_ids, positions, labels, scored, mask, index)
+        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
+    return _Packed(*(t.to(device) for t in (input_ids, positions, labels, scored, mask, index)))
 
 
 def shared_prefix_unsupported(model: torch.nn.Module) -> str | None:
