@@ -17,7 +17,7 @@ from pymongo import MongoClient
 
 from agentrl import failpoints
 from agentrl.rollout.config import GroupConfig
-from agentrl.rollout.curriculum import CurriculumConfig, deferred_types, next_round
+from agentrl.rollout.curriculum import CurriculumConfig, TypeOrder, next_round, type_order
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.store import RecordStatus, Store, TaskStatus
 from agentrl.trajectory.advantages import AdvantageConfig
@@ -50,6 +50,7 @@ def test_a_type_whose_recent_groups_all_taught_nothing_is_deferred_and_revisited
     never = CurriculumConfig(revisit_prob=0.0)
     outcomes = [("average", False), ("travel", True), ("average", False), ("growth", False), (None, False),
                 (None, False), ("travel", False), ("travel", False)]
+    deferred_types = lambda cfg, seen: type_order(cfg, seen).deferred  # noqa: E731
     assert deferred_types(never, outcomes) == {"average"}  # growth: one group; travel: a mixed group of its last 3
     assert deferred_types(never, [*outcomes, ("travel", False)]) == {"average"}
     assert deferred_types(never, [*outcomes, *[("travel", False)] * 2]) == {"average", "travel"}  # last 4 untaught
@@ -62,6 +63,20 @@ def test_a_type_whose_recent_groups_all_taught_nothing_is_deferred_and_revisited
     through = [name not in deferred_types(cfg, history) for name, history in histories.items()]
     assert through == [name not in deferred_types(cfg, history) for name, history in histories.items()]
     assert abs(sum(through) / len(through) - 0.25) < 0.03
+
+
+def test_a_type_whose_last_group_taught_something_is_preferred() -> None:
+    cfg = CurriculumConfig(revisit_prob=0.0)
+    outcomes = [("growth", False), ("travel", True), ("growth", True), (None, True), ("travel", False)]
+    assert type_order(cfg, outcomes) == TypeOrder(preferred=frozenset({"growth"}))  # travel's last group: all same
+    assert type_order(cfg, [*outcomes, ("travel", True)]).preferred == {"growth", "travel"}
+    # growth's last group taught nothing, but one of its last 4 did: neither preferred nor deferred.
+    assert type_order(cfg, [*outcomes, ("growth", False), ("growth", False)]) == TypeOrder()
+    assert type_order(cfg, [*outcomes, *[("travel", False)] * 3]) == TypeOrder(frozenset({"growth"}),
+                                                                              frozenset({"travel"}))
+    for off in ({"mode": "none"}, {"by_type": False}):
+        assert type_order(cfg.model_copy(update=off), outcomes) == TypeOrder()
+    assert type_order(cfg.model_copy(update={"revisit_prob": 1.0}), outcomes).preferred == {"growth"}
 
 @pytest.mark.parametrize("scores,taught", [([1.0, 1.0], False), ([1.0, 0.0], True)])
 async def test_a_group_stage_cut_before_closing_creates_the_next_round_once(

@@ -44,6 +44,18 @@ async def test_a_deferred_task_type_is_claimed_only_when_nothing_else_is_open(db
         assert await store.slots.claim("train", "s1", deferred_types={"hard"}) is None
 
 
+async def test_a_preferred_task_type_is_claimed_first_and_a_deferred_one_last(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        tasks = [make_task(i, num_generations=1) for i in range(6)]
+        types = ["hard", "easy", "mixed", None, "mixed", "easy"]
+        await store.db.Task.insert_many([t.model_copy(update={"task_type": kind}).to_mongo()
+                                         for t, kind in zip(tasks, types, strict=True)])
+        order = {"preferred_types": {"mixed", "hard"}, "deferred_types": {"hard"}}  # deferred wins over preferred
+        claimed = [(await store.slots.claim("train", "s1", **order)).task.id for _ in range(6)]
+        assert claimed == ["train:t0002", "train:t0004", "train:t0001", "train:t0003", "train:t0005", "train:t0000"]
+        assert await store.slots.claim("train", "s1", **order) is None
+
+
 async def test_recent_outcomes_are_the_closed_groups_oldest_first(db_uri: str) -> None:
     async with Store(db_uri) as store:
         tasks = [make_task(i, num_generations=1) for i in range(4)]

@@ -187,6 +187,7 @@ def steps(ctx: Context) -> list[Step]:
         Step("bench_trainer", [python, "bench/trainer.py", "--model_config", MODEL_CONFIG, "--samples_per_step",
                                "8", "--turns", "4", "--turn_tokens", "448", "--max_tokens", "16384", "--steps", "3",
                                "--prefix_shapes", "default", "prompt_1k", "group_16", "long", "--profile",
+                               "--prefix_repeats", "8",
                                "--json", f"{work}/bench_trainer.json"], 200, cuda=True,
              figures=lambda w, o: read_json(w / "bench_trainer.json")),
         Step("bench_engine", [python, "bench/engine.py", "--model_config", MODEL_CONFIG, "--device", "cuda",

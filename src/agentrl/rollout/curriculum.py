@@ -16,12 +16,16 @@ claimed, lost or counted twice; the completed Task records its ``pass_rate``, it
 rounds it skips (``rounds_skipped``), and the next round's Task how many it skipped before it (``skipped_rounds``).
 
 By type (``by_type``): Tasks of one ``task_type`` tend to be all solved or all failed together, so the first round
-already learns from its neighbours. A type none of whose last groups taught anything (its last ``TYPE_WINDOW``,
-at least ``TYPE_EVIDENCE``, among the recently completed Tasks of the split) is *deferred*: a sampler starting
-a new group claims the open Tasks of other types first and those of a deferred type only when nothing else is open.
-Each deferred type is let through now and then, with ``revisit_prob`` for each new group of it (a reproducible
-draw). This only orders claims: no document is written for it, so it adds no crash window; the closing Task
-records ``taught`` for it.
+already learns from its neighbours (``type_order``, read from the split's recently completed Tasks):
+
+- a type whose most recent group taught something is *preferred*: a sampler starting a new group claims the open
+  Tasks of preferred types first (their rewards are likely to vary again);
+- a type none of whose last groups taught anything (its last ``TYPE_WINDOW``, at least ``TYPE_EVIDENCE``) is
+  *deferred*: its open Tasks are claimed only when no other Task is open. Each deferred type is let through now and
+  then, with ``revisit_prob`` for each new group of it (a reproducible draw).
+
+Other types (untried, or without enough evidence) come in between. This only orders claims: no document is written
+for it, so it adds no crash window; the closing Task records ``taught`` for it.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -53,8 +58,9 @@ class CurriculumConfig(BaseModel):
         0.1, ge=0.0, le=1.0, description="with --curriculum pass_rate: the chance that such a Task is sampled in "
         "each next round (seeded by --seed, reproducible)")
     by_type: Annotated[bool, Flag(name="curriculum_by_type")] = Field(
-        True, description="with --curriculum pass_rate: new groups start on the Tasks of a task_type whose recent "
-        "groups all taught nothing only when no other Task is open (revisited with --curriculum_revisit_prob)")
+        True, description="with --curriculum pass_rate: new groups start on the Tasks of a task_type whose last group "
+        "taught something first, and on those of a task_type whose recent groups all taught nothing only when no "
+        "other Task is open (revisited with --curriculum_revisit_prob)")
     seed: Annotated[int, NO_FLAG] = Field(0, description="seed of the revisit draws (the sampler's --seed)")
 
 
@@ -95,17 +101,29 @@ def round_task(task: Task, round_: int) -> Task:
     return Task(**content, **fresh)
 
 
-def deferred_types(cfg: CurriculumConfig, outcomes: Iterable[tuple[str | None, bool]]) -> frozenset[str]:
-    """The task types whose new groups wait until no other Task is open: ``outcomes`` are ``(task_type, taught)``
-    of completed groups, oldest first."""
-    if cfg.mode != "pass_rate" or not cfg.by_type or cfg.revisit_prob >= 1.0:
-        return frozenset()
+@dataclass(frozen=True)
+class TypeOrder:
+    """The order in which new groups start by ``task_type``: preferred types first, deferred ones last."""
+
+    preferred: frozenset[str] = frozenset()
+    deferred: frozenset[str] = frozenset()
+
+
+def type_order(cfg: CurriculumConfig, outcomes: Iterable[tuple[str | None, bool]]) -> TypeOrder:
+    """Which task types new groups start on first and last: ``outcomes`` are ``(task_type, taught)`` of completed
+    groups, oldest first."""
+    if cfg.mode != "pass_rate" or not cfg.by_type:
+        return TypeOrder()
     recent: dict[str, list[bool]] = {}
     counts: dict[str, int] = {}
     for task_type, taught in outcomes:
         if task_type is not None:
             recent[task_type] = [*recent.get(task_type, []), taught][-TYPE_WINDOW:]
             counts[task_type] = counts.get(task_type, 0) + 1
-    return frozenset(name for name, taught in recent.items()
-                     if len(taught) >= TYPE_EVIDENCE and not any(taught)
-                     and _uniform(cfg.seed, f"type:{name}", counts[name]) > cfg.revisit_prob)
+    preferred = frozenset(name for name, taught in recent.items() if taught[-1])
+    if cfg.revisit_prob >= 1.0:
+        return TypeOrder(preferred)
+    deferred = frozenset(name for name, taught in recent.items()
+                         if len(taught) >= TYPE_EVIDENCE and not any(taught)
+                         and _uniform(cfg.seed, f"type:{name}", counts[name]) > cfg.revisit_prob)
+    return TypeOrder(preferred, deferred)

@@ -47,7 +47,7 @@ from pymongo.errors import ConnectionFailure, PyMongoError
 from agentrl.envs.client import EnvUnavailable
 from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import ANSWER, AgentResources, TrajectoryResult, run_trajectory
-from agentrl.rollout.curriculum import deferred_types
+from agentrl.rollout.curriculum import TypeOrder, type_order
 from agentrl.rollout.episode import episode_of, run_episode
 from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import NoInferenceService
@@ -160,7 +160,7 @@ class Sampler:
         self._staging: set[asyncio.Task] = set()  # trajectory tasks that went on to their group stage
         self._leases: dict[asyncio.Task, SlotLease] = {}
         self._next_slot_recovery = 0.0  # while admission control holds new groups back
-        self._deferred_types: frozenset[str] = frozenset()  # the curriculum by type: their new groups wait
+        self._type_order = TypeOrder()  # the curriculum by type: task types new groups start on first and last
         self._next_types_refresh = 0.0  # after each group stage of this sampler, else every quarter lease
         self._typed_tasks = False  # whether it claimed a Task with a task_type (else no type can be deferred)
         self._admission_commands = 0  # what admission control cost the last claim
@@ -294,10 +294,11 @@ class Sampler:
             return lease
         with self.res.store.commands.tally() as used:  # per new group, not per trajectory
             admitted = await self._admit()
-            deferred = await self._refresh_deferred_types(now) if admitted else frozenset()
+            order = await self._refresh_type_order(now) if admitted else TypeOrder()
         self._admission_commands = sum(used.values())
         if admitted:
-            return await slots.claim(split, self.owner, deferred_types=deferred)
+            return await slots.claim(split, self.owner, preferred_types=order.preferred,
+                                     deferred_types=order.deferred)
         if now < self._next_slot_recovery:
             return None
         # Not admitted: no new slot, but lost slots of started groups are still recovered (they count against
@@ -308,23 +309,26 @@ class Sampler:
             self._next_slot_recovery = now + self.cfg.concurrency.lease_s / 4
         return lease
 
-    async def _refresh_deferred_types(self, now: float) -> frozenset[str]:
-        """The task types whose new groups wait (``agentrl.rollout.curriculum.deferred_types``), from the recent
-        groups of the train split: read again after each group stage of this sampler, else every quarter lease
-        (other samplers' stages); never read while this sampler has claimed no Task with a ``task_type``."""
+    async def _refresh_type_order(self, now: float) -> TypeOrder:
+        """The task types new groups start on first and last (``agentrl.rollout.curriculum.type_order``), from the
+        recent groups of the train split: read again after each group stage of this sampler, else every quarter
+        lease (other samplers' stages); never read while this sampler has claimed no Task with a ``task_type``."""
         curriculum = self.cfg.curriculum
         if (self.cfg.split != "train" or curriculum.mode != "pass_rate" or not curriculum.by_type
                 or not self._typed_tasks):
-            return frozenset()
+            return TypeOrder()
         if now >= self._next_types_refresh:
             self._next_types_refresh = now + self.cfg.concurrency.lease_s / 4
             outcomes = await self.res.store.slots.recent_outcomes(self.cfg.split)
-            deferred = deferred_types(curriculum, outcomes)
-            if deferred != self._deferred_types:
+            order = type_order(curriculum, outcomes)
+            if order.deferred != self._type_order.deferred:
                 logger.info("curriculum: new groups of %s wait until no other Task is open",
-                            ", ".join(sorted(deferred)) or "no task type")
-            self._deferred_types = deferred
-        return self._deferred_types
+                            ", ".join(sorted(order.deferred)) or "no task type")
+            if order.preferred != self._type_order.preferred:
+                logger.info("curriculum: new groups start on %s first (their last group taught something)",
+                            ", ".join(sorted(order.preferred)) or "no task type")
+            self._type_order = order
+        return self._type_order
 
     async def _admit(self) -> bool:
         if self.cfg.split != "train":

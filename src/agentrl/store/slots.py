@@ -5,7 +5,8 @@ already started (what admission control never holds back); ``claim`` hands it on
 
 1. an expired lease (its sampler died or stalled) is taken over as a new attempt of the same slot — looked for
    at most every ``lease_s / 4`` seconds per process, or whenever no never-claimed slot is left;
-2. else a never-claimed slot of the first open Task by round, then upload order (groups fill up in that order);
+2. else a never-claimed slot of the first open Task by round, then upload order (groups fill up in that order;
+   a new group starts on the curriculum's preferred task types first and on its deferred ones last);
 3. else a slot whose claim was interrupted by a crash is recovered (``sweep``).
 
 Every path ends with inserting the slot's Record ``{task_id}/{slot}/{attempt}``; its unique ``_id`` is what makes
@@ -46,7 +47,8 @@ by ``Calls.insert``, the rest here):
 
 Heartbeats happen only every ``lease_s / 3`` (and at a fence whose lease runs short); per group come admission
 control (the sampler's, before a claim starts a group, with the curriculum's read of the recent outcomes after a
-group stage of its own: ``recent_outcomes``) and the group stage.
+group stage of its own: ``recent_outcomes``), a claim query for each tier of task types that has no open Task,
+and the group stage.
 
 Shutdown: a sampler that stops gives its slots back (``release``) and then marks ``interrupted`` every started
 Task that nobody works on (``interrupt_idle``), so a finished run leaves nothing ``running``. Such a Task is open
@@ -151,20 +153,25 @@ class SlotLeases:
 
     # ------------------------------------------------------------------------------------------------- claiming
 
-    async def claim(self, split: str, owner: str, *, deferred_types: Collection[str] = ()) -> SlotLease | None:
-        """Claim one sample slot of ``split`` for ``owner``; ``None`` when no slot is available. A never-claimed
-        slot of a Task whose ``task_type`` is in ``deferred_types`` is claimed only when no other Task is open
-        (the curriculum by type, ``agentrl.rollout.curriculum``)."""
+    async def claim(self, split: str, owner: str, *, preferred_types: Collection[str] = (),
+                    deferred_types: Collection[str] = ()) -> SlotLease | None:
+        """Claim one sample slot of ``split`` for ``owner``; ``None`` when no slot is available. Never-claimed
+        slots of Tasks whose ``task_type`` is in ``preferred_types`` are claimed first, those of Tasks whose
+        ``task_type`` is in ``deferred_types`` only when no other Task is open (the curriculum by type,
+        ``agentrl.rollout.curriculum``): one query per tier that is tried."""
         if time.monotonic() >= self._next_expiry_probe:
             self._next_expiry_probe = time.monotonic() + self.lease_s / 4
             lease = await self._take_over_expired(split, owner)
             if lease is not None:
                 return lease
-        lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES, deferred_types)
-        if lease is None and deferred_types:
-            lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES)
-        if lease is not None:
-            return lease
+        preferred = sorted(set(preferred_types) - set(deferred_types))
+        tiers = [*([{"task_type": {"$in": preferred}}] if preferred else []),
+                 {"task_type": {"$nin": sorted(deferred_types)}} if deferred_types else {},
+                 *([{}] if deferred_types else [])]
+        for among in tiers:
+            lease = await self._claim_unclaimed(split, owner, OPEN_TASK_STATES, among)
+            if lease is not None:
+                return lease
         return await self.recover(split, owner)
 
     async def claim_started(self, split: str, owner: str) -> SlotLease | None:
@@ -195,15 +202,14 @@ class SlotLeases:
         return None
 
     async def _claim_unclaimed(self, split: str, owner: str, states: tuple[str, ...],
-                               other_than: Collection[str] = ()) -> SlotLease | None:
-        """Claim a never-claimed slot of the first Task in ``states`` (by round, then upload order) whose
-        ``task_type`` is not in ``other_than``: two writes, the slot on the Task (which also marks it ``running``:
-        the write an interrupter looks after, see ``interrupt_idle``) and then its Record."""
+                               among: dict[str, Any] | None = None) -> SlotLease | None:
+        """Claim a never-claimed slot of the first Task in ``states`` (by round, then upload order) that matches
+        ``among`` (a filter on its ``task_type``): two writes, the slot on the Task (which also marks it
+        ``running``: the write an interrupter looks after, see ``interrupt_idle``) and then its Record."""
         lease_id = uuid.uuid4().hex
         status = {"$in": list(states)} if len(states) > 1 else states[0]
-        types = {"task_type": {"$nin": sorted(other_than)}} if other_than else {}
         doc = await self.tasks.find_one_and_update(
-            {"split": split, "status": status, "unclaimed": {"$gt": 0}, **types},
+            {"split": split, "status": status, "unclaimed": {"$gt": 0}, **(among or {})},
             {"$inc": {"unclaimed": -1}, "$push": {"claim_ids": lease_id},
              "$set": {"status": str(TaskStatus.RUNNING), "updated_at": self.now(), "claimed_at": self.now()}},
             sort=[("round", 1), ("order", 1)],
