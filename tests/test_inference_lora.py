@@ -107,13 +107,16 @@ async def test_unloading_waits_for_the_requests_using_the_adapter(engine: Engine
     _peft_adapter(tiny_model_dir, tmp_path / "slow", seed=3, r=2, lora_alpha=2, target_modules=["o_proj"])
     async with SGLangClient(engine.url) as client:
         await client.load_lora_adapter("slow", str(tmp_path / "slow"))
-        # a first request opens the client's connection, so the long one is admitted well within the wait below
-        await client.generate(PROMPT, {**SAMPLED, "max_new_tokens": 1}, lora_path="slow")
         running = asyncio.create_task(client.generate(PROMPT, {**SAMPLED, "max_new_tokens": 400}, lora_path="slow"))
-        await asyncio.sleep(0.5)
-        assert not running.done(), "the request must still be running when the adapter is unloaded"
-        unloaded = await client.unload_lora_adapter("slow")
-        assert running.done() and len(running.result().output_ids) == 400  # it finished with its adapter first
+        async with httpx.AsyncClient(base_url=engine.url) as http:
+            while (await http.get("/get_load")).json()[0]["num_reqs"] == 0:  # until it is admitted (SGLang's API)
+                assert not running.done()
+                await asyncio.sleep(0.01)
+            assert not running.done(), "the request must still be running when the adapter is unloaded"
+            unloaded = await client.unload_lora_adapter("slow")
+            # the unload answered once the request was over (its own answer may reach this client a moment later)
+            assert (await http.get("/get_load")).json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0}]
+            assert len((await running).output_ids) == 400  # it finished with its adapter
         assert unloaded.loaded_adapters == {}
         with pytest.raises(InferenceRequestError, match="requested LoRA adapters are not loaded: slow"):
             await client.generate(PROMPT, SAMPLED, lora_path="slow")

@@ -176,8 +176,12 @@ def test_forest_shares_prompts_and_trunks_and_leaves_short_spans_to_the_samples(
 def test_shared_forward_equals_per_sample_forward(model, samples, loss: str) -> None:
     config = LOSSES[loss]
     batches = pack_micro_batches(samples, max_tokens=10_000, min_shared=MIN_SHARED)
-    assert len(batches) == 1 and len(batches[0].layout.levels) == 3, "prompts, trunks and continuations"
-    assert batches[0].layout.computed_tokens < sum(s.num_tokens for s in samples) * 0.7
+    forest = build_forest([s.input_ids for s in samples], MIN_SHARED)
+    assert max(node.depth for node in forest.nodes) == 2, "prompts, trunks and continuations"
+    assert len(batches) == 1 and batches[0].layout.mask is not None
+    dense_tokens = sum(s.num_tokens for s in samples)
+    assert sum(node.width for node in forest.nodes) < dense_tokens * 0.6, "each shared span once"
+    assert batches[0].layout.computed_tokens < dense_tokens, "the trees' rows padded to the longest"
     got, got_lp = step_gradients(model, config, batches, samples, shared=True)
     want, want_lp = step_gradients(model, config, batches, samples, shared=False)
     assert_close_logprobs(got_lp[0], want_lp[0], batches[0])
@@ -201,7 +205,7 @@ def test_shared_loss_tokens_count_once_per_sample_with_their_own_advantage(model
 def test_one_sample_equals_the_dense_forward(model, samples) -> None:
     batch = collate(samples, [0], min_shared=MIN_SHARED)
     dense = collate(samples, [0], min_shared=None)
-    assert len(batch.layout.levels) == len(dense.layout.levels) == 1
+    assert batch.layout.mask is None and dense.layout.mask is None and batch.layout.input_ids.shape[0] == 1
     out = layout_logprobs(model, batch.layout)
     want = model_token_logprobs(model, batch.input_ids, scored=batch.loss_mask)
     assert torch.equal(out, want)
@@ -227,7 +231,7 @@ def test_a_one_token_continuation_and_a_perturbed_neighbour(model) -> None:
 def test_a_micro_batch_without_any_prediction_still_has_a_graph(model) -> None:
     one_token = MergedSample(input_ids=[5], loss_mask=[0], logprobs=[0.0], versions=[-1], advantages=[0.0])
     batch = collate([one_token], min_shared=MIN_SHARED)
-    assert batch.layout.levels == []
+    assert batch.layout.computed_tokens == 0
     out = layout_logprobs(model, batch.layout)
     assert out.shape == (1, 1) and out.eq(0).all() and out.requires_grad
 
@@ -235,7 +239,7 @@ def test_a_micro_batch_without_any_prediction_still_has_a_graph(model) -> None:
 def test_loss_on_the_first_continuation_only(model, samples) -> None:
     only_first = [s if i == 0 else replace(s, loss_mask=[0] * s.num_tokens) for i, s in enumerate(samples[:4])]
     batch = collate(only_first, min_shared=MIN_SHARED)
-    assert len(batch.layout.levels) == 2
+    assert batch.layout.mask is not None and batch.layout.input_ids.shape[0] == 1, "one tree: a prompt and its branches"
     config = LOSSES["grpo"]
     got, _ = step_gradients(model, config, [batch], only_first, shared=True)
     want, _ = step_gradients(model, config, [batch], only_first, shared=False)
@@ -246,7 +250,7 @@ def test_two_groups_in_one_micro_batch_and_gradient_checkpointing(samples) -> No
     model = tiny_llama(seed=2).train()
     model.activation_checkpointing_enable()
     batch = collate(samples, list(range(7)), min_shared=MIN_SHARED)  # groups a and b
-    assert batch.layout.levels[0].input_ids.shape[0] == 2
+    assert batch.layout.input_ids.shape[0] == 2, "two trees, one packed row each"
     config = LOSSES["gspo"]
     got, _ = step_gradients(model, config, [batch], samples, shared=True)
     want, _ = step_gradients(model, config, [batch], samples, shared=False)
@@ -366,7 +370,8 @@ def _rank(rank: int, port: int, tp_size: int, out: str) -> None:
         else:  # tensor-parallel peers hold the same samples
             mine, budget = samples, 10_000
         batches = pack_micro_batches(mine, max_tokens=budget, min_shared=MIN_SHARED)
-        depths = [len(b.layout.levels) for b in batches]
+        depths = [1 + max(node.depth for node in build_forest([mine[i].input_ids for i in b.sample_indices],
+                                                               MIN_SHARED).nodes) for b in batches]
         align_passes(batches, state)
         config = LOSSES["gspo"]
         normaliser = global_normaliser(config, batches, state)

@@ -190,8 +190,10 @@ class InferenceEngine:
         return self.released or self.batcher.is_running()
 
     def load(self) -> dict[str, int]:
-        """Requests being generated and requests waiting (at the gate during an update or release)."""
-        return {"running": self.batcher.in_flight, "queued": self.gate.waiting}
+        """SGLang's ``/get_load`` entry of one data-parallel rank: ``num_reqs`` the requests admitted (being
+        generated, their adapter in use) or waiting at the gate (during a weight update or memory release),
+        ``num_waiting_reqs`` the waiting ones. SGLang's ``num_tokens`` (its KV cache's) is left out."""
+        return {"dp_rank": 0, "num_reqs": self.gate.active + self.gate.waiting, "num_waiting_reqs": self.gate.waiting}
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_path=self.config.model_name_or_path, tokenizer_path=self.config.model_name_or_path,

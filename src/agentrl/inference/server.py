@@ -133,7 +133,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _add_generation_routes(app: FastAPI, engine: InferenceEngine) -> None:
-    """Health checks, model info, ``/generate`` and ``/v1/chat/completions``."""
+    """Health checks, model info, the load, ``/generate`` and ``/v1/chat/completions``."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -146,6 +146,10 @@ def _add_generation_routes(app: FastAPI, engine: InferenceEngine) -> None:
     @app.get("/get_model_info")
     async def get_model_info() -> ModelInfo:
         return engine.model_info()
+
+    @app.get("/get_load")
+    async def get_load() -> list[dict[str, int]]:
+        return [engine.load()]
 
     @app.post("/generate", response_model_exclude_none=True)
     async def generate(request: GenerateRequest) -> GenerateResponse:

@@ -14,9 +14,8 @@ Planning (``plan_micro_batches``): the budget ``max_tokens`` counts the tokens t
 included and each shared span once. Samples are ordered lexicographically, so those sharing a prefix are
 neighbours, and the prefix forest of the step's samples gives its groups (its trees). A group over the budget is cut
 into runs of neighbours that fit (each run forwards its prefix once); the pieces are then placed first-fit
-decreasing, a micro-batch costing what its pieces cost together (per level, rows times the longest row: the padded
-levels; the packed call forwards its trees padded to the longest, about as many tokens). A sample over the budget
-alone gets a micro-batch of its own.
+decreasing, a micro-batch costing what its pieces cost together: its trees, one packed row each, times the longest
+(the padded tokens of its one model call). A sample over the budget alone gets a micro-batch of its own.
 """
 
 from __future__ import annotations
@@ -33,8 +32,8 @@ from agentrl.training.prefix_tree import (
     build_forest,
     forward_layout,
     lexicographic_order,
-    merge_profiles,
-    profile_cost,
+    merge_shapes,
+    shape_cost,
 )
 from agentrl.trajectory.merge import MergedSample
 
@@ -86,34 +85,33 @@ def plan_micro_batches(seqs: Sequence[Sequence[int]], max_tokens: int, *, min_sh
         raise ValueError(f"max_tokens must be positive, got {max_tokens}")
     shared = min_shared or NO_SHARING
 
-    def profile(indices: Sequence[int]) -> list[tuple[int, int]]:
-        return build_forest([seqs[i] for i in indices], shared).profile()
+    def shape(indices: Sequence[int]) -> tuple[int, int]:
+        return build_forest([seqs[i] for i in indices], shared).shape()
 
     forest = build_forest(seqs, shared)
     groups: dict[int, list[int]] = {}
     for i in lexicographic_order(seqs):
         groups.setdefault(forest.paths[i][0] if forest.paths[i] else -1 - i, []).append(i)
-    pieces: list[tuple[list[int], list[tuple[int, int]]]] = []
+    pieces: list[tuple[list[int], tuple[int, int]]] = []
     for group in groups.values():
         start = 0
         while start < len(group):
             def fits(end: int, members: list[int] = group, first: int = start) -> bool:
-                return profile_cost(profile(members[first:end]), pad_to_multiple_of) <= max_tokens
+                return shape_cost(shape(members[first:end]), pad_to_multiple_of) <= max_tokens
 
             end = _longest_run(start, len(group), fits)
-            pieces.append((group[start:end], profile(group[start:end])))
+            pieces.append((group[start:end], shape(group[start:end])))
             start = end
-    pieces.sort(key=lambda piece: (-profile_cost(piece[1], pad_to_multiple_of), piece[0][0]))
-    bins: list[tuple[list[int], list[tuple[int, int]]]] = []
+    pieces.sort(key=lambda piece: (-shape_cost(piece[1], pad_to_multiple_of), piece[0][0]))
+    bins: list[tuple[list[int], tuple[int, int]]] = []
     for indices, own in pieces:
-        for members, combined in bins:
-            merged = merge_profiles(combined, own)
-            if profile_cost(merged, pad_to_multiple_of) <= max_tokens:
-                members.extend(indices)
-                combined[:] = merged
+        for index, (members, combined) in enumerate(bins):
+            merged = merge_shapes(combined, own)
+            if shape_cost(merged, pad_to_multiple_of) <= max_tokens:
+                bins[index] = (members + indices, merged)
                 break
         else:
-            bins.append((list(indices), list(own)))
+            bins.append((list(indices), own))
     return [members for members, _ in bins]
 
 

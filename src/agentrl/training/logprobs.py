@@ -11,20 +11,20 @@ magnitude (~0.05 nats for a logit of 20) before any upcast. The fp32 ``[tokens, 
 of at most ``LOGIT_CHUNK_BYTES``; with gradients each chunk is recomputed in the backward pass (activation
 checkpointing), so at most one chunk of fp32 logits is alive at a time.
 
-Shared prefixes: ``layout_logprobs`` forwards a micro-batch's prefix forest (``agentrl.training.prefix_tree``) in one
-model call, each tree packed into one row: a node's tokens follow its ancestors', under an explicit 4D mask (a token
-sees its ancestors' tokens and its own node's earlier ones) and explicit positions (each node continues its parent's
-count), so a span shared by several samples is computed once and receives the sum of their gradients. Hugging Face
+Shared prefixes: ``layout_logprobs`` forwards a micro-batch's prefix forest in one model call, each tree packed into
+one row at collate time (``agentrl.training.prefix_tree.forward_layout``): a node's tokens follow its ancestors',
+under an explicit 4D mask (a token sees its ancestors' tokens and its own node's earlier ones) and explicit positions
+(each node continues its parent's count), so a span shared by several samples is computed once and receives the
+sum of their gradients. Hugging Face
 uses a 4D mask as given, so restarted positions are never read as packed-sequence boundaries. One call per pass
-(instead of one per level) keeps the matrix products large and the kernel launches few: on CPU a group of 4 sharing
-a 310-token prompt took 1.70-1.78 s packed against 1.99-2.34 s level by level (``docs/benchmarks.md``).
+(instead of one per depth of the forest) keeps the matrix products large and the kernel launches few: on CPU a group
+of 4 sharing a 310-token prompt took 1.70-1.78 s packed against 1.99-2.34 s level by level (``docs/benchmarks.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,78 +88,27 @@ def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: 
     doc and ``agentrl.training.prefix_tree``): equal to ``model_token_logprobs`` of each sample alone, with each
     shared span computed once. The LM head runs (in fp32) only where some sample has a loss token; a pass without one
     still runs the model (FSDP2 ranks make the same collectives). Needs a model that ``shared_prefix_unsupported``
-    accepts when the layout has several levels."""
+    accepts when the layout has a mask."""
     _check_model(model, temperature)
-    out_index = layout.out_index
-    if len(layout.levels) > 1:
-        packed = _pack(layout, model)
-        picked = _predict(model, packed.input_ids, packed.labels, packed.scored, temperature, chunk_bytes,
-                          attention_mask=packed.mask, position_ids=packed.positions)
-        out_index = packed.index[out_index]
-    elif layout.levels:
-        level = layout.levels[0]
-        picked = _predict(model, level.input_ids, level.labels, level.scored, temperature, chunk_bytes)
+    if layout.mask is not None:
+        picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes,
+                          attention_mask=_attention_mask(layout.mask, model), position_ids=layout.positions)
+    elif layout.computed_tokens:
+        picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes)
     else:  # nothing to predict: the model still runs (FSDP2 ranks make the same collectives; the loss needs a graph)
-        pad = torch.zeros((1, 1), dtype=torch.long, device=out_index.device)
+        pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
         picked = _predict(model, pad, pad, pad.bool(), temperature, chunk_bytes)
     flat = torch.cat([picked.new_zeros(1), picked.reshape(-1)])
-    return flat[out_index]
+    return flat[layout.out_index]
 
 
-@dataclass
-class _Packed:
-    """A layout's levels packed into one row per tree: a node's tokens follow its ancestors' in its tree's row."""
-
-    input_ids: torch.Tensor  # [trees, W]
-    positions: torch.Tensor
-    labels: torch.Tensor
-    scored: torch.Tensor
-    mask: torch.Tensor  # [trees, 1, W, W]: a token sees its ancestors' tokens and its own node's up to itself
-    index: torch.Tensor  # flattened level position (1 + ..., as ``out_index`` counts) -> 1 + packed position
-
-
-def _pack(layout: ForwardLayout, model: torch.nn.Module) -> _Packed:
-    """Built on the CPU (many small copies) and moved to the layout's device at once."""
-    levels, device = [level.to("cpu") for level in layout.levels], layout.out_index.device
-    lengths = [level.real.sum(dim=1).tolist() for level in levels]
-    ancestors = [level.ancestors.tolist() for level in levels]
-    trees = len(lengths[0])
-    fill = [0] * trees  # tokens placed in each tree's row so far
-    place: list[list[tuple[int, int]]] = []  # per level, per row: (tree, offset)
-    for depth, rows in enumerate(lengths):
-        placed = []
-        for row, length in enumerate(rows):
-            tree = ancestors[depth][0][row] if depth else row
-            placed.append((tree, fill[tree]))
-            fill[tree] += length
-        place.append(placed)
-    width = max(fill)
-    input_ids = torch.zeros((trees, width), dtype=torch.long)
-    positions, labels = torch.zeros_like(input_ids), torch.zeros_like(input_ids)
-    scored = torch.zeros((trees, width), dtype=torch.bool)
-    allowed = torch.eye(width, dtype=torch.bool).repeat(trees, 1, 1)  # padding sees itself
-    index = torch.zeros(1 + sum(level.input_ids.numel() for level in levels), dtype=torch.long)
-    base = 1
-    for depth, level in enumerate(levels):
-        row_width = level.input_ids.shape[1]
-        for row, (tree, offset) in enumerate(place[depth]):
-            length, end = lengths[depth][row], offset + lengths[depth][row]
-            input_ids[tree, offset:end] = level.input_ids[row, :length]
-            positions[tree, offset:end] = level.positions[row, :length]
-            labels[tree, offset:end] = level.labels[row, :length]
-            scored[tree, offset:end] = level.scored[row, :length]
-            allowed[tree, offset:end, offset:end] = torch.ones((length, length), dtype=torch.bool).tril()
-            for above in range(depth):
-                a_tree, a_offset = place[above][ancestors[depth][above][row]]
-                allowed[tree, offset:end, a_offset:a_offset + lengths[above][ancestors[depth][above][row]]] = True
-            start = base + row * row_width
-            index[start:start + length] = 1 + tree * width + torch.arange(offset, end)
-        base += level.input_ids.numel()
+def _attention_mask(allowed: torch.Tensor, model: torch.nn.Module) -> torch.Tensor:
+    """The layout's ``[R, W, W]`` mask as the model takes it: ``[R, 1, W, W]``, bool for SDPA, additive for eager."""
     mask = allowed[:, None]
     if model.config._attn_implementation != "sdpa":
         dtype = torch.promote_types(next(model.parameters()).dtype, torch.float32)
-        mask = torch.zeros(mask.shape, dtype=dtype).masked_fill(~mask, torch.finfo(dtype).min)
-    return _Packed(*(t.to(device) for t in (input_ids, positions, labels, scored, mask, index)))
+        mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
+    return mask
 
 
 def shared_prefix_unsupported(model: torch.nn.Module) -> str | None:

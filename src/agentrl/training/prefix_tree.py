@@ -7,19 +7,20 @@ neighbours, so no pair is compared twice and nothing is re-tokenised. A span sha
 node when it is at least ``min_shared`` tokens long (shorter spans are cheaper to repeat than to forward apart); the
 samples below it continue in child nodes. A sample's tokens are the spans of the nodes on its root-to-node path.
 
-Forward layout (``ForwardLayout``): the nodes of one depth form a *level*, one padded row per node;
-``agentrl.training.logprobs.layout_logprobs`` packs the levels into one row per tree (a node's tokens after its
-ancestors', attending to them) and forwards them in one model call, so every shared span is computed once. Token
-alignment, with ``[a, b)`` a node's span:
+Forward layout (``ForwardLayout``), built at collate time: each tree of the forest is packed into one row, its nodes
+in creation order (a node's tokens after its ancestors'), under a mask that lets a token see its ancestors' tokens
+and its own node's earlier ones; ``agentrl.training.logprobs.layout_logprobs`` forwards all rows in one model call,
+so every shared span is computed once. A node's tokens, with ``[a, b)`` its span:
 
-* a root row holds tokens ``0 .. b-2`` at positions ``0 .. b-2`` and predicts tokens ``1 .. b-1``;
-* any other row holds tokens ``a-1 .. b-2`` at positions ``a-1 .. b-2`` and predicts tokens ``a .. b-1``. Its first
-  input repeats the parent's last token (the parent's row does not hold it): the logits there predict the node's
-  first token, so each child scores its own first token, and the parent's last token is computed once per child,
-  at its correct position.
+* a root holds tokens ``0 .. b-2`` at positions ``0 .. b-2`` and predicts tokens ``1 .. b-1``;
+* any other node holds tokens ``a-1 .. b-2`` at positions ``a-1 .. b-2`` and predicts tokens ``a .. b-1``. Its first
+  input repeats the parent's last token (the parent does not hold it): the logits there predict the node's first
+  token, so each child scores its own first token, and the parent's last token is computed once per child, at its
+  correct position.
 
-Every position below ``b-1`` thus appears exactly once among a row's ancestors, at its own position, and each row
-predicts exactly its node's tokens. ``out_index`` maps every ``(sample, position)`` of the micro-batch's dense
+Every position below ``b-1`` thus appears exactly once among a node's ancestors, at its own position, and each node
+predicts exactly its tokens. When no span is shared every row is one sample and the mask is plain causal attention
+(``mask`` is ``None``). ``out_index`` maps every ``(sample, position)`` of the micro-batch's dense
 ``[B, T]`` layout (``agentrl.training.batching``) to the predicted logprob of that token, so the loss sees the same
 per-sample tensors as with one forward per sample; a token shared by several samples is scored once and weighted
 once per sample by each sample's own loss mask and advantage.
@@ -28,7 +29,7 @@ once per sample by each sample's own loss mask and advantage.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -60,33 +61,26 @@ class Forest:
     nodes: list[Node]
     paths: list[list[int]]
 
-    def profile(self) -> list[tuple[int, int]]:
-        """``(rows, longest row)`` per depth: the padded tokens of each level are their product."""
-        out: list[tuple[int, int]] = []
-        for node in self.nodes:
-            if node.width <= 0:
-                continue
-            while len(out) <= node.depth:
-                out.append((0, 0))
-            rows, width = out[node.depth]
-            out[node.depth] = (rows + 1, max(width, node.width))
-        return out
+    def shape(self) -> tuple[int, int]:
+        """``(rows, longest row)`` of its packed layout (one row per tree): a pass forwards their product."""
+        tree_of: list[int] = []
+        widths: dict[int, int] = {}
+        for node_id, node in enumerate(self.nodes):
+            tree_of.append(node_id if node.parent < 0 else tree_of[node.parent])
+            if node.width > 0:
+                widths[tree_of[-1]] = widths.get(tree_of[-1], 0) + node.width
+        return len(widths), max(widths.values(), default=0)
 
 
-def profile_cost(profile: Sequence[tuple[int, int]], multiple: int = 1) -> int:
-    """Padded tokens forwarded for a profile (each level's width rounded up to ``multiple``)."""
-    return sum(rows * -(-width // multiple) * multiple for rows, width in profile)
+def shape_cost(shape: tuple[int, int], multiple: int = 1) -> int:
+    """Padded tokens forwarded for a packed ``(rows, longest row)`` (the row rounded up to ``multiple``)."""
+    rows, width = shape
+    return rows * -(-width // multiple) * multiple
 
 
-def merge_profiles(*profiles: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
-    """The profile of several forests forwarded together (rows add up, the longest row wins)."""
-    out: list[tuple[int, int]] = []
-    for profile in profiles:
-        for depth, (rows, width) in enumerate(profile):
-            if depth == len(out):
-                out.append((0, 0))
-            out[depth] = (out[depth][0] + rows, max(out[depth][1], width))
-    return out
+def merge_shapes(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    """The shape of two forests forwarded together (rows add up, the longest row wins)."""
+    return a[0] + b[0], max(a[1], b[1])
 
 
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
@@ -141,117 +135,89 @@ def build_forest(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOK
 
 
 @dataclass
-class Level:
-    """One model call: a padded row per node of one depth (all ``[n, w]`` except ``ancestors``).
+class ForwardLayout:
+    """How to forward a micro-batch: one row per tree of its forest (see the module doc), all ``[R, W]``.
 
     ``input_ids``/``positions`` go to the model; ``labels`` are the tokens each position predicts, ``scored`` where a
-    sample through the node has a loss token there, ``real`` the row's tokens (False on padding). ``ancestors[k]``
-    (``[depth, n]``) is the row of each node's ancestor in level ``k``.
+    sample through the node has a loss token there. ``mask`` (``[R, W, W]`` bool, True: may attend) is ``None`` when
+    every row is one sample (causal attention, padding after the tokens). ``out_index`` (``[B, T]``) indexes the
+    concatenation of a 0 and the flattened ``[R, W]`` predicted logprobs: entry ``(b, i)`` is the logprob of token
+    ``i`` of row ``b``'s sample (0: position 0 and padding).
     """
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     labels: torch.Tensor
     scored: torch.Tensor
-    real: torch.Tensor
-    ancestors: torch.Tensor
-
-    def to(self, device: torch.device | str) -> Level:
-        return Level(**{name: getattr(self, name).to(device) for name in self.__dataclass_fields__})
-
-
-@dataclass
-class ForwardLayout:
-    """How to forward a micro-batch: its forest's nodes by depth (see the module doc).
-
-    ``out_index`` (``[B, T]``) indexes the concatenation of a 0 and every level's flattened ``[n, w]`` predicted
-    logprobs: entry ``(b, i)`` is the logprob of token ``i`` of row ``b``'s sample (0: position 0 and padding).
-    """
-
-    levels: list[Level]
+    mask: torch.Tensor | None
     out_index: torch.Tensor
 
     @property
     def computed_tokens(self) -> int:
         """Tokens the model forwards, padding included."""
-        return sum(level.input_ids.numel() for level in self.levels)
+        return self.input_ids.numel()
 
     def to(self, device: torch.device | str) -> ForwardLayout:
-        return replace(self, levels=[level.to(device) for level in self.levels], out_index=self.out_index.to(device))
-
-
-@dataclass
-class _LevelRows:
-    nodes: list[int] = field(default_factory=list)
-    width: int = 0
+        return ForwardLayout(*(None if t is None else t.to(device) for t in (
+            self.input_ids, self.positions, self.labels, self.scored, self.mask, self.out_index)))
 
 
 def forward_layout(seqs: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[int]], forest: Forest, width: int,
                    *, pad_token_id: int = 0, pad_to_multiple_of: int = 1) -> ForwardLayout:
-    """The layout of ``forest`` (built from ``seqs``) for a dense ``[len(seqs), width]`` micro-batch.
+    """The packed layout of ``forest`` (built from ``seqs``) for a dense ``[len(seqs), width]`` micro-batch.
 
     ``loss_masks[i]`` marks the tokens of sample ``i`` that carry loss: only those positions get the LM head.
     """
-    levels: list[_LevelRows] = []
-    row_of: dict[int, tuple[int, int]] = {}  # node -> (level, row)
-    for node_id, node in enumerate(forest.nodes):
+    nodes = forest.nodes
+    placed: dict[int, tuple[int, int]] = {}  # node -> (row, offset); a node without tokens has no place
+    fill: list[int] = []  # tokens placed in each row so far
+    for node_id, node in enumerate(nodes):
         if node.width <= 0:
             continue
-        while len(levels) <= node.depth:
-            levels.append(_LevelRows())
-        rows = levels[node.depth]
-        row_of[node_id] = (node.depth, len(rows.nodes))
-        rows.nodes.append(node_id)
-        rows.width = max(rows.width, node.width)
+        if node.parent in placed:
+            row = placed[node.parent][0]
+        else:
+            row = len(fill)
+            fill.append(0)
+        placed[node_id] = (row, fill[row])
+        fill[row] += node.width
     scored_by_node: dict[int, list[bool]] = {}
     for sample, path in enumerate(forest.paths):
         for node_id in path:
-            if node_id not in row_of:
-                continue
-            node = forest.nodes[node_id]
-            mask = [bool(m) for m in loss_masks[sample][max(node.start, 1):node.end]]
-            have = scored_by_node.setdefault(node_id, mask)
-            if have is not mask:
-                scored_by_node[node_id] = [x or y for x, y in zip(have, mask)]
-    built, bases, base = [], [], 1
-    for rows in levels:
-        built.append(_level_tensors(rows, forest, seqs, scored_by_node, row_of, pad_token_id, pad_to_multiple_of))
-        bases.append(base)
-        base += built[-1].input_ids.numel()
+            if node_id in placed:
+                node = nodes[node_id]
+                mask = [bool(m) for m in loss_masks[sample][max(node.start, 1):node.end]]
+                have = scored_by_node.setdefault(node_id, mask)
+                if have is not mask:
+                    scored_by_node[node_id] = [x or y for x, y in zip(have, mask)]
+    rows, row_width = len(fill), -(-max(fill, default=0) // pad_to_multiple_of) * pad_to_multiple_of
+    input_ids = torch.full((rows, row_width), pad_token_id, dtype=torch.long)
+    labels = torch.full((rows, row_width), pad_token_id, dtype=torch.long)
+    positions = torch.zeros((rows, row_width), dtype=torch.long)
+    scored = torch.zeros((rows, row_width), dtype=torch.bool)
+    shared = any(nodes[node_id].parent in placed for node_id in placed)
+    allowed = torch.eye(row_width, dtype=torch.bool).repeat(rows, 1, 1) if shared else None  # padding sees itself
+    for node_id, (row, offset) in placed.items():
+        node = nodes[node_id]
+        tokens, first, end = seqs[node.sample], max(node.start, 1), offset + node.width
+        input_ids[row, offset:end] = torch.tensor(tokens[first - 1:node.end - 1], dtype=torch.long)
+        labels[row, offset:end] = torch.tensor(tokens[first:node.end], dtype=torch.long)
+        positions[row, offset:end] = torch.arange(first - 1, node.end - 1)
+        scored[row, offset:end] = torch.tensor(scored_by_node.get(node_id, [False] * node.width), dtype=torch.bool)
+        if allowed is not None:
+            allowed[row, offset:end, offset:end] = torch.ones((node.width, node.width), dtype=torch.bool).tril()
+            ancestor = node.parent
+            while ancestor in placed:
+                above = placed[ancestor][1]
+                allowed[row, offset:end, above:above + nodes[ancestor].width] = True
+                ancestor = nodes[ancestor].parent
+    if not shared:
+        positions = torch.arange(row_width).expand(rows, row_width).clone()  # padding continues the count
     out_index = torch.zeros((len(seqs), width), dtype=torch.long)
     for sample, path in enumerate(forest.paths):
         for node_id in path:
-            if node_id not in row_of:
-                continue
-            node, (depth, row) = forest.nodes[node_id], row_of[node_id]
-            first = max(node.start, 1)
-            offset = bases[depth] + row * built[depth].input_ids.shape[1]
-            out_index[sample, first:node.end] = torch.arange(offset, offset + node.end - first)
-    return ForwardLayout(built, out_index)
-
-
-def _level_tensors(rows: _LevelRows, forest: Forest, seqs: Sequence[Sequence[int]],
-                   scored_by_node: dict[int, list[bool]], row_of: dict[int, tuple[int, int]], pad_token_id: int,
-                   multiple: int) -> Level:
-    n, width = len(rows.nodes), -(-rows.width // multiple) * multiple
-    input_ids = torch.full((n, width), pad_token_id, dtype=torch.long)
-    labels = torch.full((n, width), pad_token_id, dtype=torch.long)
-    scored = torch.zeros((n, width), dtype=torch.bool)
-    real = torch.zeros((n, width), dtype=torch.bool)
-    positions = torch.zeros((n, width), dtype=torch.long)
-    depth = forest.nodes[rows.nodes[0]].depth
-    ancestors = torch.zeros((depth, n), dtype=torch.long)
-    for row, node_id in enumerate(rows.nodes):
-        node = forest.nodes[node_id]
-        tokens, first, w = seqs[node.sample], max(node.start, 1), node.width
-        input_ids[row, :w] = torch.tensor(tokens[first - 1:node.end - 1], dtype=torch.long)
-        labels[row, :w] = torch.tensor(tokens[first:node.end], dtype=torch.long)
-        scored[row, :w] = torch.tensor(scored_by_node.get(node_id, [False] * w), dtype=torch.bool)
-        real[row, :w] = True
-        positions[row] = torch.arange(first - 1, first - 1 + width)  # padding continues the count
-        parent = node.parent
-        while parent >= 0:
-            level, ancestor_row = row_of[parent]
-            ancestors[level, row] = ancestor_row
-            parent = forest.nodes[parent].parent
-    return Level(input_ids, positions, labels, scored, real, ancestors)
+            if node_id in placed:
+                node, (row, offset) = nodes[node_id], placed[node_id]
+                first, start = max(node.start, 1), 1 + row * row_width + offset
+                out_index[sample, first:node.end] = torch.arange(start, start + node.end - first)
+    return ForwardLayout(input_ids, positions, labels, scored, allowed, out_index)
