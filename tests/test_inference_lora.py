@@ -8,6 +8,7 @@ model. Errors use SGLang's texts and shapes.
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from agentrl.inference.process import EngineProcess
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 SAMPLED = {"max_new_tokens": 12, "temperature": 1.0, "ignore_eos": True}
+SGLANG = json.loads((Path(__file__).parent / "contracts" / "sglang_api.json").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -109,17 +111,25 @@ async def test_unloading_waits_for_the_requests_using_the_adapter(engine: Engine
         await client.load_lora_adapter("slow", str(tmp_path / "slow"))
         running = asyncio.create_task(client.generate(PROMPT, {**SAMPLED, "max_new_tokens": 400}, lora_path="slow"))
         async with httpx.AsyncClient(base_url=engine.url) as http:
-            while (await http.get("/get_load")).json()[0]["num_reqs"] == 0:  # until it is admitted (SGLang's API)
+            while (await running_requests(http)) == 0:  # until it is admitted
                 assert not running.done()
                 await asyncio.sleep(0.01)
             assert not running.done(), "the request must still be running when the adapter is unloaded"
             unloaded = await client.unload_lora_adapter("slow")
             # the unload answered once the request was over (its own answer may reach this client a moment later)
-            assert (await http.get("/get_load")).json() == [{"dp_rank": 0, "num_reqs": 0, "num_waiting_reqs": 0}]
+            assert await running_requests(http) == 0
             assert len((await running).output_ids) == 400  # it finished with its adapter
         assert unloaded.loaded_adapters == {}
         with pytest.raises(InferenceRequestError, match="requested LoRA adapters are not loaded: slow"):
             await client.generate(PROMPT, SAMPLED, lora_path="slow")
+
+
+async def running_requests(http: httpx.AsyncClient) -> int:
+    """The engine's admitted requests, from SGLang's ``/v1/loads`` (whose keys it uses: see the SGLang contract)."""
+    body = (await http.get("/v1/loads")).json()
+    assert set(body) <= set(SGLANG["loads"]["response_keys"]) and set(body["loads"][0]) <= set(
+        SGLANG["loads"]["core_keys"]), body
+    return body["loads"][0]["num_running_reqs"]
 
 
 @pytest.mark.parametrize(("config", "message"), [

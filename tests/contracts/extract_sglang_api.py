@@ -18,7 +18,8 @@ requests and their output),
 ``srt/sampling/sampling_params.py`` (``SamplingParams``), ``srt/entrypoints/http_server.py`` (routes, response
 bodies), ``srt/managers/tokenizer_manager.py`` (``meta_info`` keys, how preferred sampling params are merged),
 ``srt/managers/schedule_batch.py`` (finish reasons), ``api/v1/api_types.py`` (the JSON contract gate of recent
-releases, optional) and the server arguments (``weight_version`` default).
+releases, optional), ``srt/entrypoints/v1_loads.py`` and ``srt/managers/load_snapshot.py`` (``/v1/loads``, optional)
+and the server arguments (``weight_version`` default).
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ HTTP_SERVER = "srt/entrypoints/http_server.py"
 TOKENIZER_MANAGER = "srt/managers/tokenizer_manager.py"
 SCHEDULE_BATCH = "srt/managers/schedule_batch.py"
 API_TYPES = "api/v1/api_types.py"
+V1_LOADS = "srt/entrypoints/v1_loads.py"
+LOAD_SNAPSHOT = "srt/managers/load_snapshot.py"
 SERVER_ARGS = ("srt/arg_groups/fields/serving.py", "srt/server_args.py")
 VERSION_FILES = ("_version.py", "version.py")
 API_V1_CLASSES = ("SamplingParams", "GenerateRequest", "GenerateResponse", "GenerateMetaInfo", "LogprobEntry",
@@ -138,14 +141,15 @@ def dict_keys(node: ast.AST) -> set[str]:
     return keys
 
 
-def routes(tree: ast.Module) -> tuple[dict[str, list[str]], dict[str, str]]:
-    """``{path: methods}`` of every FastAPI route with a constant path, and ``{path: handler function name}``."""
+def routes(tree: ast.Module, owner: str = "app") -> tuple[dict[str, list[str]], dict[str, str]]:
+    """``{path: methods}`` of every FastAPI route of ``owner`` (the app or a router) with a constant path, and
+    ``{path: handler function name}``."""
     methods: dict[str, set[str]] = {}
     handlers: dict[str, str] = {}
     for function in functions(tree).values():
         for decorator in function.decorator_list:
             if not (isinstance(decorator, ast.Call) and isinstance(decorator.func, ast.Attribute)
-                    and isinstance(decorator.func.value, ast.Name) and decorator.func.value.id == "app"):
+                    and isinstance(decorator.func.value, ast.Name) and decorator.func.value.id == owner):
                 continue
             if not decorator.args or not isinstance(decorator.args[0], ast.Constant):
                 continue
@@ -237,6 +241,20 @@ def api_v1(reader: SourceReader) -> dict[str, Any] | None:
     return result
 
 
+def loads(reader: SourceReader) -> tuple[dict[str, list[str]], dict[str, Any] | None]:
+    """The routes of the ``/v1/loads`` router (recent releases; it replaced ``/get_load``) and its body: the
+    response's keys and the core keys of each ``loads`` entry (``LoadSnapshot`` without its optional sections)."""
+    text, snapshot = reader.get(V1_LOADS), reader.get(LOAD_SNAPSHOT)
+    if text is None or snapshot is None:
+        return {}, None
+    tree, snapshot_tree = ast.parse(text), ast.parse(snapshot)
+    route_methods, handlers = routes(tree, owner="router")
+    sections = next(ast.literal_eval(node.value.args[0]) for node in snapshot_tree.body
+                    if isinstance(node, ast.Assign) and ast.unparse(node.targets[0]) == "_SECTION_FIELDS")
+    core = [name for name in struct_fields(snapshot_tree, "LoadSnapshot") if name not in sections]
+    return route_methods, {"response_keys": handler_keys(tree, handlers["/v1/loads"]), "core_keys": core}
+
+
 def weight_version_default(reader: SourceReader) -> Any:
     for relative in SERVER_ARGS:
         text = reader.get(relative)
@@ -268,6 +286,7 @@ def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
     http = reader.require(HTTP_SERVER)
     tokenizer_manager = reader.require(TOKENIZER_MANAGER)
     route_methods, handlers = routes(http)
+    load_routes, load_body = loads(reader)
     facts: dict[str, Any] = {
         "generate_request_fields": sorted(struct_fields(io_struct, "GenerateReqInput")),
         "sampling_params": {"fields": sorted(sampling_fields), "defaults": sampling_fields},
@@ -285,7 +304,8 @@ def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
             "unload_request_fields": sorted(struct_fields(io_struct, "UnloadLoRAAdapterReqInput")),
             "update_output_fields": sorted(struct_fields(io_struct, "LoRAUpdateOutput")),
         },
-        "routes": route_methods,
+        "routes": dict(sorted({**route_methods, **load_routes}.items())),
+        "loads": load_body,
         "model_info_keys": handler_keys(http, handlers["/get_model_info"]),
         "meta_info_keys": meta_info_keys(tokenizer_manager),
         "finish_reasons": finish_reasons(reader.require(SCHEDULE_BATCH)),

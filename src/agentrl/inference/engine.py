@@ -29,12 +29,14 @@ import os
 import time
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
 import torch
 from pydantic import BaseModel, Field, field_validator
 
+from agentrl import __version__
 from agentrl.failpoints import failpoint
 from agentrl.inference.admission import AdmissionGate
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, GenerationAborted, RequestSampling
@@ -190,10 +192,19 @@ class InferenceEngine:
         return self.released or self.batcher.is_running()
 
     def load(self) -> dict[str, int]:
-        """SGLang's ``/get_load`` entry of one data-parallel rank: ``num_reqs`` the requests admitted (being
-        generated, their adapter in use) or waiting at the gate (during a weight update or memory release),
-        ``num_waiting_reqs`` the waiting ones. SGLang's ``num_tokens`` (its KV cache's) is left out."""
-        return {"dp_rank": 0, "num_reqs": self.gate.active + self.gate.waiting, "num_waiting_reqs": self.gate.waiting}
+        """Requests being generated and requests waiting (at the gate during an update or release)."""
+        return {"running": self.batcher.in_flight, "queued": self.gate.waiting}
+
+    def loads_report(self) -> dict[str, Any]:
+        """SGLang's ``/v1/loads`` body with the counters this engine keeps, one data-parallel rank:
+        ``num_running_reqs`` the requests admitted (being generated, their adapter in use), ``num_waiting_reqs``
+        those waiting at the gate (during a weight update or memory release)."""
+        cuda = self.device.type == "cuda"
+        load = {"timestamp": time.time(), "dp_rank": 0, "num_running_reqs": self.gate.active,
+                "num_waiting_reqs": self.gate.waiting, "max_running_requests": self.config.max_running_requests}
+        return {"timestamp": datetime.now(UTC).isoformat(), "version": __version__,
+                "accelerator": torch.cuda.get_device_name(self.device) if cuda else None,
+                "num_accelerators": int(cuda), "loads": [load]}
 
     def model_info(self) -> ModelInfo:
         return ModelInfo(model_path=self.config.model_name_or_path, tokenizer_path=self.config.model_name_or_path,

@@ -26,6 +26,7 @@ from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from http import HTTPStatus
 from types import FrameType
+from typing import Any
 
 import torch
 import uvicorn
@@ -147,9 +148,9 @@ def _add_generation_routes(app: FastAPI, engine: InferenceEngine) -> None:
     async def get_model_info() -> ModelInfo:
         return engine.model_info()
 
-    @app.get("/get_load")
-    async def get_load() -> list[dict[str, int]]:
-        return [engine.load()]
+    @app.get("/v1/loads")
+    async def loads() -> dict[str, Any]:
+        return engine.loads_report()
 
     @app.post("/generate", response_model_exclude_none=True)
     async def generate(request: GenerateRequest) -> GenerateResponse:

@@ -325,8 +325,8 @@ class Sampler:
                 logger.info("curriculum: new groups of %s wait until no other Task is open",
                             ", ".join(sorted(order.deferred)) or "no task type")
             if order.preferred != self._type_order.preferred:
-                logger.info("curriculum: new groups start on %s first (their last group taught something)",
-                            ", ".join(sorted(order.preferred)) or "no task type")
+                logger.info("curriculum: task types whose last group taught something, claimed first: %s",
+                            ", ".join(sorted(order.preferred)) or "none")
             self._type_order = order
         return self._type_order
 
