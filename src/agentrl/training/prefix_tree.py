@@ -138,8 +138,9 @@ def build_forest(seqs: Sequence[Sequence[int]], min_shared: int = MIN_SHARED_TOK
 class ForwardLayout:
     """How to forward a micro-batch: one row per tree of its forest (see the module doc), all ``[R, W]``.
 
-    ``input_ids``/``positions`` go to the model; ``labels`` are the tokens each position predicts, ``scored`` where a
-    sample through the node has a loss token there. ``mask`` (``[R, W, W]`` bool, True: may attend) is ``None`` when
+    ``input_ids`` go to the model, and ``positions`` with the mask (without one the model counts them itself);
+    ``labels`` are the tokens each position predicts, ``scored`` where a sample through the node has a loss token
+    there. ``mask`` (``[R, W, W]`` bool, True: may attend) is ``None`` when
     every row is one sample (causal attention, padding after the tokens). ``out_index`` (``[B, T]``) indexes the
     concatenation of a 0 and the flattened ``[R, W]`` predicted logprobs: entry ``(b, i)`` is the logprob of token
     ``i`` of row ``b``'s sample (0: position 0 and padding).
@@ -211,8 +212,6 @@ def forward_layout(seqs: Sequence[Sequence[int]], loss_masks: Sequence[Sequence[
                 above = placed[ancestor][1]
                 allowed[row, offset:end, above:above + nodes[ancestor].width] = True
                 ancestor = nodes[ancestor].parent
-    if not shared:
-        positions = torch.arange(row_width).expand(rows, row_width).clone()  # padding continues the count
     out_index = torch.zeros((len(seqs), width), dtype=torch.long)
     for sample, path in enumerate(forest.paths):
         for node_id in path:
