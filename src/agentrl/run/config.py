@@ -143,14 +143,16 @@ class RunConfig(BaseModel):
     # ----------------------------------------------------------------------------------------------- trainer
     loss_name: str = Field("MINIRL", description="name of the loss in the status line and the logs")
     loss_flags: str = Field(MINIRL_FLAGS, description=f"trainer flags of the loss (default: {MINIRL_FLAGS})")
-    train_steps: int = Field(24, ge=1, description="at most this many optimiser steps; the run also ends when "
+    train_steps: int = Field(32, ge=1, description="at most this many optimiser steps; the run also ends when "
                              "every task is sampled and trained (TRAIN_STEPS)")
     train_time_s: float | None = Field(None, gt=0, description="stop training after the step that passes this "
                                        "many seconds (TRAIN_TIME_S; default: no limit)")
     train_batch_size: int = Field(4, ge=1, description="samples per optimiser step (TRAIN_BATCH_SIZE)")
     learning_rate: float | None = Field(None, gt=0, description="RL learning rate (LEARNING_RATE; default: 2e-6; "
                                         "5e-5 with --lora_r)")
-    max_staleness: int = Field(1, ge=0, description="policy versions a sample may lag behind (MAX_STALENESS)")
+    max_staleness: int = Field(2, ge=0, description="policy versions a sample may lag behind; admission control "
+                               "lets (MAX_STALENESS + 1) × TRAIN_BATCH_SIZE trajectories be sampled ahead, so 2 keeps "
+                               "the engine batching while the trainer steps and publishes (MAX_STALENESS)")
     save_steps: int = Field(8, ge=0, description="checkpoint every N steps (SAVE_STEPS)")
     save_total_limit: int = Field(1, ge=1, description="checkpoints kept, newest first: resuming needs the last one "
                                   "only, and each holds the weights and optimizer state (SAVE_TOTAL_LIMIT)")

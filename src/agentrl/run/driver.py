@@ -38,6 +38,7 @@ def train(run: Run) -> None:
     if config.num_eval_tasks:
         stages.held_out_eval(run, "after", "--inference_urls", run.inference_urls,
                              "--model_name_or_path", str(config.output_dir / "final"))
+    stages.drop_published_weights(run)
     stages.report(run)
     stages.summary(run)
 

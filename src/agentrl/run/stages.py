@@ -8,6 +8,7 @@ import asyncio
 import json
 import re
 import shlex
+import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -344,6 +345,27 @@ def report(run: Run) -> None:
          "`agentrl report` failed")
 
 
+def _size(path: Path) -> int:
+    """Bytes in the files under ``path``."""
+    return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
+
+
+def drop_published_weights(run: Run) -> None:
+    """Remove ``OUTPUT_DIR/weights``, the copies of the policy the trainer published for the inference services:
+    once RL and the final evaluation are over nothing loads them (the trained model is ``OUTPUT_DIR/final``)."""
+    weights = run.config.output_dir / "weights"
+    if weights.is_dir():
+        size = _size(weights)
+        shutil.rmtree(weights)
+        say(f"removed the published weights ({size / 2**20:,.0f} MiB in {weights}; nothing loads them any more)")
+
+
+def _size_of_checkpoints(output: Path) -> str:
+    """The size of ``output/checkpoint-*`` in GiB or MiB."""
+    size = sum(_size(path) for path in output.glob("checkpoint-*") if path.is_dir())
+    return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.0f} MiB"
+
+
 def summary(run: Run) -> None:
     """Where everything is: summary, model, checkpoints, trajectories, dashboard, logs."""
     output, uri, stopped = run.config.output_dir, run.database_uri(), run.stop_db_dir
@@ -355,7 +377,8 @@ def summary(run: Run) -> None:
         f"  summary:           {run.dir}/summary.json   (agentrl status --db_connection_string '{uri}' for the "
         "details)",
         f"  trained model:     {output}/final   (agentrl chat --model_name_or_path {output}/final)",
-        f"  checkpoints:       {output}/checkpoint-*",
+        f"  checkpoints:       {output}/checkpoint-*   ({_size_of_checkpoints(output)}: model and optimizer "
+        "state, to go on with --resume_from_checkpoint; delete them if you will not)",
         f"  trajectories:      database {run.name} — agentrl export --db_connection_string '{uri}' --out "
         "records.jsonl",
         f"                     or Mongo Compass on {uri.rsplit('/', 1)[0]} (collections Record, "
