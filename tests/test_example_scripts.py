@@ -19,6 +19,8 @@ def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_exa
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     out = done.stdout
     assert "MINIRL step 1/1 trained, 4 samples" in out and "run ci_minirl finished" in out, out[-4000:]
+    # the samplers stop with the trainer, before the final evaluation (they would take the engine from it)
+    assert out.index("samplers: 1 stopped, the trainer is done") < out.index("held-out evaluation (after)")
     # held-out evaluation of the starting, warmed-up and final models, and the change, in the summary
     assert "held-out accuracy (2 tasks, greedy): before 1.000 → warmup 1.000 → after" in out, out[-4000:]
     assert "change in held-out accuracy: before → warmup +0.000, warmup → after " in out

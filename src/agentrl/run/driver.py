@@ -35,6 +35,7 @@ def train(run: Run) -> None:
         stages.held_out_eval(run, "warmup", "--inference_urls", run.inference_urls, "--model_name_or_path", model)
     stages.start_samplers(run, model)
     stages.train(run, model)
+    stages.stop_samplers(run)
     if config.num_eval_tasks:
         stages.held_out_eval(run, "after", "--inference_urls", run.inference_urls,
                              "--model_name_or_path", str(config.output_dir / "final"))

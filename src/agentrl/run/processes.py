@@ -178,18 +178,22 @@ class Processes:
                 raise RunFailed(f"{child.name} did not start within {timeout_s:g} s")
             time.sleep(0.5)
 
+    def stop(self, child: Child) -> None:
+        """Stop ``child`` if it still runs (SIGTERM, SIGKILL after the grace period), then sweep its group."""
+        if child.process.poll() is None:
+            child.process.send_signal(signal.SIGTERM)
+            self._wait_for(child.process, self.grace_s)
+            if child.process.poll() is None:
+                say(f"{child.name} (pid {child.pid}) did not stop within {self.grace_s:g} s; killing it")
+                child.process.kill()
+            child.process.wait()
+            self._sweep(child, 5.0)
+
     def stop_all(self) -> None:
         """Stop every child still running, the last started first, then sweep their process groups."""
         self._stopping = True
         for child in reversed(self.children):
-            if child.process.poll() is None:
-                child.process.send_signal(signal.SIGTERM)
-                self._wait_for(child.process, self.grace_s)
-                if child.process.poll() is None:
-                    say(f"{child.name} (pid {child.pid}) did not stop within {self.grace_s:g} s; killing it")
-                    child.process.kill()
-                child.process.wait()
-                self._sweep(child, 5.0)
+            self.stop(child)
 
     def _wait_for(self, process: subprocess.Popen, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s

@@ -296,6 +296,15 @@ def start_samplers(run: Run, model: str | Path | None) -> None:
     say(f"samplers: {config.num_samplers} process(es) (logs {run.logs}/sampler-*.log)")
 
 
+def stop_samplers(run: Run) -> None:
+    """Stop the samplers once the trainer is done: what they would still sample trains nothing, and it would take
+    the engine and the CPU from the final evaluation (their running trajectories end ``cancelled``)."""
+    samplers = [child for child in run.processes.children if child.name.startswith("sampler-")]
+    for child in samplers:
+        run.processes.stop(child)
+    say(f"samplers: {len(samplers)} stopped, the trainer is done")
+
+
 def trainer_launcher(config: RunConfig) -> list[str]:
     """``accelerate launch`` with ``--accelerate_config``, else torchrun for ``--nproc`` > 1, else one process."""
     scripts = Path(sys.executable).parent
