@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MINIRL on the built-in calculator task: ./minirl_example.sh [RUN_NAME]
 #
-# With nothing configured it runs on this machine alone, in under 10 minutes on 2 CPU cores: the embedded database,
+# With nothing configured it runs on this machine alone, in about 10 minutes on 2 CPU cores (8–11): the embedded database,
 # the built-in calculator MCP server and task sets, `agentrl engine` serving the embedded SmolLM2-135M-Instruct,
 # one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up (SFT on tool-use
 # demonstrations made with the real calculator), held-out evaluation of the warmed model, MINIRL with a live
