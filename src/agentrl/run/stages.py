@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from agentrl.run.config import RunConfig
-from agentrl.run.processes import Processes, RunFailed, say
+from agentrl.run.processes import Child, Processes, RunFailed, say
 
 AGENTRL = [sys.executable, "-m", "agentrl.cli.main"]
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
@@ -37,6 +37,7 @@ class Run:
     inference_urls: str = ""
     eval_tasks: Path | None = None
     eval_results: list[str] = field(default_factory=list)
+    samplers: list[Child] = field(default_factory=list)
     started: float = field(default_factory=time.monotonic)
 
     @property
@@ -285,24 +286,23 @@ def start_samplers(run: Run, model: str | Path | None) -> None:
     """``--num_samplers`` `agentrl sample` processes on the run's tasks, tools and inference services."""
     config = run.config
     for number in range(config.num_samplers):
-        run.processes.start(f"sampler-{number}", [
+        run.samplers.append(run.processes.start(f"sampler-{number}", [
             *AGENTRL, "sample", "--db_connection_string", run.database_uri(), *model_flags(model), *run.tool_flags,
             *run.prompt_flags, "--inference_urls", run.inference_urls,
             "--max_concurrent_samples_per_process", str(config.samples_per_sampler),
             "--max_turns", str(config.max_turns), "--max_new_tokens", str(config.max_new_tokens),
             "--temperature", str(config.temperature), "--train_batch_size", str(config.train_batch_size),
             "--max_staleness", str(config.max_staleness), "--rounds", str(config.rounds),
-            *shlex.split(config.extra_sample_flags)])
+            *shlex.split(config.extra_sample_flags)]))
     say(f"samplers: {config.num_samplers} process(es) (logs {run.logs}/sampler-*.log)")
 
 
 def stop_samplers(run: Run) -> None:
     """Stop the samplers once the trainer is done: what they would still sample trains nothing, and it would take
     the engine and the CPU from the final evaluation (their running trajectories end ``cancelled``)."""
-    samplers = [child for child in run.processes.children if child.name.startswith("sampler-")]
-    for child in samplers:
+    for child in run.samplers:
         run.processes.stop(child)
-    say(f"samplers: {len(samplers)} stopped, the trainer is done")
+    say(f"samplers: {len(run.samplers)} stopped, the trainer is done")
 
 
 def trainer_launcher(config: RunConfig) -> list[str]:
