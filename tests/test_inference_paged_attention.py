@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from agentrl.inference import paged_attention
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
 from agentrl.inference.consistency import logprob_mismatch
 from agentrl.inference.paged_attention import supports
@@ -62,9 +63,13 @@ async def test_decode_attends_to_each_request_alone(tiny_model_dir: Path, sdpa_c
     assert {c["key"][1] for c in sdpa_calls} == {model.config.num_key_value_heads}  # no repeated heads
 
 
-async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_calls: list[dict]) -> None:
+@pytest.mark.parametrize("bucket", [1, 16])
+async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_calls: list[dict], bucket: int,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     # 16-token steps: the long prompt is prefilled in chunks (the later ones over cached keys) while the short ones
-    # decode in the same steps; then a prompt sharing its first 48 tokens starts from the prefix cache.
+    # decode in the same steps; then a prompt sharing its first 48 tokens starts from the prefix cache. With a
+    # bucket (CUDA's setting, here on the CPU) the decode group's keys are padded to its multiples, masked.
+    monkeypatch.setattr(paged_attention, "DECODE_KEY_BUCKET", {"cpu": bucket})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048, max_batch_tokens=16,
                                                       max_running_requests=8, page_size=16))
@@ -84,7 +89,9 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
     cached_prefill = [c for c in sdpa_calls if c["mask"] and c["query"][2] > 1 and c["key"][2] > c["query"][2]]
     assert len({c["key"][2] for c in cached_prefill}) >= 3 and 57 in {c["key"][2] for c in cached_prefill}
     assert any(c["is_causal"] for c in sdpa_calls)  # prompts with nothing cached
-    assert any(c["query"][0] > 1 for c in sdpa_calls)  # requests decoding together
+    decode = [c for c in sdpa_calls if c["query"][0] > 1]  # requests decoding together
+    assert decode and all(c["key"][2] % bucket == 0 for c in decode)
+    assert bucket > 1 or any(c["key"][2] % 16 for c in decode)  # unpadded, the lengths are not all multiples
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "served"), [

@@ -14,6 +14,8 @@ pytest_gpu     ``pytest -m gpu tests/test_gpu.py``: bf16 engine, FSDP2 step unde
 bench_trainer  ``bench/trainer.py``, random Qwen3-0.6B shape, ~16k tokens a step: tokens/s and MFU; shared prefixes at
                four group shapes, with the operators of each shared pass (``--profile``)
 bench_engine   ``bench/engine.py``, the same shape: tokens/s at 1, 16 and 64 concurrent requests
+decode_attn    ``bench/decode_attention.py``: the engine's decode attention call per SDPA backend, key length exact
+               and rounded up, as the keys grow
 rl_loop        ``bench/loop.py`` under py-spy (from the kit): database on the CPU, engine and trainer on the GPU;
                step and publish times, and where each process's CPU time goes (without py-spy if it cannot run)
 =============  =====================================================================================================
@@ -194,6 +196,9 @@ def steps(ctx: Context) -> list[Step]:
                               "--dtype", "bfloat16", "--concurrency", "1", "16", "64", "--repeats", "3",
                               "--num_threads", "4", "--output", f"{work}/bench_engine.json"], 150, cuda=True,
              figures=bench_engine_figures),
+        Step("decode_attn", [python, "bench/decode_attention.py", "--device", "cuda", "--json",
+                             f"{work}/decode_attn.json"], 90, cuda=True,
+             figures=lambda w, o: read_json(w / "decode_attn.json")),
         Step("rl_loop", [*py_spy, *rl_loop], 240, cuda=True, fallback=rl_loop,
              figures=lambda w, o: {**read_json(w / "rl_loop.json"), **py_spy_figures(w, o)}),
     ]
