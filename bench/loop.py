@@ -107,7 +107,8 @@ def run_loop(args: argparse.Namespace, work: Path) -> dict:
         server.stop()
     steps = [{"step": d["step"], **{k: d["values"].get(k) for k in
                                     ("step_s", "wait_s", "publish_s", "publish_export_s", "publish_load_s",
-                                     "publish_probe_s", "publish_failures", "tokens", "samples")}}
+                                     "publish_probe_s", "publish_wait_s", "publish_failures", "tokens",
+                                     "samples")}}
              for d in metrics]
     return {"steps": steps, "records": records, "wall_s": wall, "served_weight_version": served.get("weight_version")}
 
@@ -144,20 +145,22 @@ def summarise(args: argparse.Namespace, found: dict) -> dict:
                "step_s_median": median("step_s"), "wait_s_median": median("wait_s"),
                "publish_s_median": median("publish_s"), "publish_export_s_median": median("publish_export_s"),
                "publish_load_s_median": median("publish_load_s"), "publish_probe_s_median": median("publish_probe_s"),
-               "tokens_per_step_median": median("tokens"),
+               "publish_wait_s_median": median("publish_wait_s"), "tokens_per_step_median": median("tokens"),
                "publish_failures": sum(float(s["publish_failures"] or 0) for s in steps),
                "served_weight_version": found["served_weight_version"], "per_step": steps}
     print(f"\n{figures['model']} on {args.device}: {len(steps)} steps of {args.train_batch_size} samples, "
           f"{found['records']} trajectories, {found['wall_s']:.1f} s for the trainer's run\n")
-    print("| step | compute s | wait for samples s | publish s | of which export s | load s | probe s | tokens |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| step | compute s | wait for samples s | publish s | of which export s | load s | probe s "
+          "| trainer waited for it s | tokens |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for s in steps:
         print(f"| {s['step']} | {s['step_s'] or 0:.2f} | {s['wait_s'] or 0:.2f} | {s['publish_s'] or 0:.2f} | "
               f"{s['publish_export_s'] or 0:.2f} | {s['publish_load_s'] or 0:.2f} | {s['publish_probe_s'] or 0:.2f} | "
-              f"{s['tokens'] or 0:.0f} |")
+              f"{s['publish_wait_s'] or 0:.2f} | {s['tokens'] or 0:.0f} |")
     print(f"\nmedians without step 1: compute {figures['step_s_median']:.2f} s, publish "
           f"{figures['publish_s_median']:.2f} s (export {figures['publish_export_s_median']:.2f} s, load "
-          f"{figures['publish_load_s_median']:.2f} s, probe {figures['publish_probe_s_median']:.2f} s), wait "
+          f"{figures['publish_load_s_median']:.2f} s, probe {figures['publish_probe_s_median']:.2f} s; the trainer "
+          f"waited {figures['publish_wait_s_median']:.2f} s of it), wait "
           f"{figures['wait_s_median']:.2f} s; the engine serves version "
           f"{figures['served_weight_version']}")
     return figures

@@ -25,22 +25,28 @@ FLAGS = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_st
          "false")
 
 
-@pytest.mark.parametrize("point", [
-    "checkpoint.save.before_rename=exit@2",  # checkpoint-2 complete but not renamed: resume from 1
-    "checkpoint.save.after_rename=exit@2",  # checkpoint-2 in place, old copy not deleted, claims not marked trained
-    "trainer.checkpoint.before_mark_trained=exit@2",
-    "trainer.step.after_log=exit@3",  # step 3 trained and in the ledger, but not in any checkpoint
-    "samples.claim.after_one=exit@10",  # step 3 half claimed
-    "publish.after_export=exit@2",  # weights of version 2 written, nobody told
-    "publish.before_bump=exit@2",  # version 2 loaded by the (no) services, the Run still says 1
+@pytest.mark.parametrize(("point", "save_steps"), [
+    ("checkpoint.save.before_rename=exit@2", 1),  # checkpoint-2 complete but not renamed: resume from 1
+    ("checkpoint.save.after_rename=exit@2", 1),  # checkpoint-2 in place, old copy not deleted, claims not marked
+    ("trainer.checkpoint.before_mark_trained=exit@2", 1),
+    ("trainer.step.after_log=exit@3", 1),  # step 3 trained and in the ledger, but not in any checkpoint
+    ("samples.claim.after_one=exit@10", 1),  # step 3 half claimed
+    ("publish.after_export=exit@2", 1),  # weights of version 2 written, nobody told
+    ("publish.before_bump=exit@2", 1),  # version 2 loaded by the (no) services, the Run still says 1
+    # checkpoints every 2 steps: step 3's publish overlaps step 4 (claimed, computing) when it crashes before its
+    # bump, or when step 3 is logged after step 4's compute; resumed from checkpoint 2
+    ("publish.before_bump=exit@3", 2),
+    ("trainer.step.after_log=exit@3", 2),
 ])
-def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str, db_uri: str, tiny_model_dir: Path,
-                                                                     tmp_path: Path) -> None:
+def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str, save_steps: int, db_uri: str,
+                                                                     tiny_model_dir: Path, tmp_path: Path) -> None:
     samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
     asyncio.run(enqueue(db_uri, samples))
     out = tmp_path / "out"
+    flags = (*FLAGS[:5], str(save_steps), *FLAGS[6:])
     # publish: --enable_sampling true, and no staleness bound (the queued samples are all of version 0)
-    flags = FLAGS if not point.startswith("publish.") else (*FLAGS[:-1], "true", "--max_staleness", "none")
+    if point.startswith("publish.") or save_steps > 1:
+        flags = (*flags[:-1], "true", "--max_staleness", "none")
     crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags), env={ENV: point})
     assert crashed.returncode == EXIT_CODE, crashed.stdout
     resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest"))
@@ -64,7 +70,7 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
     assert sorted(listed) == sorted(s.id for s in samples), "the ledger lists a sample twice or misses one"
     for metric in metrics:
         assert set(metric["sample_ids"]) == {d["_id"] for d in docs if d["claimed_step"] == metric["step"]}
-    assert [step for step, _ in list_checkpoints(out)] == list(range(1, STEPS + 1))
+    assert [step for step, _ in list_checkpoints(out)] == list(range(save_steps, STEPS + 1, save_steps))
     assert not [p.name for p in out.iterdir() if p.name.startswith(".checkpoint")], "leftovers of the crash"
 
 

@@ -340,3 +340,28 @@ def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tin
     for version, output_ids, logprobs in served:
         assert version == "4"
         _assert_logprobs_of(weights / "4", output_ids, logprobs)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_next_step_is_claimed_and_trained_while_the_last_one_publishes(overlap: bool, db_uri: str,
+                                                                          tiny_model_dir: Path, tmp_path: Path) -> None:
+    # Every sample is queued up front, so the trainer never waits for one: only --overlap_publish decides whether
+    # step N+1 is claimed (and computed) before step N is settled, i.e. served, its Records released, logged.
+    asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
+    assert main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps", "3",
+                             "--save_steps", "0", "--max_staleness", "none",
+                             "--overlap_publish", str(overlap).lower())) == 0
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        logged = {d["step"]: d for d in db.Metric.find()}
+        docs = list(db.DBRecordData.find())
+        run = db.Run.find_one()
+    finally:
+        client.close()
+    assert run["policy_version"] == 3 and {d["status"] for d in docs} == {"trained"}
+    for step in (1, 2):
+        next_claimed = min(d["claimed_at"] for d in docs if d["claimed_step"] == step + 1)
+        assert (next_claimed < logged[step]["created_at"]) is overlap, (step, next_claimed, logged[step])
+        assert logged[step]["values"]["policy_version"] == step
+        assert 0 <= logged[step]["values"]["publish_wait_s"] <= logged[step]["values"]["publish_s"] + 1

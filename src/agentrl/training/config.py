@@ -173,6 +173,10 @@ class TrainConfig(BaseModel):
         description="skip (count and log) samples more than this many policy versions old (none: no bound; "
         f"--sync_sampling: 0); {RUN_VALUE_HELP}")
     sync_every: int = Field(1, ge=1, description="publish the weights every this many steps")
+    overlap_publish: bool = Field(
+        True, description="train the next step while the inference services load the published weights (the "
+        "step's samples leave the samplers' admission count once they serve them); false: wait for the services "
+        "after every publish")
     keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
     publish_retries: int = Field(3, ge=0, description="extra attempts per inference service when publishing")
     policy_probe_max_diff: float = Field(

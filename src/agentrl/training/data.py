@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -102,9 +102,11 @@ class SampleStream:
         self.share = split_shares(batch_size, parallel.dp_size)[parallel.dp_rank]
         self._finished_logged = False
 
-    def next_step(self, step: int, current_version: int, deadline: float | None = None) -> StepData | StepEnd:
+    def next_step(self, step: int, current_version: int, deadline: float | None = None,
+                  before_waiting: Callable[[], None] | None = None) -> StepData | StepEnd:
         """This rank's samples for ``step``, waiting for the queue as needed until ``deadline`` (``time.monotonic``
-        on any rank); or why there are none."""
+        on any rank); or why there are none. ``before_waiting`` runs once, on every rank at the same point, if the
+        step's samples are not all there at once (the trainer finishes its last step then)."""
         started = time.monotonic()
         samples: list[DBRecordData] = []
         skipped = 0
@@ -134,6 +136,9 @@ class SampleStream:
                 if nonempty:
                     break  # a last, partial step
                 return StepEnd.EXHAUSTED
+            if before_waiting is not None:
+                before_waiting()
+                before_waiting = None
             now = time.monotonic()
             if self.parallel.is_main and now - last_status >= STATUS_EVERY_S:
                 self._status_line(step, len(samples), current_version, now - started)

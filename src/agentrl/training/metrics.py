@@ -16,7 +16,9 @@ progress line on the console; ``--report_to tensorboard`` / ``wandb`` also send 
 * optimisation and speed: ``grad_norm``, ``learning_rate``, ``policy_version``, ``epoch``, ``step_s``,
   ``wait_s``, ``publish_s`` (of which ``publish_export_s`` gathering and writing the weights,
   ``publish_load_s`` the services' loads, each waiting for its running requests, and ``publish_probe_s`` the
-  policy probe), ``publish_failures``, ``tokens_per_s`` (real tokens / compute time of the step).
+  policy probe; from the export to the Run's new version), ``publish_wait_s`` (how long the trainer waited for
+  it: with ``overlap_publish`` the next step's compute hides the rest), ``publish_failures``, ``tokens_per_s``
+  (real tokens / compute time of the step).
 """
 
 from __future__ import annotations

@@ -7,6 +7,12 @@ running requests with the old weights, nothing is aborted), then ``Run.policy_ve
 that still fails is reported by name and counted, and keeps serving its old version, whose tokens stay stamped
 with it, so staleness accounting stays right. Only the last ``keep`` weight directories are kept.
 
+:meth:`WeightPublisher.publish` does it all and waits. Its three parts serve a trainer that goes on training while
+the services load (``--overlap_publish``): :meth:`~WeightPublisher.export` (every rank: the weights and the
+probe's expected logprobs; the model may change after it), :meth:`~WeightPublisher.announce` (rank 0, on the io
+loop: loads, probe, bump) and :meth:`~WeightPublisher.finish` (every rank, once the announcement is done: pruning
+and a barrier).
+
 With ``adapter=True`` (``--lora_publish adapter``) ``weights/<v>`` is the PEFT adapter alone (a few MB), every
 live service gets ``POST /load_lora_adapter`` with the name ``policy-v<v>`` (a name left by a crashed publish of
 the same version is unloaded and loaded again), and the bump records that name on the Run: samplers then name it
@@ -64,12 +70,21 @@ class PublishResult:
     services: int = 0
     failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
     probes: dict[str, PolicyProbe] = field(default_factory=dict)  # service base URL -> its check (when probed)
-    seconds: float = 0.0
+    seconds: float = 0.0  # from the export to the bump
     # of ``seconds``: gathering and writing the weights; the services' loads (each waits for its running requests);
     # the policy probe (the trainer's forward pass and the services' answers). The rest: the bump and pruning.
     export_s: float = 0.0
     load_s: float = 0.0
     probe_s: float = 0.0
+
+
+@dataclass
+class PendingPublish:
+    """A version every rank has written (:meth:`WeightPublisher.export`) whose announcement may still run."""
+
+    result: PublishResult
+    started: float  # time.monotonic() when the export began
+    expected: list[float] | None  # the trainer's logprobs of the probe sequence (None: no probe)
 
 
 class WeightPublisher:
@@ -84,7 +99,16 @@ class WeightPublisher:
         self.adapter, self.probe = adapter, probe
 
     def publish(self, model: nn.Module, version: int) -> PublishResult:
-        """Publish ``model`` as ``version`` (every rank must call this; the result is complete on rank 0)."""
+        """Publish ``model`` as ``version`` and wait until it is served (every rank calls this; the result is
+        complete on rank 0)."""
+        pending = self.export(model, version)
+        if self.parallel.is_main:
+            self.io.run(self.announce(pending))
+        return self.finish(pending)
+
+    def export(self, model: nn.Module, version: int) -> PendingPublish:
+        """Write ``model`` as ``version`` and compute the probe's expected logprobs (every rank); the services hear
+        of it from :meth:`announce`. The model may change once this returns."""
         started = time.monotonic()
         path = (self.root / str(version)).resolve()
         if self.parallel.is_main:
@@ -98,16 +122,13 @@ class WeightPublisher:
         probe_started = time.monotonic()
         expected = None if self.probe is None else trainer_logprobs(model, self.probe.token_ids, self.parallel.device)
         result.probe_s = time.monotonic() - probe_started
-        if self.parallel.is_main:
-            self.io.run(self._announce(result, expected))
-            pruned = self._prune(version)
-            if self.adapter and pruned:
-                self.io.submit(self._unload([policy_adapter_name(v) for v in pruned]))
         result.seconds = time.monotonic() - started
-        self.parallel.barrier()
-        return result
+        return PendingPublish(result=result, started=started, expected=expected)
 
-    async def _announce(self, result: PublishResult, expected: list[float] | None) -> None:
+    async def announce(self, pending: PendingPublish) -> None:
+        """Rank 0, on the io loop: every live service loads the version, the probe checks them, the Run's
+        ``policy_version`` moves to it (:class:`PublishError` if another writer moved it)."""
+        result = pending.result
         services = await self.store.services.serving()
         result.services = len(services)
         started = time.monotonic()
@@ -118,9 +139,10 @@ class WeightPublisher:
                 result.failures[service.base_url] = error
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
                              result.version, service.base_url, error)
-        if expected is not None:
+        if pending.expected is not None:
             started = time.monotonic()
-            await self._probe([s.base_url for s in services if s.base_url not in result.failures], result, expected)
+            await self._probe([s.base_url for s in services if s.base_url not in result.failures], result,
+                              pending.expected)
             result.probe_s += time.monotonic() - started
         failpoint("publish.before_bump")
         lora_name = policy_adapter_name(result.version) if self.adapter else None
@@ -129,9 +151,20 @@ class WeightPublisher:
                                                       lora_name=lora_name)
         except VersionConflict as error:
             raise PublishError(f"cannot publish weights version {result.version}: {error}") from error
+        result.seconds = time.monotonic() - pending.started
         logger.info("published weights version %d%s to %d of %d inference services (%s)", result.version,
                     f" as LoRA adapter {lora_name}" if lora_name else "", len(services) - len(result.failures),
                     len(services), result.path)
+
+    def finish(self, pending: PendingPublish) -> PublishResult:
+        """After :meth:`announce` returned on rank 0 (every rank calls this): older versions are pruned and the ranks
+        wait for each other."""
+        if self.parallel.is_main:
+            pruned = self._prune(pending.result.version)
+            if self.adapter and pruned:
+                self.io.submit(self._unload([policy_adapter_name(v) for v in pruned]))
+        self.parallel.barrier()
+        return pending.result
 
     async def _load_on(self, base_url: str, result: PublishResult) -> str | None:
         """Have one service load the weights; the error text if it still fails after the client's retries."""

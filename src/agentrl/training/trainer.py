@@ -9,24 +9,32 @@ One optimiser step (every rank in lockstep):
    and all ranks first;
 3. forward, per-token logprobs, loss (``agentrl.training.losses``), backward for every micro-batch, then
    gradient clipping, AdamW and the LR schedule;
-4. Records of the trained samples become ``trained``; every ``sync_every`` steps the weights are published
-   (``agentrl.training.publish``); metrics are written (``agentrl.training.metrics``); every ``save_steps`` a
-   checkpoint is saved (``agentrl.training.checkpoint``).
+4. every ``sync_every`` steps the weights are written as the next version and the inference services load it
+   (``agentrl.training.publish``), on the io loop while the next step computes (``overlap_publish``); once they
+   serve it, the step's Records become ``trained``; then its metrics are written (``agentrl.training.metrics``)
+   and every ``save_steps`` a checkpoint is saved (``agentrl.training.checkpoint``; a checkpoint step waits for
+   its publish, since it saves the model as the step left it).
 
 Exactly-once training across crashes: a sample stays ``claimed(rank, step)`` until a checkpoint that contains its
 update is complete, and only then becomes ``trained`` (with ``save_steps 0`` right after its step). A trainer
 resumed from checkpoint ``s`` marks the claims of steps ``<= s`` trained and gets back the same claims for steps
 ``> s`` (or, with another data-parallel layout, returns them to the queue), so no sample is skipped or trained
-twice. SIGTERM/SIGINT finish the running step (or abandon one still waiting for data), save a checkpoint and exit 0.
+twice. An overlapped publish changes no order within a step (export, loads, probe, bump, Records, metrics,
+checkpoint); it only lets the next step claim and compute before the last three, a window a crash treats like one
+during that step's own compute. SIGTERM/SIGINT finish the running step (or abandon one still waiting for data),
+save a checkpoint and exit 0.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import signal
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -70,7 +78,7 @@ from agentrl.training.parallel import (
 )
 from agentrl.training.policy_probe import probe_metrics, probe_token_ids
 from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
-from agentrl.training.publish import ProbeSettings, PublishError, WeightPublisher
+from agentrl.training.publish import PendingPublish, ProbeSettings, PublishError, WeightPublisher
 from agentrl.training.weights import WeightsError, export_pretrained, load_sharded, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -88,6 +96,17 @@ SETUP_ERRORS: tuple[type[Exception], ...] = (TrainerError, ReportError, WeightsE
 """Errors whose message says everything (no traceback needed)."""
 
 
+@dataclass
+class _Unsettled:
+    """A trained step not yet logged: its publish (None: not a publishing step) and, on tensor-parallel leaders,
+    the io loop's work that releases its Records once the version is served."""
+
+    data: StepData
+    values: dict[str, float]
+    pending: PendingPublish | None
+    released: Future | None
+
+
 class Trainer:
     """A trainer rank. ``Trainer(config).run()`` trains until ``max_steps``, the data ends (offline) or SIGTERM."""
 
@@ -100,6 +119,7 @@ class Trainer:
         self.io: LoopThread | None = None
         self.store: Store | None = None
         self.sink: MetricsSink | None = None
+        self.unsettled: _Unsettled | None = None  # the last step, while its publish may still be loading
 
     # ------------------------------------------------------------------------------------------------- set-up
 
@@ -411,7 +431,7 @@ class Trainer:
                 logger.info("training time limit of %.0f s reached after step %d", cfg.max_train_time_s,
                             self.state.step)
                 return True
-            got = self.stream.next_step(self.state.step + 1, self.version, deadline)
+            got = self.stream.next_step(self.state.step + 1, self.version, deadline, before_waiting=self._settle)
             if got is StepEnd.DEADLINE:
                 logger.info("training time limit of %.0f s reached while waiting for the samples of step %d: "
                             "finishing after step %d", cfg.max_train_time_s, self.state.step + 1, self.state.step)
@@ -432,28 +452,63 @@ class Trainer:
 
     def _after_step(self, data: StepData, values: dict[str, float], trainer_logprobs: dict[Any, list[float]]
                     ) -> None:
+        """Publish (export now, the services load on the io loop), release the step's Records once the version is
+        served, then log and checkpoint; with ``overlap_publish`` the last two wait for the next step's end (or
+        its wait for samples) unless this step saves a checkpoint (which needs the model as this step left it)."""
+        self._settle()
         cfg, parallel, step = self.cfg, self.parallel, data.step
         trained_version = self.version  # the policy that computed trainer_logprobs, before publishing moves it
         values.update(policy_version=float(self.version), epoch=float(self.state.epoch),
                       wait_s=data.wait_s,
                       skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
+        pending = None
         if cfg.enable_sampling and step % cfg.sync_every == 0:
-            result = self._publish()
+            pending = self.publisher.export(self.model, self.version + 1)
+            self._adopt_version(pending.result.version)
+        released = None
+        if parallel.is_tp_leader:
+            released = self.io.submit(self._release(data, trained_version, trainer_logprobs, pending))
+        self.unsettled = _Unsettled(data, values, pending, released)
+        checkpoint_due = bool(cfg.save_steps) and step % cfg.save_steps == 0
+        if pending is None or not cfg.overlap_publish or checkpoint_due:
+            self._settle()
+
+    async def _release(self, data: StepData, trained_version: int, trainer_logprobs: dict[Any, list[float]],
+                       pending: PendingPublish | None) -> None:
+        """A tensor-parallel leader's share of a step, on the io loop: once the step's version is served (rank 0
+        announces it; the others wait to see it on the Run), its Records leave ``ready`` — the samplers' admission
+        control counts them until then, so what it admits next is sampled by the new policy — and the trainer's
+        logprobs are stored."""
+        if pending is not None:
+            if self.parallel.is_main:
+                await self.publisher.announce(pending)
+            else:
+                while await self.store.runs.policy_version() < pending.result.version:
+                    await asyncio.sleep(self.cfg.poll_interval_s)
+        await self._records_trained(data.samples)
+        await self.store.samples.record_trainer_logprobs(self.parallel.dp_rank, data.step, trained_version,
+                                                         trainer_logprobs)
+        if self.cfg.save_steps == 0:
+            await self.store.samples.mark_trained(self.parallel.dp_rank, data.step, [s.id for s in data.samples])
+
+    def _settle(self) -> None:
+        """Finish the last step: wait for its publish and Records, log it, save its checkpoint if one is due."""
+        unsettled, self.unsettled = self.unsettled, None
+        if unsettled is None:
+            return
+        cfg, parallel, step, values = self.cfg, self.parallel, unsettled.data.step, unsettled.values
+        waited = time.monotonic()
+        if unsettled.released is not None:
+            unsettled.released.result()
+        if unsettled.pending is not None:
+            result = self.publisher.finish(unsettled.pending)
             values.update(publish_s=result.seconds, publish_export_s=result.export_s, publish_load_s=result.load_s,
-                          publish_probe_s=result.probe_s,
-                          publish_failures=float(len(result.failures)), policy_version=float(self.version))
+                          publish_probe_s=result.probe_s, publish_wait_s=time.monotonic() - waited,
+                          publish_failures=float(len(result.failures)), policy_version=float(result.version))
             if self.publisher.probe is not None:
                 values.update(probe_metrics(result.probes))
-        if parallel.is_tp_leader:
-            # Only now, with the new weights served, do the Records leave `ready`: the samplers' admission control
-            # counts them until then, so what it admits next is sampled by the new policy.
-            self.io.run(self._records_trained(data.samples))
-            self.io.run(self.store.samples.record_trainer_logprobs(parallel.dp_rank, step, trained_version,
-                                                                   trainer_logprobs))
-            if cfg.save_steps == 0:
-                self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step, [s.id for s in data.samples]))
         # the step ledger: tensor-parallel peers hold the same samples, their leaders speak for them
-        ledger = parallel.gather_to_main([s.id for s in data.samples] if parallel.is_tp_leader else [])
+        ledger = parallel.gather_to_main([s.id for s in unsettled.data.samples] if parallel.is_tp_leader else [])
         if self.sink is not None:
             self.sink.log(step, values, [sample_id for ids in ledger for sample_id in ids])
         failpoint("trainer.step.after_log")
@@ -466,6 +521,7 @@ class Trainer:
 
     def _next_epoch(self) -> None:
         """Offline training: the data is used up; make this epoch durable and queue the data again."""
+        self._settle()
         if self.cfg.save_steps and self.last_checkpoint != self.state.step:
             self._checkpoint()
         if self.parallel.is_main:
@@ -476,6 +532,7 @@ class Trainer:
         self.state.epoch += 1
 
     def _finish(self, finished: bool) -> None:
+        self._settle()
         if self.cfg.save_steps and self.last_checkpoint != self.state.step:
             self._checkpoint()
         if finished:
@@ -613,13 +670,17 @@ class Trainer:
     # ------------------------------------------------------------------------------------- publish, save
 
     def _publish(self):
-        version = self.version + 1
-        result = self.publisher.publish(self.model, version)
+        """Publish the model as the next version and wait until it is served."""
+        result = self.publisher.publish(self.model, self.version + 1)
+        self._adopt_version(result.version)
+        return result
+
+    def _adopt_version(self, version: int) -> None:
+        """The model is ``version`` from now on (its weights are written; the services may still be loading)."""
         self.version = version
         self.state.version_steps[version] = self.state.step
         for old in [v for v in self.state.version_steps if v < version - VERSION_HISTORY]:
             del self.state.version_steps[old]
-        return result
 
     def _checkpoint(self) -> None:
         path = save_checkpoint(self.output_dir, self.model, self.optimizer, self.scheduler, self.state,
