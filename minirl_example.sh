@@ -26,7 +26,7 @@
 #   ENGINE_THREADS (one less than the CPUs), ENGINE_STARTUP_S (600), NUM_GENERATIONS (4), NUM_SAMPLERS (1),
 #   SAMPLES_PER_SAMPLER (16), MAX_TURNS (2), MAX_NEW_TOKENS (48), TEMPERATURE (0.7), QUERY_PROMPT, SAVE_STEPS (8),
 #   SAVE_TOTAL_LIMIT (1), TRAIN_STEPS (32), TRAIN_TIME_S, TRAIN_BATCH_SIZE (4), LEARNING_RATE (2e-6; 5e-5 with
-#   LORA_R), MAX_STALENESS (2), TRAINER_THREADS
+#   LORA_R), MAX_STALENESS (2), SYNC_EVERY (2: publish every 2 steps), TRAINER_THREADS
 #   LORA_R, LORA_PUBLISH   LoRA rank (0: full fine-tuning) and what RL publishes: merged (default) or adapter
 #   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
 #   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)

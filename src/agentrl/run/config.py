@@ -153,6 +153,9 @@ class RunConfig(BaseModel):
     max_staleness: int = Field(2, ge=0, description="policy versions a sample may lag behind; admission control "
                                "lets (MAX_STALENESS + 1) × TRAIN_BATCH_SIZE trajectories be sampled ahead, so 2 keeps "
                                "the engine batching while the trainer steps and publishes (MAX_STALENESS)")
+    sync_every: int = Field(2, ge=1, description="publish the weights to the engines every N steps: each publish "
+                            "stops a CPU engine for its load and the policy probe, and samples stay fresh in "
+                            "versions (SYNC_EVERY)")
     save_steps: int = Field(8, ge=0, description="checkpoint every N steps (SAVE_STEPS)")
     save_total_limit: int = Field(1, ge=1, description="checkpoints kept, newest first: resuming needs the last one "
                                   "only, and each holds the weights and optimizer state (SAVE_TOTAL_LIMIT)")

@@ -330,8 +330,8 @@ def train(run: Run, model: str | Path | None) -> None:
         "--learning_rate", str(config.learning_rate), *lora_flags(config),
         "--train_batch_size", str(config.train_batch_size), "--max_steps", str(config.train_steps),
         "--temperature", str(config.temperature), "--max_staleness", str(config.max_staleness),
-        "--save_steps", str(config.save_steps), "--save_total_limit", str(config.save_total_limit),
-        "--num_threads", str(config.trainer_threads), *time_limit,
+        "--sync_every", str(config.sync_every), "--save_steps", str(config.save_steps),
+        "--save_total_limit", str(config.save_total_limit), "--num_threads", str(config.trainer_threads), *time_limit,
         *shlex.split(config.extra_train_flags)])
     watch = run.processes.start("watch", [*AGENTRL, "watch", "--db_connection_string", run.database_uri(),
                                           "--until_pid", str(trainer.pid), "--label", config.loss_name], log=None)

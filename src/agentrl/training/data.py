@@ -136,9 +136,10 @@ class SampleStream:
                 if nonempty:
                     break  # a last, partial step
                 return StepEnd.EXHAUSTED
-            if before_waiting is not None:
+            if before_waiting is not None:  # not waiting for samples: its time is left out of wait_s
+                settling = time.monotonic()
                 before_waiting()
-                before_waiting = None
+                before_waiting, started = None, started + time.monotonic() - settling
             now = time.monotonic()
             if self.parallel.is_main and now - last_status >= STATUS_EVERY_S:
                 self._status_line(step, len(samples), current_version, now - started)
