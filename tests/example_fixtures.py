@@ -43,6 +43,7 @@ def minirl_example_run(tmp_path_factory: pytest.TempPathFactory, scripted_model_
            "WARMUP_LEARNING_RATE": "1e-6", "WARMUP_THREADS": "1",
            "MAX_NEW_TOKENS": "40", "MAX_TURNS": "3", "TEMPERATURE": "1.0", "TRAIN_STEPS": "1",
            "TRAIN_BATCH_SIZE": "4", "SAVE_STEPS": "1", "ENGINE_THREADS": "1", "RUN_DIR": str(run_dir),
+           "SYNC_EVERY": "1",  # the one step is published (the default, every 2 steps, would publish nothing)
            "AGENTRL_DB_DIR": str(db_dir), "EXTRA_SAMPLE_FLAGS": "--seed 1", "EXTRA_TRAIN_FLAGS": "--learning_rate 1e-4"}
     env.pop("AGENTRL_DB", None)
     done = subprocess.run([str(ROOT / "minirl_example.sh"), RUN_NAME], capture_output=True, text=True, env=env,

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from agentrl.store import Store, VersionConflict
-from agentrl.training.publish import PublishError, PublishResult, WeightPublisher
+from agentrl.training.publish import PendingPublish, PublishError, PublishResult, WeightPublisher
 
 
 async def test_bump_needs_the_expected_current_version(db_uri: str) -> None:
@@ -29,6 +29,7 @@ async def test_publisher_does_not_move_a_version_another_trainer_moved(db_uri: s
         await store.runs.bump_policy_version("/elsewhere/1", expected=0)  # another trainer published version 1
         publisher = WeightPublisher(store, None, None, tmp_path, dtype=torch.float32, tokenizer=None)
         with pytest.raises(PublishError, match="another trainer"):
-            await publisher._announce(PublishResult(version=1, path=tmp_path / "weights" / "1"), expected=None)
+            await publisher.announce(PendingPublish(PublishResult(version=1, path=tmp_path / "weights" / "1"),
+                                                    started=0.0, expected=None))
         run = await store.runs.get()
         assert (run.policy_version, run.weights_path) == (1, "/elsewhere/1")
