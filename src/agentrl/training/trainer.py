@@ -469,8 +469,7 @@ class Trainer:
         if parallel.is_tp_leader:
             released = self.io.submit(self._release(data, trained_version, trainer_logprobs, pending))
         self.unsettled = _Unsettled(data, values, pending, released)
-        checkpoint_due = bool(cfg.save_steps) and step % cfg.save_steps == 0
-        if pending is None or not cfg.overlap_publish or checkpoint_due:
+        if pending is None or not cfg.overlap_publish or self._checkpoint_due(step):
             self._settle()
 
     async def _release(self, data: StepData, trained_version: int, trainer_logprobs: dict[Any, list[float]],
@@ -496,7 +495,7 @@ class Trainer:
         unsettled, self.unsettled = self.unsettled, None
         if unsettled is None:
             return
-        cfg, parallel, step, values = self.cfg, self.parallel, unsettled.data.step, unsettled.values
+        parallel, step, values = self.parallel, unsettled.data.step, unsettled.values
         waited = time.monotonic()
         if unsettled.released is not None:
             unsettled.released.result()
@@ -512,8 +511,11 @@ class Trainer:
         if self.sink is not None:
             self.sink.log(step, values, [sample_id for ids in ledger for sample_id in ids])
         failpoint("trainer.step.after_log")
-        if cfg.save_steps and step % cfg.save_steps == 0:
+        if self._checkpoint_due(step):
             self._checkpoint()
+
+    def _checkpoint_due(self, step: int) -> bool:
+        return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
 
     async def _records_trained(self, samples: list[DBRecordData]) -> None:
         for record_id in dict.fromkeys(s.record_id for s in samples):
