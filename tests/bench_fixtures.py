@@ -75,10 +75,11 @@ def reachable_text(root: Path) -> str:
 
 
 def run_bench(tmp_path: Path, db_uri: str, scenario: Path, agent: str, timeout: float, *extra: str,
-              env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """``agentrl bench run`` of ``agent`` on the scripted scenario (workspaces and results under ``tmp_path``)."""
+              env: dict[str, str] | None = None, task: str = "scripted") -> subprocess.CompletedProcess:
+    """``agentrl bench run`` of ``agent`` on ``task`` (default: the scripted scenario), with the scripted scenario
+    file known (workspaces and results under ``tmp_path``)."""
     return subprocess.run(
-        agentrl_cmd("bench", "run", "--agent", agent, "--task", "scripted", "--scenario", str(scenario),
+        agentrl_cmd("bench", "run", "--agent", agent, "--task", task, "--scenario", str(scenario),
                     "--timeout", str(timeout), "--port", "0", "--workspace_root", str(tmp_path / "workspace"),
                     "--results_dir", str(tmp_path / "results"), "--db_connection_string", db_uri,
                     "--engine_args", ENGINE_ARGS, *extra),

@@ -56,7 +56,7 @@ SHARED_ON_ONE_WORKER = ("minirl_example_run",)
 # Modules of a minute or more (measured): they start first, so that the workers end together.
 LONG_MODULES = ("test_sampler_failpoints", "test_dashboard", "test_example_scripts", "test_bench", "test_db_outage",
                 "test_trainer_publish", "test_trainer_failpoints", "test_envs_episodes", "test_rollout_sampler",
-                "test_bench_containment", "test_trainer_parallel", "test_eval_run")
+                "test_bench_containment", "test_trainer_parallel", "test_eval_run", "test_bench_heldout")
 # Modules of 10 s or more on one worker (measured; they start engines, samplers, trainers): marked ``slow``, so
 # that ``./scripts/test.sh -m "not slow"`` runs the rest, about 550 tests, in under 5 minutes.
 SLOW_MODULES = LONG_MODULES + (

@@ -53,17 +53,24 @@ def _check_foreign_requests_are_refused(http: httpx.Client) -> None:
 
 
 def _check_interact(http: httpx.Client) -> None:
-    """/interact: environment sessions on training goals only."""
-    from agentrl.envs.registry import get_spec
+    """/interact: environment sessions on the scenario's training goals only (not on held-out or held-back ones)."""
+    from agentrl.bench.scenarios import ScenarioSet
 
-    started = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": 0}).json()
-    assert "Goal" in started["observation"] and started["done"] is False
+    textcraft = ScenarioSet().get("textcraft")  # the server's data: one installation, one secret
+    train, test = ({json.loads(line)["env"]["data_idx"] for line in Path(path).read_text().splitlines()}
+                   for path in (textcraft.train_data_path, textcraft.test_data_path))
+    first = min(train)
+    started = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": first}).json()
+    assert "Goal" in started["observation"] and started["done"] is False and started["info"]["data_idx"] == first
     step = http.post("/interact", json={"scenario_id": "textcraft", "session_id": started["session_id"],
                                         "action": "inventory"}).json()
     assert step["session_id"] == started["session_id"] and "Inventory" in step["observation"]
-    held_out = next(iter(get_spec("textcraft").split("test")))
-    refused = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": held_out})
-    assert refused.status_code == 400 and "training split" in refused.json()["detail"]
+    held_back = min(set(range(544)) - train - test)
+    for refused_idx in (min(test), held_back):
+        refused = http.post("/interact", json={"scenario_id": "textcraft", "data_idx": refused_idx})
+        assert refused.status_code == 400 and "training data" in refused.json()["detail"], refused_idx
+    random_start = http.post("/interact", json={"scenario_id": "textcraft"}).json()
+    assert random_start["info"]["data_idx"] in train
     assert http.post("/interact", json={"scenario_id": "scripted"}).status_code == 400
 
 

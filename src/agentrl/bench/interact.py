@@ -1,7 +1,8 @@
 """``POST /interact`` for interactive scenarios: environment sessions an agent plays to gather experience.
 
 A session is one in-process instance of the scenario's environment (:mod:`agentrl.envs`), reset to a task of the
-**train** split (held-out task indices are refused, so the test goals cannot be played). A request without a
+scenario's **training data** (the ``env.data_idx`` of its rows; every other index is refused, so held-out goals
+cannot be played). A request without a
 ``session_id`` (or with an unknown one) starts a session on ``data_idx`` (default: a random training task) and
 returns the first observation; a request with a ``session_id`` and an ``action`` steps it. Environment calls run in
 worker threads (one at a time per session). Sessions idle longer than ``ttl_s`` are closed, and at most
@@ -11,6 +12,7 @@ worker threads (one at a time per session). Sessions idle longer than ``ttl_s`` 
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -37,12 +39,25 @@ class Session:
     lock: threading.Lock = field(default_factory=threading.Lock)
 
 
+def training_indices(path: str, env_name: str) -> set[int]:
+    """The ``env.data_idx`` of the rows of the task file ``path`` that name environment ``env_name``."""
+    indices = set()
+    with open(path, encoding="utf-8") as handle:
+        for line in handle:
+            env = json.loads(line).get("env") if line.strip() else None
+            if isinstance(env, dict) and env.get("name") == env_name and isinstance(env.get("data_idx"), int):
+                indices.add(env["data_idx"])
+    return indices
+
+
 class InteractSessions:
     """Open environment sessions of one environment kind."""
 
-    def __init__(self, env_name: str, *, ttl_s: float = 1800.0, max_sessions: int = 64):
+    def __init__(self, env_name: str, train: set[int], *, ttl_s: float = 1800.0, max_sessions: int = 64):
+        if not train:
+            raise InteractError(f"the scenario's training data has no {env_name} task (rows with env.data_idx)")
         self.spec = get_spec(env_name)
-        self.train = set(self.spec.split("train"))
+        self.train = train
         self.ttl_s, self.max_sessions = ttl_s, max_sessions
         self.sessions: dict[str, Session] = {}
 
@@ -58,8 +73,8 @@ class InteractSessions:
         if data_idx is None:
             data_idx = random.choice(sorted(self.train))
         if isinstance(data_idx, bool) or not isinstance(data_idx, int) or data_idx not in self.train:
-            raise InteractError(f"'data_idx' must be a task index of the training split (0..{self.spec.num_tasks - 1}"
-                                f" minus the held-out ones); got {data_idx!r}")
+            raise InteractError(f"'data_idx' must be the task index of a row of the training data ({len(self.train)} "
+                                f"tasks, e.g. {min(self.train)}); got {data_idx!r}")
         if len(self.sessions) >= self.max_sessions:
             oldest = min(self.sessions, key=lambda s: self.sessions[s].last_used)
             self._close(oldest)

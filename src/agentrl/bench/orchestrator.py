@@ -60,6 +60,7 @@ from agentrl.bench.agent import (
     supervise,
 )
 from agentrl.bench.containment import AgentSandbox, ContainmentUnavailable, Network
+from agentrl.bench.data import public_answer_paths
 from agentrl.bench.grading import GradingState, GradingStateError, write_json_atomic
 from agentrl.bench.scenarios import Scenario, ScenarioSet, bench_home
 from agentrl.bench.server import READY_LINE
@@ -160,12 +161,13 @@ def prepare_workspace(scenario: Scenario, agent_id: str, options: RunOptions, ru
 
 
 def masked_paths(options: RunOptions, scenarios: ScenarioSet, result_dir: Path) -> tuple[Path, ...]:
-    """What a contained agent must not see even where it lies under a directory it sees: the benchmark's cache,
-    results, other runs' workspaces, the embedded database's files and every scenario file's test data."""
+    """What a contained agent must not see even where it lies under a directory it sees: the benchmark's cache (its
+    secret and built-in data), results, other runs' workspaces, the embedded database's files, every scenario
+    file's test data and the installed files that hold public held-out problems with their answers."""
     from agentrl.store.embedded import default_data_dir
 
     paths = [bench_home(), Path(options.results_dir), result_dir, Path(options.workspace_root), default_data_dir(),
-             *(Path(s.test_data_path) for s in scenarios.from_files())]
+             *(Path(s.test_data_path) for s in scenarios.from_files()), *public_answer_paths()]
     return tuple(dict.fromkeys(path.resolve() for path in paths))
 
 

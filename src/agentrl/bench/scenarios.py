@@ -5,13 +5,15 @@ the agent may read, a **test file it never sees** (the benchmark server evaluate
 nor a run's workspace reveals its path), a metric in percent, and the evaluation protocol (:class:`EvalProtocol`:
 the ``agentrl eval`` settings: scorer, answer schema, prompt, turns, tools or environment).
 
-Built-ins (data made offline on first use by :mod:`agentrl.bench.data`): ``gsm8k``, ``arith``, ``humaneval``,
-``textcraft``. Users add their own as YAML files with the same fields (``train_data``/``train_data_path`` and
+Built-ins (data made offline on first use by :mod:`agentrl.bench.data`, held-out sets drawn from the
+installation's secret, :mod:`agentrl.bench.secret`): ``gsm8k``, ``arith``, ``humaneval``, ``textcraft``.
+Users add their own as YAML files with the same fields (``train_data``/``train_data_path`` and
 ``base_model``/``base_model_path`` are accepted both ways, as the seed's README and code disagree).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -20,6 +22,7 @@ import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
 from agentrl.bench import data as bench_data
+from agentrl.bench.secret import SecretError, installation_secret
 
 GSM8K_PROMPT = ("Solve this math problem step by step. Put your final answer after ####.\n\nQuestion: {query}\n\n"
                 "Solution:")
@@ -96,21 +99,32 @@ def count_lines(path: str) -> int:
         return sum(1 for line in handle if line.strip())
 
 
+def fingerprint(path: str | Path) -> str:
+    """A short hash of a held-out file's bytes: which held-out set a score was measured on, never its content."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()[:16]
+
+
 def bench_home() -> Path:
-    """``$AGENTRL_HOME/bench``, else ``~/.cache/agentrl/bench``: built-in data, baselines."""
+    """``$AGENTRL_HOME/bench``, else ``~/.cache/agentrl/bench``: the secret, built-in data, grading state."""
     home = os.environ.get("AGENTRL_HOME")
     return (Path(home) if home else Path.home() / ".cache" / "agentrl") / "bench"
 
 
 def _builtin(scenario_id: str) -> Scenario:
-    train, test = bench_data.prepare(scenario_id, bench_home() / "data" / scenario_id)
+    home = bench_home()
+    try:
+        secret = installation_secret(home)
+    except SecretError as error:
+        raise ScenarioError(str(error)) from None
+    train, test = bench_data.prepare(scenario_id, home / "data" / scenario_id, secret)
     common = {"train_data_path": str(train), "test_data_path": str(test)}
     if scenario_id == "gsm8k":
         return Scenario(
             id="gsm8k", name="GSM8K (gsm_symbolic)", metric="accuracy", **common,
             description="Grade-school math word problems in GSM8K form, generated offline by reasoning-gym's "
                         "gsm_symbolic (GSM8K templates with new numbers); the test problems come from templates "
-                        "the training problems do not use. Evaluated as AutoRL-Bench v0: greedy, its prompt, the "
+                        "the training problems do not use, with numbers drawn from this installation's secret. "
+                        "Evaluated as AutoRL-Bench v0: greedy, its prompt, the "
                         "number after '####' (else the last number), accuracy in percent.",
             data_format={"type": "jsonl", "fields": {"question": "str", "answer": "worked solution ending "
                                                                                   "'#### N'"}},
@@ -120,7 +134,9 @@ def _builtin(scenario_id: str) -> Scenario:
         return Scenario(
             id="arith", name="Arithmetic word problems with a calculator", metric="accuracy", **common,
             description="AgentRL's calculator tasks: the model may call the calculator tool (MCP) before it answers "
-                        "in \\boxed{}; up to 3 LLM calls per problem, 128 new tokens each. Accuracy in percent.",
+                        "in \\boxed{}; up to 3 LLM calls per problem, 128 new tokens each. The held-out problems have "
+                        "the training problems' types, with numbers drawn from this installation's secret. Accuracy in "
+                        "percent.",
             data_format={"type": "jsonl", "fields": {"query": "str", "answer": "number",
                                                       "expression": "calculator expression of the answer"}},
             eval=EvalProtocol(scorer="math", answer_schema="boxed", max_turns=3, max_new_tokens=128,
@@ -141,7 +157,8 @@ def _builtin(scenario_id: str) -> Scenario:
             id="textcraft", name="TextCraft (interactive)", type="interactive", metric="success_rate", **common,
             description="Craft a Minecraft item from crafting commands in a text environment (TextCraft's "
                         "recipes, as in AgentGym). Training goals can be played through POST /interact; success "
-                        "rate in percent on held-out goals, greedy, at most 12 turns.",
+                        "rate in percent on held-out goals (chosen by this installation's secret, none of them in "
+                        "the training data), greedy, at most 12 turns.",
             data_format={"type": "jsonl", "fields": {"env": {"name": "textcraft", "data_idx": "int"}}},
             reward={"type": "binary", "source": "environment"},
             eval=EvalProtocol(scorer="env_reward", max_turns=12, max_new_tokens=96, env="textcraft"))

@@ -42,7 +42,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from agentrl.bench.evaluation import EvaluationResult, Evaluator
 from agentrl.bench.grading import GradingRequestError, GradingRun, GradingStateError, now_iso
-from agentrl.bench.interact import InteractError, InteractSessions
+from agentrl.bench.interact import InteractError, InteractSessions, training_indices
 from agentrl.bench.scenarios import Scenario, ScenarioError, ScenarioSet, bench_home
 
 logger = logging.getLogger(__name__)
@@ -197,7 +197,8 @@ class BenchService:
         if scenario.eval.env is None:
             raise InteractError(f"scenario {scenario.id!r} is {scenario.type}: it has no environment to interact with")
         if scenario.id not in self.sessions:
-            self.sessions[scenario.id] = InteractSessions(scenario.eval.env)
+            self.sessions[scenario.id] = InteractSessions(
+                scenario.eval.env, training_indices(scenario.train_data_path, scenario.eval.env))
         return self.sessions[scenario.id]
 
 

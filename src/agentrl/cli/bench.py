@@ -92,7 +92,7 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
 
 
 def list_scenarios(args: argparse.Namespace) -> int:
-    from agentrl.bench.scenarios import ScenarioError, ScenarioSet, count_lines
+    from agentrl.bench.scenarios import ScenarioError, ScenarioSet, count_lines, fingerprint
 
     try:
         scenarios = ScenarioSet(args.scenario)
@@ -100,10 +100,10 @@ def list_scenarios(args: argparse.Namespace) -> int:
     except ScenarioError as error:
         print(f"agentrl bench list: error: {error}", file=sys.stderr)
         return 2
-    print(f"{'id':<12} {'type':<12} {'metric':<13} {'train':>6} {'test':>5}  name")
+    print(f"{'id':<12} {'type':<12} {'metric':<13} {'train':>6} {'test':>5}  {'held-out hash':<16}  name")
     for s in rows:
         print(f"{s.id:<12} {s.type:<12} {s.metric:<13} {count_lines(s.train_data_path):>6} "
-              f"{count_lines(s.test_data_path):>5}  {s.name}")
+              f"{count_lines(s.test_data_path):>5}  {fingerprint(s.test_data_path):<16}  {s.name}")
     return 0
 
 

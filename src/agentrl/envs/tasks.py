@@ -39,11 +39,16 @@ def sampled_indices(spec: EnvSpec, split: str, num: int | None, seed: int) -> li
 def task_rows(name: str, split: str = "train", num: int | None = None, seed: int = 0) -> list[dict[str, Any]]:
     """Task rows for ``num`` tasks of ``split`` (see the module docstring)."""
     spec = get_spec(name)
+    return [task_row(name, data_idx) for data_idx in sampled_indices(spec, split, num, seed)]
+
+
+def task_row(name: str, data_idx: int) -> dict[str, Any]:
+    """The task row of environment ``name``'s task ``data_idx`` (see the module docstring)."""
+    spec = get_spec(name)
     task_type = spec.meta.get("task_type")
-    return [{"id": f"{spec.name}-{data_idx}", "query": f"{spec.name} task {data_idx}", "scorer": "env_reward",
-             "task_type": task_type(data_idx) if callable(task_type) else spec.name,
-             "env": {"name": name, "data_idx": data_idx, "max_turns": spec.max_turns}}
-            for data_idx in sampled_indices(spec, split, num, seed)]
+    return {"id": f"{spec.name}-{data_idx}", "query": f"{spec.name} task {data_idx}", "scorer": "env_reward",
+            "task_type": task_type(data_idx) if callable(task_type) else spec.name,
+            "env": {"name": name, "data_idx": data_idx, "max_turns": spec.max_turns}}
 
 
 def demo_rows(name: str, num: int, seed: int = 0, split: str = "train",
