@@ -1,11 +1,14 @@
 """Every process rides out a database outage: the whole loop (registered engine, two samplers, trainer) runs on
 its own embedded database server, which is stopped for 60 s mid-run and restarted on the same port with the same
 data. Nothing may exit; afterwards the run finishes with every step's samples trained exactly once (by the
-ledger), every slot settled once and each process having said that it waited."""
+ledger), every slot settled once and each process having said that it waited. A sampler and a trainer *started*
+while the database is down wait for it the same way; past the tolerance they stop with one line naming the
+database and how long they waited."""
 
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import time
@@ -15,9 +18,9 @@ from pathlib import Path
 from agentrl.store.embedded import EmbeddedServer
 from conftest import free_port, with_database
 from inference_fixtures import start_engine
-from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config
+from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from test_rl_loop import wait_for
-from trainer_fixtures import start_trainer, trainer_args
+from trainer_fixtures import run_trainer, start_trainer, trainer_args
 
 OUTAGE_S = 60.0
 STEPS, BATCH = 4, 4
@@ -89,3 +92,58 @@ def test_every_process_rides_out_a_60_s_database_outage(tmp_path: Path, scripted
         assert all(count == 1 for count in outcomes.values()), outcomes
     finally:
         server.stop()
+
+
+LATE_START_S = 40.0
+
+
+def test_a_sampler_and_a_trainer_started_during_an_outage_wait_for_the_database(tmp_path: Path,
+                                                                              scripted_model_dir: Path) -> None:
+    server = EmbeddedServer(data_dir=tmp_path / "db", port=free_port())
+    server.start()
+    db_uri = with_database(server.uri(), "late")
+    upload(db_uri, write_script_tasks(tmp_path / "tasks.jsonl", ("add", "mul")), "--num_generations", "2")
+    engine = start_engine(scripted_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    server.stop()
+    log = tmp_path / "sampler.log"
+    sampler = subprocess.Popen(
+        sample_args(db_uri, scripted_model_dir, None, write_mcp_config(tmp_path / "mcp.json"),
+                    "--zero_variance_threshold", "0", "--drop_zero_advantage", "false"),
+        stdout=log.open("w"), stderr=subprocess.STDOUT, text=True, env=run_env())
+    trainer = start_trainer(trainer_args(db_uri, scripted_model_dir, tmp_path / "out", "--max_steps", "1",
+                                         "--per_device_train_batch_size", "2"))
+    try:
+        time.sleep(LATE_START_S)
+        assert sampler.poll() is None and trainer.poll() is None, log.read_text()[-3000:]
+        server.start()
+        output, _ = trainer.communicate(timeout=300)
+        assert trainer.returncode == 0, output[-4000:]
+        assert sampler.wait(timeout=120) == 0, log.read_text()[-3000:]
+    finally:
+        for process in (sampler, trainer):
+            if process.poll() is None:
+                process.kill()
+        engine.stop()
+    try:
+        for text, who in ((log.read_text(), "sampler"), (output, "trainer")):
+            assert "unreachable" in text and "reachable again" in text, f"the {who} did not log the outage"
+        [metric] = documents(db_uri, "Metric")
+        assert len(metric["sample_ids"]) == 2
+    finally:
+        server.stop()
+
+
+def test_past_the_tolerance_a_late_process_stops_with_one_line(tmp_path: Path, scripted_model_dir: Path) -> None:
+    """No database at all, a tolerance of 3 s: each stops after about 3 s with one line, no traceback."""
+    uri = with_database(f"mongodb://127.0.0.1:{free_port()}", "nowhere")
+    env = {**run_env(), "AGENTRL_DB_OUTAGE_S": "3"}
+    sampled = subprocess.run(sample_args(uri, scripted_model_dir, None, write_mcp_config(tmp_path / "mcp.json")),
+                             capture_output=True, text=True, env=env, timeout=120)
+    trained = run_trainer(trainer_args(uri, scripted_model_dir, tmp_path / "out", "--max_steps", "1"),
+                          env={"AGENTRL_DB_OUTAGE_S": "3"}, timeout_s=120)
+    for done, output in ((sampled, sampled.stderr), (trained, trained.stdout)):
+        assert done.returncode == 1, output[-3000:]
+        assert "Traceback" not in output, output[-3000:]
+        assert re.search(r"cannot reach the database at mongodb://127\.0\.0\.1:\d+/nowhere: waited [34] s "
+                         r"\(limit 3 s\)", output), output[-3000:]
+        assert "unreachable" in output  # the same outage log line as a running process

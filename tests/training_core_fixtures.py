@@ -33,7 +33,21 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32, attn: str = "s
     config._attn_implementation = attn
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(dtype)
-    return model.eval()
+    return (in_float64(model) if dtype == torch.float64 else model).eval()
+
+
+def in_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """``model`` in float64 throughout: its parameters, and its RMSNorms, which Hugging Face computes in float32
+    whatever the model's dtype (so gradients would be rounded to float32 per token, and two exact-equal paths
+    that sum them in another order would differ by ~1e-7 relative)."""
+    model.to(torch.float64)
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm"):
+            def forward(hidden: torch.Tensor, norm: torch.nn.Module = module) -> torch.Tensor:
+                variance = hidden.pow(2).mean(-1, keepdim=True)
+                return norm.weight * (hidden * torch.rsqrt(variance + norm.variance_epsilon))
+            module.forward = forward
+    return model
 
 
 def random_ids(rng: random.Random, n: int) -> list[int]:

@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.rollout.sampler import SamplerHalted
     from agentrl.scoring import ScorerError
     from agentrl.scoring.agent_config import AgentConfigError
+    from agentrl.store import DatabaseUnreachable
     from agentrl.store.runs import RunValuesConflict
     from agentrl.tools.errors import ToolConfigError
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             FileNotFoundError, ValueError) as error:
         print(f"agentrl sample: error: {error}", file=sys.stderr)
         return 2
-    except SamplerHalted as error:
+    except (SamplerHalted, DatabaseUnreachable) as error:
         print(f"agentrl sample: error: {error}", file=sys.stderr)
         return 1
     print(f"sampler done: {stats.trajectories} trajectories, {stats.scored} scored, {stats.score_errors} scoring "

@@ -201,11 +201,19 @@ class SamplerConfig(BaseModel):
             given["temperature"] = self.rollout.temperature
         return given
 
-    def with_run_values(self, values: RunValues) -> SamplerConfig:
-        """This configuration with the run's agreed values."""
-        rollout = self.rollout.model_copy(update={"temperature": values.temperature})
-        return self.model_copy(update={"train_batch_size": values.train_batch_size,
-                                       "max_staleness": values.max_staleness, "rollout": rollout})
+    def run_value_sources(self) -> dict[str, str]:
+        """How this sampler was given each of :meth:`run_values` (for the run's record and its errors)."""
+        return {key: f"a sampler's --{key} {value:g}" if isinstance(value, float) else f"a sampler's --{key} {value}"
+                for key, value in self.run_values().items()}
+
+    def with_run_values(self, values: dict[str, Any]) -> SamplerConfig:
+        """This configuration with the values the run records (``Run.values``: only those some process was given)
+        in place of the ones this sampler was not given; its own given values equal the run's (``Runs.agree``)."""
+        values = {key: value for key, value in values.items() if key not in self.run_values()}
+        update = {key: value for key, value in values.items() if key != "temperature"}
+        if "temperature" in values:
+            update["rollout"] = self.rollout.model_copy(update={"temperature": values["temperature"]})
+        return self.model_copy(update=update)
 
     @property
     def failure_limit(self) -> int:

@@ -25,6 +25,7 @@ from agentrl.rollout.sampler import Sampler, SamplerStats
 from agentrl.rollout.tool_parsers import get_parser
 from agentrl.scoring import AgentConfig, MCPScorerFactory, load_agent_config
 from agentrl.store import Store, database_name, resolve_connection_string
+from agentrl.store.outage import outage_tolerance_s
 from agentrl.tools import ToolManager
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,12 @@ async def _watch_static_services(store: Store, pool: InferencePool, urls: list[s
 
 async def agree_run_values(store: Store, uri: str, config: SamplerConfig) -> SamplerConfig:
     """A train-split sampler's configuration with the values its run records (``RunValues``: batch size,
-    staleness bound, temperature), recording them from this sampler's flags if it creates the run; a flag that
-    differs from the run's value raises ``RunValuesConflict``. Samplers of other splits do not take part."""
+    staleness bound, temperature) where it was given none, recording those it was given unless recorded before; a
+    given value that differs from the run's raises ``RunValuesConflict``. Samplers of other splits do not take
+    part. (A value another process records later is taken up while sampling: ``Sampler``.)"""
     if config.split != "train":
         return config
-    run = await store.runs.agree(database_name(uri), config.run_values())
+    run = await store.runs.agree(database_name(uri), config.run_values(), config.run_value_sources())
     return config.with_run_values(run.values)
 
 
@@ -76,7 +78,8 @@ async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResourc
     tokenizer = policy_tokenizer(config.model_name_or_path)
     agent_config = load_agent_config(tools_cfg.agent_config_path) if tools_cfg.agent_config_path else AgentConfig()
     async with contextlib.AsyncExitStack() as stack:
-        store = await stack.enter_async_context(Store(uri, lease_s=limits.lease_s))
+        store = await stack.enter_async_context(Store(uri, lease_s=limits.lease_s,
+                                                      connect_timeout_s=outage_tolerance_s()))
         config = await agree_run_values(store, uri, config)
         pool = InferencePool(store, owner=config.sampler_id, owner_ttl_s=limits.lease_s,
                              target_concurrency=limits.target_concurrency, timeout_s=limits.request_timeout)

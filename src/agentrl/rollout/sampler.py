@@ -21,7 +21,8 @@ the count.
 
 Admission control (train split): a new group (Task) is started only while every slot of the groups being sampled plus
 the samples ready but not yet trained fit ``(max_staleness + 1) × train_batch_size`` (values the run records, see
-``agentrl.store.models.RunValues``; ``max_staleness`` none: no bound); a started group's remaining
+``agentrl.store.models.RunValues``, read again every ``RUN_VALUES_REFRESH_S``: a trainer started after the sampler
+records its batch size then; ``max_staleness`` none: no bound); a started group's remaining
 slots are always claimed (first, without asking admission control), so every group completes. Counting whole groups
 (not only the trajectories running now) keeps finished trajectories that wait for their siblings in the count, which
 bounds how stale a trained sample gets.
@@ -62,6 +63,7 @@ from agentrl.store.outage import is_transient
 logger = logging.getLogger(__name__)
 
 STATUS_INTERVAL_S = 10.0
+RUN_VALUES_REFRESH_S = 10.0
 SHUTDOWN_GRACE_S = 15.0
 ENV_RETRY_PAUSE_S = 5.0
 """How long a trajectory slot waits after its environment server could not be reached (so a sampler whose
@@ -179,7 +181,7 @@ class Sampler:
         ``SamplerHalted`` after ``max_consecutive_failures`` infrastructure failures in a row."""
         started = last_status = time.monotonic()
         commands_before = self.res.store.commands.snapshot()
-        next_group_probe = 0.0
+        next_group_probe = next_values_refresh = 0.0
         backoff = 0.5
         logger.info("sampler %s started on split %s", self.owner, self.cfg.split)
         try:
@@ -189,6 +191,9 @@ class Sampler:
                     logger.info("sampler %s: %s", self.owner, self.stats.line(now - started, len(self._active)))
                     last_status = now
                 try:
+                    if now >= next_values_refresh:
+                        next_values_refresh = now + RUN_VALUES_REFRESH_S
+                        await self._refresh_run_values()
                     if now >= next_group_probe:
                         next_group_probe = now + self.cfg.concurrency.lease_s / 2
                         await self._recover_group_stages()
@@ -329,6 +334,18 @@ class Sampler:
                             ", ".join(sorted(order.preferred)) or "none")
             self._type_order = order
         return self._type_order
+
+    async def _refresh_run_values(self) -> None:
+        """Take up the run values (``Run.values``) another process recorded since this sampler started, e.g. the
+        batch size of a trainer started after it, for the values this sampler was not given."""
+        if self.cfg.split != "train" or (run := await self.res.store.runs.get()) is None:
+            return
+        updated = self.cfg.with_run_values(run.values)
+        if updated != self.cfg:
+            changes = ", ".join(f"{key} {run.values[key]} (from {run.value_sources.get(key, 'another process')})"
+                                for key in sorted(run.values) if key not in self.cfg.run_values())
+            logger.info("sampler %s: the run's values now %s", self.owner, changes)
+            self.cfg = self.res.config = updated
 
     async def _admit(self) -> bool:
         if self.cfg.split != "train":

@@ -10,6 +10,10 @@ class StoreError(RuntimeError):
     """Base class of the store's errors."""
 
 
+class DatabaseUnreachable(StoreError):
+    """The database did not answer within the time a process waits for it when it opens its store."""
+
+
 class NotFound(StoreError):
     """The document an operation targets does not exist."""
 

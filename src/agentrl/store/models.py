@@ -11,7 +11,7 @@ from datetime import UTC, datetime
 from enum import StrEnum
 from typing import Annotated, Any, ClassVar
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import AfterValidator, BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 
 def utcnow() -> datetime:
@@ -426,15 +426,16 @@ class RunStatus(StrEnum):
     FAILED = "failed"
 
 
-RUN_VALUE_HELP = ("the run records it (docs/configuration.md): left out, the run's value applies, else the default; "
-                  "a value other than the run's is an error")
+RUN_VALUE_HELP = ("the run records it when given (docs/configuration.md): left out, the run's value applies if a "
+                  "process was given one, else the default; a value other than the one given before is an error")
 
 
 class RunValues(BaseModel):
-    """Values every trainer and every sampler of the train split must agree on. Whoever creates the run's ``Run``
-    document (the first sampler or trainer) writes them there once, from its flags and these defaults; the others
-    take them from it when not given, and a flag that differs is an error naming both values (docs/configuration.md).
-    """
+    """Values every trainer and every sampler of the train split must agree on. The run's ``Run`` document records
+    a value only when a process was given it (a flag, a config file, a preset, or a value derived from such flags,
+    e.g. the trainer's per-device batch size × accumulation × ranks); a process given none uses the recorded value,
+    else these defaults, without recording them. So which process starts first changes nothing, and only two
+    values that were both chosen can contradict each other (docs/configuration.md)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -445,6 +446,13 @@ class RunValues(BaseModel):
         "at most (max_staleness + 1) batches sampled ahead (None: no bound)")
     temperature: float = Field(1.0, ge=0.0, description="sampling temperature of the samplers, by which the trainer "
                                "divides its logits to compute the behaviour logprobs")
+
+
+def _chosen_values(values: dict[str, Any] | None) -> dict[str, Any]:
+    """The recorded :class:`RunValues`, checked; ``None`` (a run from before values were recorded) is none."""
+    if values is None:
+        return {}
+    return RunValues(**values).model_dump(include=set(values))
 
 
 class Run(Document):
@@ -459,8 +467,11 @@ class Run(Document):
     lora_name: str | None = Field(None, description="the published LoRA adapter samplers name (lora_publish "
                                                     "adapter); None: the services serve the policy's full weights")
     status: RunStatus = RunStatus.CREATED
-    values: RunValues | None = Field(None, description="the values its samplers and trainers agree on (None: a run "
-                                     "created before they were recorded, until its next sampler or trainer starts)")
+    values: Annotated[dict[str, Any], BeforeValidator(_chosen_values)] = Field(
+        default_factory=dict, description="the RunValues some sampler or trainer was given, by name (a value no "
+        "process was given is absent: each uses its own default)")
+    value_sources: dict[str, str] = Field(default_factory=dict, description="how each recorded value was given, "
+                                          "e.g. 'trainer: --per_device_train_batch_size 2 x 1 rank'")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     updated_at: UTCDatetime = Field(default_factory=utcnow)
 

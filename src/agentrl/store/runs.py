@@ -41,33 +41,43 @@ class Runs:
         return Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
 
     @retry_on_reconnect
-    async def agree(self, name: str, given: dict[str, Any]) -> Run:
-        """The run's document with the :class:`RunValues` its samplers and trainers agree on, created if needed.
+    async def agree(self, name: str, given: dict[str, Any], sources: dict[str, str] | None = None) -> Run:
+        """The run's document, created if needed, with ``given`` (the :class:`RunValues` this process was given;
+        ``sources[key]`` says how, e.g. ``"trainer: --per_device_train_batch_size 2 x 1 rank"``) recorded where no
+        process recorded one before.
 
-        Whoever creates the document records the values: ``given`` (the caller's flags) over the defaults. A run
-        created before values were recorded gets them the same way, once (a conditional update). A ``given`` value
-        that differs from the recorded one raises :class:`RunValuesConflict` naming both, and nothing is written.
-        Every write is conditional, so a caller killed at any point and started again gets the same answer. (The
-        trainer's configuration snapshot follows with :meth:`get_or_create`.)
+        A value no process was given is never recorded: the caller uses the recorded value if there is one, else
+        its own default. A ``given`` value that differs from a recorded one raises :class:`RunValuesConflict`
+        naming both and how each was given, and nothing is written. One conditional update records every given
+        value or none (its filter holds only while each is unrecorded or equal), so concurrent processes end with
+        one value each, whoever came first, and a caller killed at any point and started again gets the same
+        answer. (The trainer's configuration snapshot follows with :meth:`get_or_create`.)
         """
-        values = RunValues(**given)
+        values = RunValues(**given).model_dump(include=set(given))
+        sources = {key: (sources or {}).get(key, f"--{key} {_shown(value)}") for key, value in values.items()}
         now = utcnow()
-        fresh = Run(id=RUN_ID, name=name, values=values, created_at=now, updated_at=now)
+        fresh = Run(id=RUN_ID, name=name, values=values, value_sources=sources, created_at=now, updated_at=now)
         try:
             await self.collection.insert_one(fresh.to_mongo())
             return fresh
         except DuplicateKeyError:
+            pass
+        await self.collection.update_one({"_id": RUN_ID, "values": None}, {"$set": {"values": {}}})  # an old run
+        run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
+        new = {key: value for key, value in values.items() if key not in run.values}
+        if new and not any(run.values.get(key, value) != value for key, value in values.items()):
+            agreeing = [{"$or": [{f"values.{key}": {"$exists": False}}, {f"values.{key}": value}]}
+                        for key, value in values.items()]
+            updates = {**{f"values.{key}": value for key, value in new.items()},
+                       **{f"value_sources.{key}": sources[key] for key in new}, "updated_at": now}
+            await self.collection.update_one({"_id": RUN_ID, "$and": agreeing}, {"$set": updates})
             run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
-        if run.values is None:
-            await self.collection.update_one({"_id": RUN_ID, "values": None},
-                                             {"$set": {"values": values.model_dump(), "updated_at": now}})
-            run = Run.from_mongo(await self.collection.find_one({"_id": RUN_ID}))
-        recorded = run.values.model_dump()
-        differing = [f"--{key} {_shown(value)} differs from the run's {key} {_shown(recorded[key])}"
-                     for key, value in given.items() if value != recorded[key]]
+        differing = [f"{sources[key]} differs from the run's {key} {_shown(run.values[key])} (from "
+                     f"{run.value_sources.get(key, 'an earlier process')})"
+                     for key, value in values.items() if key in run.values and run.values[key] != value]
         if differing:
-            raise RunValuesConflict(f"run {run.name!r}: {'; '.join(differing)} (recorded when the run was created; "
-                                    "pass the same value or leave the flag out)")
+            raise RunValuesConflict(f"run {run.name!r}: {'; '.join(differing)}: pass the same value or leave the "
+                                    "flag out")
         return run
 
     @retry_on_reconnect

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pymongo
@@ -13,7 +14,7 @@ from agentrl.log import redact
 from agentrl.store.clock import ServerClock
 from agentrl.store.command_count import CommandCounter
 from agentrl.store.connection import database_name
-from agentrl.store.errors import StoreError
+from agentrl.store.errors import DatabaseUnreachable
 from agentrl.store.evals import Evals
 from agentrl.store.indexes import ensure_indexes
 from agentrl.store.outage import OutageLog, outage_tolerance_s
@@ -32,16 +33,19 @@ class Store:
     ``slots`` hands out Task sample slots as leases, ``records``/``calls`` move trajectories and LLM calls
     through their states, ``samples`` is the trainer's DBRecordData queue, ``services`` the inference-service
     registry, ``runs`` the Run document and metrics. Use as ``async with Store(uri) as store:`` (which checks the
-    database answers within ``CONNECT_TIMEOUT_S`` and creates the indexes) or call ``close()``. Create it inside the
-    event loop that will use it.
+    database answers within ``connect_timeout_s`` and creates the indexes) or call ``close()``. Create it inside the
+    event loop that will use it. Commands wait ``CONNECT_TIMEOUT_S`` for a database that does not answer; samplers
+    and trainers wait as long as for an outage while running (``connect_timeout_s=outage_tolerance_s()``), so one
+    started during an outage rides it out as a running one does.
 
     Once open, an unreachable database is waited for (``agentrl.store.outage``): operations block for up to
     ``$AGENTRL_DB_OUTAGE_S`` seconds instead of failing, and the outage is logged.
     """
 
     def __init__(self, uri: str, *, lease_s: float = DEFAULT_LEASE_S, client: AsyncMongoClient | None = None,
-                 **client_kwargs: Any):
+                 connect_timeout_s: float = CONNECT_TIMEOUT_S, **client_kwargs: Any):
         self.uri = uri
+        self.connect_timeout_s = connect_timeout_s
         self._owns_client = client is None
         self.commands = CommandCounter()
         """The commands this store's own client sent, by name (nothing is counted on a ``client`` passed in)."""
@@ -62,15 +66,18 @@ class Store:
         self.runs = Runs(self.db)
         self.evals = Evals(self.db)
 
-    async def connect(self, timeout_s: float = CONNECT_TIMEOUT_S) -> None:
-        """Check that the database answers (measuring its clock) and create the indexes; a clear ``StoreError``
-        naming the (redacted) connection string if it does not answer within ``timeout_s``."""
+    async def connect(self) -> None:
+        """Check that the database answers (measuring its clock) and create the indexes, waiting for it up to
+        ``connect_timeout_s`` (the outage log says why it waits); :class:`DatabaseUnreachable` naming the (redacted)
+        connection string and how long it waited if it does not answer."""
+        started = time.monotonic()
         try:
-            with pymongo.timeout(timeout_s):
+            with pymongo.timeout(self.connect_timeout_s):
                 await self.clock.sync()
         except PyMongoError as error:
-            raise StoreError(f"cannot reach the database at {redact(self.uri)} within {timeout_s:.0f} s: "
-                             f"{redact(str(error))[:300]}") from None
+            raise DatabaseUnreachable(
+                f"cannot reach the database at {redact(self.uri)}: waited {time.monotonic() - started:.0f} s "
+                f"(limit {self.connect_timeout_s:.0f} s): {redact(str(error)).splitlines()[0][:200]}") from None
         await self.ensure_indexes()
 
     async def ensure_indexes(self) -> None:

@@ -307,10 +307,31 @@ class TrainConfig(BaseModel):
             given["temperature"] = self.temperature
         return given
 
-    def with_run_values(self, values: RunValues) -> TrainConfig:
-        """This configuration with the run's agreed values."""
-        return self.model_copy(update={"train_batch_size": values.train_batch_size,
-                                       "max_staleness": values.max_staleness, "temperature": values.temperature})
+    def run_value_sources(self, dp_size: int) -> dict[str, str]:
+        """How this trainer was given each of :meth:`run_values` (for the run's record and its errors)."""
+        given = self.run_values(dp_size)
+        sources = {key: f"the trainer's --{key} {value:g}" if isinstance(value, float) else
+                   f"the trainer's --{key} {value}" for key, value in given.items()}
+        if "train_batch_size" in given and self.train_batch_size is None:
+            sources["train_batch_size"] = (
+                f"the trainer's --per_device_train_batch_size {self.per_device_train_batch_size} × "
+                f"--gradient_accumulation_steps {self.gradient_accumulation_steps} × {dp_size} data-parallel "
+                f"rank(s) = {given['train_batch_size']}")
+        if self.sync_sampling:
+            sources["max_staleness"] = "the trainer's --sync_sampling (max_staleness 0)"
+        if "temperature" in given and (self.preferred_sampling_params or {}).get("temperature") is not None:
+            sources["temperature"] = f"the trainer's --preferred_sampling_params temperature {given['temperature']:g}"
+        return sources
+
+    def with_run_values(self, values: dict[str, Any]) -> TrainConfig:
+        """This configuration with the values the run records (``Run.values``: only those some process was given)
+        in place of the ones this trainer was not given (the batch size then replaces the per-device one's
+        product); its own given values equal the run's (``Runs.agree``)."""
+        given = self.run_values(dp_size=1)
+        update = {key: value for key, value in values.items() if key not in given}
+        if "train_batch_size" not in given:  # online, the default is the run's value or RunValues', not the product
+            update.setdefault("train_batch_size", RunValues.model_fields["train_batch_size"].default)
+        return self.model_copy(update=update)
 
     def resolved_train_batch_size(self, dp_size: int) -> int:
         """Samples per step over all ranks (see the module docstring)."""

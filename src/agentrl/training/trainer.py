@@ -43,8 +43,16 @@ import torch
 from agentrl.failpoints import failpoint
 from agentrl.log import redact
 from agentrl.precision import native_bf16, resolve_dtype
-from agentrl.store import DBRecordData, RecordStatus, RunStatus, Store, database_name, resolve_connection_string
-from agentrl.store.models import RunValues
+from agentrl.store import (
+    DatabaseUnreachable,
+    DBRecordData,
+    RecordStatus,
+    RunStatus,
+    Store,
+    database_name,
+    resolve_connection_string,
+)
+from agentrl.store.outage import outage_tolerance_s
 from agentrl.store.runs import RunValuesConflict
 from agentrl.training import lora
 from agentrl.training.aio import LoopThread
@@ -92,7 +100,7 @@ class TrainerError(RuntimeError):
 
 
 SETUP_ERRORS: tuple[type[Exception], ...] = (TrainerError, ReportError, WeightsError, CheckpointError, ParallelError,
-                                             PublishError, LaunchConfigError, lora.LoraError)
+                                             PublishError, LaunchConfigError, lora.LoraError, DatabaseUnreachable)
 """Errors whose message says everything (no traceback needed)."""
 
 
@@ -154,22 +162,24 @@ class Trainer:
         torch.manual_seed(cfg.seed)
 
     def _agree_run_values(self) -> None:
-        """Online, the batch size, staleness bound and temperature the run records (``RunValues``; recorded from
-        these flags if this trainer creates the run); the main rank asks, every rank takes its answer. A flag that
-        differs from the run's value raises ``RunValuesConflict``. Sets the per-step batch size."""
+        """Online, the batch size, staleness bound and temperature: those given to this trainer, recorded on the
+        run unless recorded before, else the run's, else the defaults (``RunValues``); the main rank asks, every
+        rank takes its answer. A given value that differs from the run's raises ``RunValuesConflict``. Sets the
+        per-step batch size."""
         cfg, parallel = self.cfg, self.parallel
         answer: tuple[dict[str, Any] | None, str | None] = (None, None)
         if parallel.is_main and cfg.enable_sampling:
             try:
-                run = self.io.run(self.store.runs.agree(self.run_name, cfg.run_values(parallel.dp_size)))
-                answer = (run.values.model_dump(), None)
+                run = self.io.run(self.store.runs.agree(self.run_name, cfg.run_values(parallel.dp_size),
+                                                        cfg.run_value_sources(parallel.dp_size)))
+                answer = (run.values, None)
             except RunValuesConflict as error:
                 answer = (None, str(error))
         values, conflict = parallel.broadcast_from_main(answer)
         if conflict is not None:
             raise RunValuesConflict(conflict)
         if values is not None:
-            self.cfg = cfg = cfg.with_run_values(RunValues(**values))
+            self.cfg = cfg = cfg.with_run_values(values)
             if cfg.temperature <= 0:
                 raise RunValuesConflict(f"run {self.run_name!r} records temperature {cfg.temperature:g} (greedy "
                                         "samplers): the trainer divides its logits by the temperature, which must "
@@ -697,6 +707,11 @@ class Trainer:
 
 
 async def _open_store(uri: str) -> Store:
-    store = Store(uri)
-    await store.connect()
+    """The run's store, waiting for the database as long as for an outage while running."""
+    store = Store(uri, connect_timeout_s=outage_tolerance_s())
+    try:
+        await store.connect()
+    except BaseException:
+        await store.close()
+        raise
     return store
