@@ -177,10 +177,23 @@ def test_the_original_sequence_samples_then_trains(tmp_path: Path, db_uri: str, 
         trained = run_trainer(trainer_args(db_uri, scripted_model_dir, tmp_path / "out", "--loss_calculater",
                                            "GRPO", "--max_steps", "1", "--per_device_train_batch_size", "2"),
                               timeout_s=300)
+        assert trained.returncode == 0, trained.stdout[-4000:]
+        [metric] = documents(db_uri, "Metric")
+        assert metric["step"] == 1 and len(metric["sample_ids"]) == 2
+        [run] = documents(db_uri, "Run")
+        assert run["values"] == {"train_batch_size": 2}
+        # A trainer given another temperature than the samples were drawn at records it, and skips them.
+        heated = run_trainer(trainer_args(db_uri, scripted_model_dir, tmp_path / "out2", "--loss_calculater",
+                                          "GRPO", "--max_steps", "1", "--temperature", "0.7", "--max_staleness",
+                                          "5"), timeout_s=300)  # it publishes version 2 at its start
     finally:
         engine.stop()
-    assert trained.returncode == 0, trained.stdout[-4000:]
-    [metric] = documents(db_uri, "Metric")
-    assert metric["step"] == 1 and len(metric["sample_ids"]) == 2
+    assert heated.returncode == 0, heated.stdout[-4000:]
+    assert "skipped 2 samples drawn at temperature 1" in heated.stdout
+    samples = documents(db_uri, "DBRecordData")
+    assert {s["temperature"] for s in samples} == {1.0}
+    skipped = [s for s in samples if s["status"] == "skipped"]
+    assert len(skipped) == 2 and all(s["skip_reason"].startswith("temperature:") for s in skipped)
+    assert {r["failure_class"] for r in documents(db_uri, "Record") if r["status"] == "abandoned"} == {"temperature"}
     [run] = documents(db_uri, "Run")
-    assert run["values"] == {"train_batch_size": 2}
+    assert run["values"] == {"train_batch_size": 2, "temperature": 0.7, "max_staleness": 5}

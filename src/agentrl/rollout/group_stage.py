@@ -34,6 +34,7 @@ its id is deterministic); the trainer may train the queued samples in either win
 from __future__ import annotations
 
 import logging
+import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -237,8 +238,15 @@ def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: flo
         DBRecordData(id=f"{record.id}#b{index}", record_id=record.id, task_id=record.task_id, split=record.split,
                      branch=index, seq=0, input_ids=s.input_ids, loss_mask=s.loss_mask, logprobs=s.logprobs,
                      versions=s.versions, advantages=s.advantages, reward=reward, turn_boundaries=s.turn_boundaries,
-                     num_tokens=s.num_tokens)
+                     num_tokens=s.num_tokens, temperature=_temperature(calls))
         for index, s in enumerate(merged.samples)]
+
+
+def _temperature(calls: list[DispatchedSamplingTask]) -> float | None:
+    """The calls' sampling temperature: NaN where they differ (a sampler took up a new run value mid-trajectory),
+    None where none is recorded."""
+    temperatures = {call.sampling_params.get("temperature") for call in calls} - {None}
+    return None if not temperatures else temperatures.pop() if len(temperatures) == 1 else math.nan
 
 
 def _oversize(sample: DBRecordData) -> int:

@@ -185,6 +185,8 @@ class FailureClass(StrEnum):
     """Dropped by the group stage: zero reward variance, balancing, ``min_turns``, no trainable token."""
     STALE = "stale"
     """Its samples were too many policy versions old when the trainer claimed them (skipped)."""
+    TEMPERATURE = "temperature"
+    """Its samples were drawn at another temperature than the one the trainer divides its logits by (skipped)."""
     SAMPLE_TOO_LARGE = "sample_too_large"
     """A training sample of it exceeds the database's document size limit."""
     UNKNOWN = "unknown"
@@ -357,6 +359,9 @@ class DBRecordData(Document):
                                                  "policy that trained it (0 where loss_mask is 0; None: not "
                                                  "trained, or trained with cross-entropy)")
     trainer_version: int | None = Field(None, description="the policy version of trainer_logprobs")
+    temperature: float | None = Field(None, description="the sampling temperature of its LLM calls (NaN: they "
+                                      "differ; None: not known, e.g. SFT data); a trainer skips a sample drawn at "
+                                      "another temperature than its own")
     created_at: UTCDatetime = Field(default_factory=utcnow)
     trained_at: UTCDatetime | None = None
 

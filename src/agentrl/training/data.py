@@ -8,7 +8,10 @@ steps after that checkpoint. Samples more than ``staleness_bound`` policy versio
 Records leave the ``ready`` state first (``abandoned``, failure class ``stale``), so the samplers' admission
 control does not wait for them. A crash between the two writes (failpoint ``trainer.skip.after_abandon``) leaves
 the samples claimed: the next trainer claims them again (claims held for a step are checked for staleness like new
-ones; the policy version only grows) and skips them.
+ones; the policy version only grows) and skips them. Samples drawn at another temperature than the trainer's
+(``DBRecordData.temperature``: e.g. a sampler that used its default before a trainer given ``--temperature`` recorded
+it on the run) are skipped the same way (failure class ``temperature``): their behaviour logprobs are of another
+distribution than the one the trainer computes.
 
 While a share is incomplete every rank polls with a growing pause (up to ``poll_interval_s``) and joins one small
 all-reduce per poll, so no rank blocks long inside a collective and all ranks agree on when to start, stop or
@@ -18,6 +21,7 @@ every ``STATUS_EVERY_S`` seconds while waiting. """
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -95,10 +99,11 @@ class SampleStream:
     """Claims each step's samples for this rank (see the module docstring)."""
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, *, split: str, batch_size: int,
-                 staleness_bound: int | None, offline: bool, poll_interval_s: float, stop: threading.Event):
+                 staleness_bound: int | None, offline: bool, poll_interval_s: float, stop: threading.Event,
+                 temperature: float | None = None):
         self.store, self.io, self.parallel = store, io, parallel
         self.split, self.offline, self.poll_interval_s, self.stop = split, offline, poll_interval_s, stop
-        self.staleness_bound = staleness_bound
+        self.staleness_bound, self.temperature = staleness_bound, temperature
         self.share = split_shares(batch_size, parallel.dp_size)[parallel.dp_rank]
         self._finished_logged = False
 
@@ -167,25 +172,39 @@ class SampleStream:
 
     def _sort_out(self, step: int, claimed: list[DBRecordData], current_version: int
                   ) -> tuple[list[DBRecordData], int]:
-        """Skip the stale ones of ``claimed``; returns (the fresh ones, how many were skipped)."""
-        fresh, stale = [], []
+        """Skip the stale ones of ``claimed`` and those drawn at another temperature; returns (the fresh ones, how
+        many were skipped as stale)."""
+        fresh, stale, heated = [], [], []
         for sample in claimed:
             lag = sample_staleness(sample, current_version)
-            (stale if self.staleness_bound is not None and lag > self.staleness_bound else fresh).append(sample)
+            if self.staleness_bound is not None and lag > self.staleness_bound:
+                stale.append(sample)
+            elif (self.temperature is not None and sample.temperature is not None
+                  and not math.isclose(sample.temperature, self.temperature)):
+                heated.append(sample)
+            else:
+                fresh.append(sample)
         if stale:
             # One wording for every step, so that the run's summary counts these groups under one reason.
             reason = f"stale: sampled more than {self.staleness_bound} policy versions before the step trained them"
-            self.io.run(self._skip(self.parallel.dp_rank, step, stale, reason))
+            self.io.run(self._skip(self.parallel.dp_rank, step, stale, reason, FailureClass.STALE))
             logger.info("step %d: skipped %d stale samples (%s, version %d)", step, len(stale), reason,
                         current_version)
+        if heated:
+            reason = (f"temperature: sampled at another temperature than the {self.temperature:g} the trainer "
+                      "divides its logits by")
+            self.io.run(self._skip(self.parallel.dp_rank, step, heated, reason, FailureClass.TEMPERATURE))
+            logger.warning("step %d: skipped %d samples drawn at temperature %s (%s)", step, len(heated),
+                           ", ".join(sorted({f"{s.temperature:g}" for s in heated})), reason)
         return fresh, len(stale)
 
-    async def _skip(self, rank: int, step: int, samples: Sequence[DBRecordData], reason: str) -> None:
+    async def _skip(self, rank: int, step: int, samples: Sequence[DBRecordData], reason: str,
+                    failure_class: FailureClass) -> None:
         """Abandon the samples' Records, then mark the samples skipped (see the module docstring)."""
         for record_id in dict.fromkeys(s.record_id for s in samples):
             await move_record(self.store, record_id, RecordStatus.ABANDONED,
                               group_decision=f"skipped by the trainer: {reason}",
-                              failure_class=str(FailureClass.STALE))
+                              failure_class=str(failure_class))
         failpoint("trainer.skip.after_abandon")
         await self.store.samples.skip(rank, step, [s.id for s in samples], reason)
 

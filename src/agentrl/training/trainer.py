@@ -286,7 +286,8 @@ class Trainer:
             self._publish()
         self.stream = SampleStream(self.store, self.io, parallel, split=cfg.split, batch_size=self.batch_size,
                                    staleness_bound=cfg.staleness_bound, offline=not cfg.enable_sampling,
-                                   poll_interval_s=cfg.poll_interval_s, stop=self.stop)
+                                   poll_interval_s=cfg.poll_interval_s, stop=self.stop,
+                                   temperature=cfg.temperature if self.policy_gradient else None)
 
     def _probe_settings(self) -> ProbeSettings | None:
         """What the policy probe after each publish checks (None: ``--policy_probe_max_diff 0``)."""
