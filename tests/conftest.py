@@ -66,7 +66,8 @@ SLOW_MODULES = LONG_MODULES + (
     "test_sampler_round_trips", "test_inference_auth", "test_scoring_humaneval_adversarial", "test_store_fencing",
     "test_envs_protocol", "test_inference_load_counters", "test_trainer_run", "test_store_dates", "test_tools_manager",
     "test_run_progress", "test_store_crash_windows", "test_tools_sandbox_escape", "test_inference_weights",
-    "test_cli_db", "test_trainer_sharding", "test_tools_sandbox", "test_inference_default_model")
+    "test_cli_db", "test_trainer_sharding", "test_tools_sandbox", "test_inference_default_model",
+    "test_inference_weight_sync")
 
 
 def uses_module_fixture(item: pytest.Item) -> bool:

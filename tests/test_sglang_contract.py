@@ -18,9 +18,11 @@ from fastapi.routing import APIRoute
 
 from agentrl.inference import SGLangClient
 from agentrl.inference.protocol import (
+    DestroyWeightsUpdateGroupRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterRequest,
     LoRAUpdateResponse,
     MemoryOccupationRequest,
@@ -30,6 +32,8 @@ from agentrl.inference.protocol import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
+    WeightUpdateResponse,
     policy_version,
 )
 from agentrl.inference.server import create_app
@@ -81,6 +85,24 @@ def test_lora_adapter_requests_and_answers_are_sglangs() -> None:
     assert fields(LoRAUpdateResponse) == set(lora["update_output_fields"]) - {"rid", "http_worker_ipc"}
     assert "lora_path" in fields(GenerateRequest)
     assert {"/load_lora_adapter", "/unload_lora_adapter"} <= set(CONTRACT["routes"])
+
+
+def test_weight_update_group_requests_and_answers_are_sglangs() -> None:
+    """Field names and defaults of SGLang's weight-update-group structs (a trainer written for SGLang sends these
+    bodies unchanged), their answers, and the routes."""
+    group = CONTRACT["weight_update_group"]
+    for model, struct in ((InitWeightsUpdateGroupRequest, "init_request"),
+                          (UpdateWeightsFromDistributedRequest, "update_request"),
+                          (DestroyWeightsUpdateGroupRequest, "destroy_request")):
+        assert fields(model) == set(group[struct]) - {"rid", "http_worker_ipc"}, model
+        for name, field in model.model_fields.items():
+            if group[struct][name] is not None:
+                assert field.default == group[struct][name], (model, name)
+    for path, keys in group["response_keys"].items():
+        assert set(keys) == fields(WeightUpdateResponse), path
+        assert path in CONTRACT["routes"]
+    assert group["distributed_load_formats"] == ["direct", "flattened_bucket"]
+    assert group["bucket_element_views"] == ["torch.uint8"]
 
 
 def test_sampling_defaults_are_sglangs() -> None:

@@ -17,9 +17,11 @@ Files read (paths inside the ``sglang`` package): ``srt/managers/io_struct.py`` 
 requests and their output),
 ``srt/sampling/sampling_params.py`` (``SamplingParams``), ``srt/entrypoints/http_server.py`` (routes, response
 bodies), ``srt/managers/tokenizer_manager.py`` (``meta_info`` keys, how preferred sampling params are merged),
-``srt/managers/schedule_batch.py`` (finish reasons), ``api/v1/api_types.py`` (the JSON contract gate of recent
-releases, optional), ``srt/entrypoints/v1_loads.py`` and ``srt/managers/load_snapshot.py`` (``/v1/loads``, optional)
-and the server arguments (``weight_version`` default).
+``srt/managers/schedule_batch.py`` (finish reasons), ``srt/utils/common.py`` (``init_custom_process_group``, the
+weight-update group's recipe), ``srt/model_executor/model_runner_components/weight_updater.py`` and
+``srt/weight_sync/tensor_bucket.py`` (the flattened-bucket form), ``api/v1/api_types.py`` (the JSON contract gate of
+recent releases, optional), ``srt/entrypoints/v1_loads.py`` and ``srt/managers/load_snapshot.py`` (``/v1/loads``,
+optional) and the server arguments (``weight_version`` default).
 """
 
 from __future__ import annotations
@@ -42,6 +44,9 @@ API_TYPES = "api/v1/api_types.py"
 V1_LOADS = "srt/entrypoints/v1_loads.py"
 LOAD_SNAPSHOT = "srt/managers/load_snapshot.py"
 SERVER_ARGS = ("srt/arg_groups/fields/serving.py", "srt/server_args.py")
+UTILS_COMMON = "srt/utils/common.py"
+WEIGHT_UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
+TENSOR_BUCKET = "srt/weight_sync/tensor_bucket.py"
 VERSION_FILES = ("_version.py", "version.py")
 API_V1_CLASSES = ("SamplingParams", "GenerateRequest", "GenerateResponse", "GenerateMetaInfo", "LogprobEntry",
                   "FinishStop", "FinishLength", "FinishAbort", "ErrorBody")
@@ -279,6 +284,37 @@ def package_version(reader: SourceReader) -> str | None:
     return None
 
 
+def weight_update_group(reader: SourceReader, io_struct: ast.Module, http: ast.Module,
+                        handlers: dict[str, str]) -> dict[str, Any]:
+    """The distributed weight update: its request structs (with defaults), response keys, how both sides build
+    the process group (``init_custom_process_group``: the rendezvous, the ``PrefixStore`` prefix, the helper) and
+    the flattened-bucket form (its ``load_format`` and the bucket's element type)."""
+    recipe = functions(reader.require(UTILS_COMMON))["init_custom_process_group"]
+    calls = {ast.unparse(c.func): c for c in ast.walk(recipe) if isinstance(c, ast.Call)}
+    updater = reader.require(WEIGHT_UPDATER)
+    load_formats = sorted({node.comparators[0].value for node in ast.walk(updater) if isinstance(node, ast.Compare)
+                           and ast.unparse(node.left) == "load_format" and isinstance(node.comparators[0], ast.Constant)
+                           and isinstance(node.comparators[0].value, str)})
+    bucket = reader.require(TENSOR_BUCKET)
+    views = sorted({ast.unparse(c.args[0]) for c in ast.walk(bucket) if isinstance(c, ast.Call)
+                    and isinstance(c.func, ast.Attribute) and c.func.attr == "view" and c.args
+                    and ast.unparse(c.args[0]).startswith("torch.")})
+    return {
+        "init_request": struct_fields(io_struct, "InitWeightsUpdateGroupReqInput"),
+        "update_request": struct_fields(io_struct, "UpdateWeightsFromDistributedReqInput"),
+        "destroy_request": struct_fields(io_struct, "DestroyWeightsUpdateGroupReqInput"),
+        "tensor_request": sorted(struct_fields(io_struct, "UpdateWeightsFromTensorReqInput")),
+        "response_keys": {path: handler_keys(http, handlers[path]) for path in (
+            "/init_weights_update_group", "/update_weights_from_distributed", "/destroy_weights_update_group",
+            "/update_weights_from_tensor")},
+        "process_group": {"prefix_store_prefix": ast.unparse(calls["PrefixStore"].args[0]),
+                          "rendezvous": "rendezvous" in calls,
+                          "helper": "_new_process_group_helper" if "_new_process_group_helper" in calls else None},
+        "distributed_load_formats": load_formats,
+        "bucket_element_views": views,
+    }
+
+
 def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
     io_struct = reader.require(IO_STRUCT)
     sampling = classes(reader.require(SAMPLING_PARAMS))["SamplingParams"]
@@ -299,6 +335,7 @@ def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
             "release": sorted(struct_fields(io_struct, "ReleaseMemoryOccupationReqInput")),
             "resume": sorted(struct_fields(io_struct, "ResumeMemoryOccupationReqInput")),
         },
+        "weight_update_group": weight_update_group(reader, io_struct, http, handlers),
         "lora": {
             "load_request_fields": sorted(struct_fields(io_struct, "LoadLoRAAdapterReqInput")),
             "unload_request_fields": sorted(struct_fields(io_struct, "UnloadLoRAAdapterReqInput")),

@@ -43,6 +43,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--enable_lora", action="store_true",
                         help="serve LoRA adapters loaded at run time with /load_lora_adapter; a /generate request "
                              "names one in lora_path (SGLang's --enable-lora). Turns prefix sharing off")
+    parser.add_argument("--weight_update_timeout_s", type=float, default=120.0,
+                        help="how long joining a weight-update group (/init_weights_update_group), and each of its "
+                             "transfers, may take before it fails (default: 120)")
     parser.add_argument("--api_key", default=None,
                         help="every request but /health and /health_generate must carry 'Authorization: Bearer "
                              "KEY' (SGLang's --api-key; default: $AGENTRL_INFERENCE_API_KEY, which the samplers, "
@@ -98,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
             served_model_name=args.served_model_name, device=args.device, dtype=args.dtype,
             weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
             max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
-            page_size=args.page_size, preferred_sampling_params=preferred, enable_lora=args.enable_lora)
+            page_size=args.page_size, preferred_sampling_params=preferred, enable_lora=args.enable_lora,
+            weight_update_timeout_s=args.weight_update_timeout_s)
     except ValidationError as error:
         print(f"agentrl engine: error: {error}", file=sys.stderr)
         return 2

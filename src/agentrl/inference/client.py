@@ -28,9 +28,11 @@ from agentrl.inference.protocol import (
     ModelInfo,
     SamplingParams,
     UpdateWeightsFromDiskResponse,
+    WeightUpdateResponse,
     adapter_policy_version,
     policy_version,
 )
+from agentrl.inference.weight_sync import DEFAULT_GROUP
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +167,43 @@ class SGLangClient:
         result = UpdateWeightsFromDiskResponse.model_validate(payload) if "success" in payload else None
         if result is None or not result.success or response.status_code >= 400:
             cause = result.message if result is not None else str(payload)
+            raise InferenceRequestError(self.base_url, endpoint, cause, status_code=response.status_code)
+        return result
+
+    async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
+                                        world_size: int, *, group_name: str = DEFAULT_GROUP,
+                                        backend: str = "nccl") -> WeightUpdateResponse:
+        """``POST /init_weights_update_group`` (answers once every member joined: call it while rank 0 joins);
+        raises :class:`InferenceRequestError` when the service refuses."""
+        return await self._weight_update("/init_weights_update_group", {
+            "master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend})
+
+    async def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]], *,
+                                              group_name: str = DEFAULT_GROUP, weight_version: str | int | None = None,
+                                              load_format: str | None = None, flush_cache: bool = True
+                                              ) -> WeightUpdateResponse:
+        """``POST /update_weights_from_distributed`` (answers once rank 0's broadcast of these tensors arrived);
+        raises :class:`InferenceRequestError` when the service refuses."""
+        body: dict[str, Any] = {"names": names, "dtypes": dtypes, "shapes": shapes, "group_name": group_name,
+                                "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._weight_update("/update_weights_from_distributed", body)
+
+    async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> WeightUpdateResponse:
+        """``POST /destroy_weights_update_group``; raises :class:`InferenceRequestError` when the service refuses."""
+        return await self._weight_update("/destroy_weights_update_group", {"group_name": group_name})
+
+    async def _weight_update(self, endpoint: str, body: dict[str, Any]) -> WeightUpdateResponse:
+        response = await self._request("POST", endpoint, json=body, timeout=self.admin_timeout_s,
+                                       retry_timeouts=False, raise_for_status=False)
+        payload = self._json(response, endpoint)
+        result = WeightUpdateResponse.model_validate(payload) if "success" in payload else None
+        if result is None or not result.success or response.status_code >= 400:
+            cause = result.message if result is not None else _error_message(response)
             raise InferenceRequestError(self.base_url, endpoint, cause, status_code=response.status_code)
         return result
 

@@ -11,6 +11,9 @@
   requests already running finish with the old weights, new ones wait (none is dropped), the weights are
   swapped in place and the prefix cache is flushed. Each response carries the ``weight_version`` that produced
   all its tokens. :meth:`InferenceEngine.load_published` does the same for an engine joining a run under way.
+* ``init_weights_update_group`` / ``update_weights_from_distributed`` / ``destroy_weights_update_group``: SGLang's
+  in-memory update (a trainer broadcasts the tensors over a process group it shares with the engine; see
+  :mod:`agentrl.inference.weight_updates`), swapped in the same way once the whole model has arrived.
 * ``load_lora_adapter`` / ``unload_lora_adapter`` (with ``enable_lora``, as SGLang's ``--enable-lora``) serve
   PEFT adapters next to the base weights; a request names one in ``lora_path``. Loading pauses generation for one
   step; unloading waits until no admitted request uses the adapter (new requests naming it are refused at once).
@@ -43,9 +46,11 @@ from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, Genera
 from agentrl.inference.lora_adapters import AdapterError, read_adapter
 from agentrl.inference.protocol import (
     ChatCompletionRequest,
+    DestroyWeightsUpdateGroupRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterRequest,
     LoRAUpdateResponse,
     MetaInfo,
@@ -54,8 +59,12 @@ from agentrl.inference.protocol import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
+    UpdateWeightsFromDistributedRequest,
+    WeightUpdateResponse,
 )
 from agentrl.inference.sampling import GREEDY_EPS
+from agentrl.inference.weight_sync import WeightSyncError
+from agentrl.inference.weight_updates import WeightUpdateGroups
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +92,8 @@ class EngineConfig(BaseModel):
     max_running_requests: int = Field(64, gt=0)
     page_size: int = Field(32, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
     enable_lora: bool = Field(False, description="serve LoRA adapters loaded at run time (turns prefix sharing off)")
+    weight_update_timeout_s: float = Field(
+        120.0, gt=0, description="how long joining a weight-update group, and each of its transfers, may take")
     preferred_sampling_params: dict[str, Any] | None = Field(
         None, description="values of the sampling parameters a request omits (SGLang's --preferred-sampling-params)")
 
@@ -167,6 +178,7 @@ class InferenceEngine:
         self.gate = AdmissionGate()
         self.released = False
         self._exclusive = asyncio.Lock()
+        self.weight_groups = WeightUpdateGroups(self.model, self.device, config.weight_update_timeout_s)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -425,12 +437,10 @@ class InferenceEngine:
         if request.load_format not in (None, "auto"):
             return UpdateWeightsFromDiskResponse(
                 success=False, message=f"load_format {request.load_format!r} is not supported (use auto)")
-        new_version = request.weight_version
-        if new_version is None:
-            if not self.weight_version.isdigit():
-                return UpdateWeightsFromDiskResponse(success=False, message=(
-                    f"the current weight_version {self.weight_version!r} is not a number: give weight_version"))
-            new_version = str(int(self.weight_version) + 1)
+        try:
+            new_version = self._next_version(request.weight_version)
+        except WeightSyncError as error:
+            return UpdateWeightsFromDiskResponse(success=False, message=str(error))
         started = time.perf_counter()
         try:
             state_dict = await asyncio.to_thread(self._read_checkpoint, request.model_path)
@@ -440,18 +450,78 @@ class InferenceEngine:
         except Exception as error:  # noqa: BLE001 - reported to the caller, who asked for this path
             return UpdateWeightsFromDiskResponse(
                 success=False, message=f"failed to read weights from {request.model_path}: {error}")
-        async with self._exclusive:
-            held_before = self.gate.held
-            async with self.gate.closed():  # running requests finish on the old weights; new ones wait
-                if not failpoint("engine.update_weights.swap"):
-                    await asyncio.to_thread(self.batcher.load_state_dict, state_dict)
-                await asyncio.to_thread(self.batcher.reset_prefix_cache)
-                self.weight_version = new_version
-            paused = self.gate.held - held_before
+        paused = await self._swap(state_dict, new_version)
         message = (f"loaded weights from {request.model_path} as weight_version {new_version} in "
                    f"{time.perf_counter() - started:.2f}s")
         logger.info(message)
         return UpdateWeightsFromDiskResponse(success=True, message=message, num_paused_requests=paused)
+
+    async def _swap(self, state_dict: dict[str, torch.Tensor], new_version: str) -> int:
+        """Serve ``state_dict`` as ``new_version`` in one step: running requests finish on the old weights, new ones
+        wait (none is dropped); returns how many waited."""
+        async with self._exclusive:
+            held_before = self.gate.held
+            async with self.gate.closed():
+                if not failpoint("engine.update_weights.swap"):
+                    await asyncio.to_thread(self.batcher.load_state_dict, state_dict)
+                await asyncio.to_thread(self.batcher.reset_prefix_cache)
+                self.weight_version = new_version
+            return self.gate.held - held_before
+
+    def _next_version(self, requested: str | None) -> str:
+        """The version a swap serves: the one requested, else the current one plus one (WeightSyncError if the
+        current one is not a number)."""
+        if requested is not None:
+            return requested
+        if not self.weight_version.isdigit():
+            raise WeightSyncError(f"the current weight_version {self.weight_version!r} is not a number: give "
+                                  "weight_version")
+        return str(int(self.weight_version) + 1)
+
+    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> WeightUpdateResponse:
+        """Join a weight-update group as rank ``rank_offset`` (blocks until the trainer and every server joined)."""
+        try:
+            await self.weight_groups.join(request.master_address, request.master_port, request.rank_offset,
+                                          request.world_size, request.group_name, request.backend)
+        except Exception as error:  # noqa: BLE001 - SGLang answers every failure with success false
+            return WeightUpdateResponse(success=False, message=f"Failed to initialize custom process group: {error}.")
+        logger.info("joined weight update group %s as rank %d of %d (%s, %s:%d)", request.group_name,
+                    request.rank_offset, request.world_size, request.backend, request.master_address,
+                    request.master_port)
+        return WeightUpdateResponse(success=True, message="Succeeded to initialize custom process group.")
+
+    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> WeightUpdateResponse:
+        try:
+            self.weight_groups.leave(request.group_name)
+        except Exception as error:  # noqa: BLE001
+            return WeightUpdateResponse(success=False, message=str(error))
+        return WeightUpdateResponse(success=True, message="Succeeded to destroy custom process group.")
+
+    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest
+                                              ) -> WeightUpdateResponse:
+        """Receive tensors broadcast by the group's rank 0; swap them in once the whole model has arrived
+        (:mod:`agentrl.inference.weight_updates`: all or nothing)."""
+        started = time.perf_counter()
+        try:
+            if request.abort_all_requests:
+                raise WeightSyncError("abort_all_requests is not supported: running requests always finish")
+            if request.selector == "draft":
+                raise WeightSyncError("selector 'draft': this engine has no draft model")
+            new_version = self._next_version(request.weight_version)
+            complete = await self.weight_groups.receive(request.group_name, request.names, request.dtypes,
+                                                        request.shapes, request.load_format)
+        except WeightSyncError as error:
+            return WeightUpdateResponse(success=False, message=str(error))
+        if complete is None:
+            return WeightUpdateResponse(success=True, message=(
+                f"received {len(request.names)} tensor(s); {self.weight_groups.staged(request.group_name)} of "
+                f"{len(self.weight_groups.names)} parameters staged: the new weights are served once all arrived"))
+        paused = await self._swap(self.weight_groups.state_dict(complete), new_version)
+        message = (f"Succeeded to update model weights: {len(complete)} parameters from group "
+                   f"{request.group_name} as weight_version {new_version} in {time.perf_counter() - started:.2f}s "
+                   f"({paused} request(s) waited)")
+        logger.info(message)
+        return WeightUpdateResponse(success=True, message=message)
 
     async def load_published(self, path: str, version: int) -> None:
         """Serve the run's published weights at ``path`` as ``version`` (an engine joining a run under way);

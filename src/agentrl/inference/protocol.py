@@ -229,6 +229,58 @@ class UpdateWeightsFromDiskResponse(BaseModel):
     num_paused_requests: int = 0
 
 
+class InitWeightsUpdateGroupRequest(_Request):
+    """Body of ``POST /init_weights_update_group`` (SGLang's ``InitWeightsUpdateGroupReqInput``): join the group
+    the trainer (rank 0) makes at ``master_address:master_port`` as rank ``rank_offset``."""
+
+    master_address: str = Field(min_length=1)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, description="this server's rank (rank 0 is the trainer)")
+    world_size: int = Field(ge=2)
+    group_name: str = Field("weight_update_group", min_length=1)
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+    @model_validator(mode="after")
+    def _rank_inside(self) -> InitWeightsUpdateGroupRequest:
+        if self.rank_offset >= self.world_size:
+            raise ValueError(f"rank_offset {self.rank_offset} must be below world_size {self.world_size}")
+        return self
+
+
+class UpdateWeightsFromDistributedRequest(_Request):
+    """Body of ``POST /update_weights_from_distributed`` (SGLang's ``UpdateWeightsFromDistributedReqInput``):
+    the tensors rank 0 broadcasts, in this order (``load_format: "flattened_bucket"``: as one ``uint8`` bucket)."""
+
+    names: list[str] = Field(min_length=1)
+    dtypes: list[str] = Field(min_length=1)
+    shapes: list[list[int]] = Field(min_length=1)
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class DestroyWeightsUpdateGroupRequest(_Request):
+    """Body of ``POST /destroy_weights_update_group``."""
+
+    group_name: str = "weight_update_group"
+
+
+class WeightUpdateResponse(BaseModel):
+    """The answer of SGLang's weight-update-group endpoints (200 on success, else 400)."""
+
+    success: bool
+    message: str
+
+
 class LoadLoRAAdapterRequest(_Request):
     """Body of ``POST /load_lora_adapter``: a PEFT adapter directory, served under ``lora_name``."""
 

@@ -40,13 +40,16 @@ from agentrl.inference.batching import EngineStopped
 from agentrl.inference.engine import BadRequest, EngineConfig, InferenceEngine
 from agentrl.inference.protocol import (
     ChatCompletionRequest,
+    DestroyWeightsUpdateGroupRequest,
     GenerateRequest,
     GenerateResponse,
+    InitWeightsUpdateGroupRequest,
     LoadLoRAAdapterRequest,
     MemoryOccupationRequest,
     ModelInfo,
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
 )
 from agentrl.inference.registration import ServiceRegistration, check_database
 from agentrl.listen import listening_socket
@@ -162,13 +165,31 @@ def _add_generation_routes(app: FastAPI, engine: InferenceEngine) -> None:
 
 
 def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: ServiceRegistration | None) -> None:
-    """Weight updates from disk and LoRA adapters (``{success, ...}`` with 200 or 400)."""
+    """Weight updates from disk and over a weight-update group, and LoRA adapters (``{success, ...}`` with 200 or
+    400)."""
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
         result = await engine.update_weights_from_disk(request)
         if registration is not None and result.success:
             await registration.heartbeat()
+        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(request: InitWeightsUpdateGroupRequest) -> JSONResponse:
+        result = await engine.init_weights_update_group(request)
+        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(request: UpdateWeightsFromDistributedRequest) -> JSONResponse:
+        result = await engine.update_weights_from_distributed(request)
+        if registration is not None and result.success:
+            await registration.heartbeat()
+        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(request: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
+        result = await engine.destroy_weights_update_group(request)
         return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
 
     @app.post("/load_lora_adapter")

@@ -1,0 +1,120 @@
+"""The engine's side of SGLang's distributed weight update: its groups and the staging of a new version.
+
+``/init_weights_update_group`` joins a group (:func:`agentrl.inference.weight_sync.init_group`, as rank
+``rank_offset``: one engine is one rank) and ``/destroy_weights_update_group`` leaves it. Each
+``/update_weights_from_distributed`` receives its tensors into new tensors, never into the served weights, and
+checks them against the served model (a name it does not have, or another shape, is a 400 naming the tensor: the
+update is dropped, the served weights stay). **All or nothing**: received tensors are staged until every parameter
+of the model has arrived since the last swap (one call with the whole model, or one call per bucket); only then is
+the staged set handed back to be swapped in in one step, and only then does ``weight_version`` change. SGLang
+instead loads each call's tensors at once, so between two calls it serves a mix; with ours a trainer that sends
+part of the model leaves the rest staged until it sends it (a failed call, or destroying the group, discards the
+staging). Tied parameters (an ``lm_head`` tied to the embeddings) are one parameter: either name may be sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from agentrl.inference import weight_sync
+from agentrl.inference.weight_sync import WeightSyncError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    group: dist.ProcessGroup
+    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+class WeightUpdateGroups:
+    """The weight-update groups an engine has joined, and what each has staged."""
+
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, timeout_s: float):
+        self.device, self.timeout_s = device, timeout_s
+        canonical = {id(param): name for name, param in model.named_parameters()}
+        self.names = set(canonical.values())
+        """the parameters a version must bring (tied ones once)"""
+        self.canonical = {key: canonical[id(tensor)] for key, tensor in model.state_dict(keep_vars=True).items()
+                          if id(tensor) in canonical}
+        """every state-dict key of a parameter (a tied alias too) -> the parameter's name"""
+        self.shapes = {name: tuple(param.shape) for name, param in model.named_parameters()}
+        self.buffers = {key: tensor for key, tensor in model.state_dict().items() if key not in self.canonical}
+        """persistent buffers (no update brings them: they keep their values)"""
+        self.groups: dict[str, _Group] = {}
+
+    async def join(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
+                   backend: str) -> None:
+        if group_name in self.groups:
+            raise WeightSyncError(f"group {group_name!r} exists already: destroy it first")
+        if backend == "nccl" and not str(self.device).startswith("cuda"):
+            raise WeightSyncError(f"backend nccl needs CUDA; this engine runs on {self.device}: use gloo")
+        group = await asyncio.to_thread(weight_sync.init_group, master_address, master_port, rank, world_size,
+                                        group_name, backend, self.timeout_s)
+        self.groups[group_name] = _Group(group)
+
+    def leave(self, group_name: str) -> None:
+        member = self.groups.pop(group_name, None)
+        if member is None:
+            raise WeightSyncError(f"The group to be destroyed does not exist: {group_name!r}")
+        weight_sync.destroy_group(member.group)
+
+    async def receive(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
+                      shapes: Sequence[Sequence[int]], load_format: str | None) -> dict[str, torch.Tensor] | None:
+        """Receive one update into the group's staging; the whole new version (parameter name -> tensor) once
+        every parameter has arrived, else None. :class:`WeightSyncError` (staging discarded) when the tensors
+        cannot be received or do not fit the model."""
+        member = self.groups.get(group_name)
+        if member is None:
+            raise WeightSyncError(f"Group {group_name} not in {sorted(self.groups)}. Please call "
+                                  "`init_weights_update_group` first.")
+        if load_format not in (None, weight_sync.BUCKET_FORMAT):
+            raise WeightSyncError(f"load_format {load_format!r} is not supported (none, or "
+                                  f"{weight_sync.BUCKET_FORMAT!r})")
+        layout = weight_sync.specs(names, dtypes, shapes)
+        try:
+            received = await asyncio.to_thread(weight_sync.receive, member.group, layout, load_format, self.device)
+        except Exception as error:
+            member.staged.clear()
+            raise WeightSyncError(f"receiving {len(layout)} tensor(s) failed (the served weights are unchanged): "
+                                  f"{error}") from error
+        try:
+            checked = {self._checked(name, tensor): tensor for name, tensor in received}
+        except WeightSyncError:
+            member.staged.clear()
+            raise
+        member.staged.update(checked)
+        missing = self.names - member.staged.keys()
+        if missing:
+            logger.info("weight update group %s: staged %d of %d parameters", group_name, len(member.staged),
+                        len(self.names))
+            return None
+        complete, member.staged = member.staged, {}
+        return complete
+
+    def staged(self, group_name: str) -> int:
+        member = self.groups.get(group_name)
+        return len(member.staged) if member else 0
+
+    def state_dict(self, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The served model's whole state dict with the new version's tensors (tied aliases included)."""
+        return {**self.buffers, **{key: new[name] for key, name in self.canonical.items()}}
+
+    def _checked(self, name: str, tensor: torch.Tensor) -> str:
+        canonical = self.canonical.get(name)
+        if canonical is None:
+            raise WeightSyncError(f"{name}: the served model has no such parameter (the update is dropped)")
+        if tuple(tensor.shape) != self.shapes[canonical]:
+            raise WeightSyncError(f"{name}: shape {list(tensor.shape)} instead of {list(self.shapes[canonical])} "
+                                  "(the update is dropped)")
+        if not tensor.dtype.is_floating_point:
+            raise WeightSyncError(f"{name}: dtype {weight_sync.dtype_name(tensor.dtype)} is not a floating point "
+                                  "type (the update is dropped)")
+        return canonical
