@@ -72,19 +72,18 @@ def _builtin_sets() -> tuple[dict[str, list[dict[str, Any]]], dict[str, set[int]
     return held_out, train
 
 
-@pytest.mark.parametrize("task", ["scripted", "arith"])
-def test_a_contained_agent_rebuilds_no_held_out_item(task: str, tmp_path: Path, db_uri: str,
-                                                      scripted_model_dir: Path) -> None:
-    """For a user's scenario file and for a built-in scenario: nothing the contained agent can reach rebuilds any
-    scenario's held-out set."""
+def test_a_contained_agent_rebuilds_no_held_out_item(tmp_path: Path, db_uri: str, scripted_model_dir: Path) -> None:
+    """A run of a built-in scenario (``arith``) with a user's scenario file loaded too: nothing the contained agent
+    can reach rebuilds any built-in scenario's held-out set or the user's. (What the agent sees does not depend on
+    the scenario it is handed, only its training data does: one run covers them all.)"""
     needs_containment()
     scenario = write_scenario(tmp_path, scripted_model_dir)
     held_out, train = _builtin_sets()
     held_out["scripted"] = _rows(tmp_path / "scenario-data" / "test.jsonl")
-    extra = ("--base_model", str(scripted_model_dir), "--eval_limit", "1") if task != "scripted" else ()
-    done = run_bench(tmp_path, db_uri, scenario, "rebuild", 400, "--agents_dir", str(AGENTS), *extra, task=task)
+    done = run_bench(tmp_path, db_uri, scenario, "rebuild", 400, "--agents_dir", str(AGENTS), "--base_model",
+                     str(scripted_model_dir), "--eval_limit", "1", task="arith")
     assert done.returncode == 0, done.stdout + done.stderr
-    [result] = (tmp_path / "results").glob(f"*_{task}_rebuild/result.json")
+    [result] = (tmp_path / "results").glob("*_arith_rebuild/result.json")
     report = json.loads((Path(json.loads(result.read_text())["workspace"]) / "output" / "rebuilt.json").read_text())
 
     # Every route ran and found what a route can find (so a silent failure cannot pass for a defence).

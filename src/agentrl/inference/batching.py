@@ -51,10 +51,12 @@ from transformers.generation.logits_process import LogitsProcessorList
 
 from agentrl.inference import paged_attention
 from agentrl.inference.lora_adapters import Adapter, ServedAdapters
-from agentrl.inference.packed_linear import pack_linears, repack
+from agentrl.inference.packed_linear import PackedLinear, pack_linears
 from agentrl.inference.sampling import RowParams, penalties, sample
 
 PROMPT_LOGPROB_ROWS = 256
+ALIGNMENT = 64
+"""Bytes a served weight's address is a multiple of (the CPU allocator's alignment)."""
 """Prompt positions whose fp32 log-softmax over the vocabulary is made at once (input-token logprobs)."""
 
 
@@ -352,10 +354,37 @@ class ContinuousBatcher:
         return torch.cat(picked).tolist()
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Copy new weights into the model in place, between two generation steps (blocking)."""
-        with self._paused(), torch.no_grad():
-            self.model.load_state_dict(state_dict, strict=True)
-            repack(self.model)
+        """Serve new weights (every key of the model's state dict; blocking). Their tensors become the model's
+        parameters (cast to each one's dtype and device; copied only when not contiguous and ``ALIGNMENT``-aligned,
+        as the allocator's are: kernels may round differently on other addresses) and the packed copies of the new
+        weights are made before the loop pauses, so the pause, between two generation steps, only exchanges
+        references."""
+        targets = self.model.state_dict(keep_vars=True)
+        if state_dict.keys() != targets.keys():
+            missing, unexpected = targets.keys() - state_dict.keys(), state_dict.keys() - targets.keys()
+            raise ValueError(f"the new weights do not match the model: missing {sorted(missing)[:3]}, unexpected "
+                             f"{sorted(unexpected)[:3]}")
+        new: dict[int, torch.Tensor] = {}
+        with torch.no_grad():
+            for key, target in targets.items():
+                tensor = state_dict[key]
+                if tensor.shape != target.shape:
+                    raise ValueError(f"{key}: shape {list(tensor.shape)} instead of {list(target.shape)}")
+                value = tensor.detach().to(dtype=target.dtype, device=target.device)
+                if not value.is_contiguous() or value.data_ptr() % ALIGNMENT:
+                    value = value.clone(memory_format=torch.contiguous_format)  # a view into a bucket
+                new[id(target)] = value
+            packed = {module: module.packing(new[id(module.weight)],
+                                             None if module.bias is None else new[id(module.bias)])
+                      for module in self.model.modules() if isinstance(module, PackedLinear)}
+            with self._paused():
+                for target in targets.values():
+                    if isinstance(target, torch.nn.Parameter):
+                        target.data = new[id(target)]
+                    else:
+                        target.copy_(new[id(target)])
+                for module, (weight, bias) in packed.items():
+                    module.packed, module.packed_bias = weight, bias
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve a LoRA adapter from the next step on (blocking)."""

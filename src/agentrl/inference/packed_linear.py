@@ -15,8 +15,9 @@ its output returned in fp32. The residual stream, norms, attention and the LM he
 bf16 mode (bf16 layers, fp32 head), so the engine-vs-trainer logprob gap stays within the precision test's bound,
 where a bf16 model (bf16 logits) exceeds it.
 
-The copy does not follow in-place changes of the weight: call :func:`repack` after loading new weights (the
-batcher does). The reordered copies take as much memory as the weights.
+The copy does not follow in-place changes of the weight: call :func:`repack` after loading new weights, or make the
+new copies with :meth:`PackedLinear.packing` before swapping them in with the weights (the batcher does). The
+reordered copies take as much memory as the weights.
 """
 
 from __future__ import annotations
@@ -46,8 +47,13 @@ class PackedLinear(nn.Linear):
     matmul_dtype: torch.dtype
 
     def repack(self) -> None:
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach().to(self.matmul_dtype), None)
-        self.packed_bias = None if self.bias is None else self.bias.detach().to(self.matmul_dtype)
+        self.packed, self.packed_bias = self.packing(self.weight, self.bias)
+
+    def packing(self, weight: torch.Tensor, bias: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The reordered copies of ``weight`` and ``bias`` (this layer's, or new ones to swap in later)."""
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach().to(self.matmul_dtype), None)
+        return packed, None if bias is None else bias.detach().to(self.matmul_dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if self.matmul_dtype != self.weight.dtype:
