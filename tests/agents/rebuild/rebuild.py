@@ -170,7 +170,9 @@ def read_rows(path: Path) -> list[Any]:
     if raw[:2] == b"\x1f\x8b":
         raw = gzip.decompress(raw)
     files_read += 1
-    text = raw.decode("utf-8", errors="replace")
+    text = raw.decode("utf-8", errors="replace").lstrip()
+    if not text.startswith(("{", "[")):  # neither JSON nor JSON lines (a gzipped manual, a changelog)
+        return []
     try:
         document = json.loads(text)
         return document if isinstance(document, list) else [document]
@@ -178,10 +180,11 @@ def read_rows(path: Path) -> list[Any]:
         pass
     rows = []
     for line in text.splitlines():
-        try:
-            rows.append(json.loads(line))
-        except ValueError:
-            continue
+        if line.startswith("{"):
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue
     return rows
 
 
