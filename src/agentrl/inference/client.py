@@ -17,7 +17,7 @@ import logging
 import os
 import random
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import httpx
 from pydantic import BaseModel, Field
@@ -33,6 +33,8 @@ from agentrl.inference.protocol import (
     policy_version,
 )
 from agentrl.inference.weight_sync import DEFAULT_GROUP
+
+WeightUpdateAnswer = TypeVar("WeightUpdateAnswer", UpdateWeightsFromDiskResponse, WeightUpdateResponse)
 
 logger = logging.getLogger(__name__)
 
@@ -160,15 +162,7 @@ class SGLangClient:
         body: dict[str, Any] = {"model_path": model_path, "flush_cache": flush_cache}
         if weight_version is not None:
             body["weight_version"] = str(weight_version)
-        endpoint = "/update_weights_from_disk"
-        response = await self._request("POST", endpoint, json=body, timeout=self.admin_timeout_s,
-                                       retry_timeouts=False, raise_for_status=False)
-        payload = self._json(response, endpoint)
-        result = UpdateWeightsFromDiskResponse.model_validate(payload) if "success" in payload else None
-        if result is None or not result.success or response.status_code >= 400:
-            cause = result.message if result is not None else str(payload)
-            raise InferenceRequestError(self.base_url, endpoint, cause, status_code=response.status_code)
-        return result
+        return await self._weight_update("/update_weights_from_disk", body, UpdateWeightsFromDiskResponse)
 
     async def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int,
                                         world_size: int, *, group_name: str = DEFAULT_GROUP,
@@ -197,11 +191,13 @@ class SGLangClient:
         """``POST /destroy_weights_update_group``; raises :class:`InferenceRequestError` when the service refuses."""
         return await self._weight_update("/destroy_weights_update_group", {"group_name": group_name})
 
-    async def _weight_update(self, endpoint: str, body: dict[str, Any]) -> WeightUpdateResponse:
+    async def _weight_update(self, endpoint: str, body: dict[str, Any],
+                             answer: type[WeightUpdateAnswer] = WeightUpdateResponse) -> WeightUpdateAnswer:
+        """An admin weight call answering SGLang's ``{success, message, ...}``; raises when it is refused."""
         response = await self._request("POST", endpoint, json=body, timeout=self.admin_timeout_s,
                                        retry_timeouts=False, raise_for_status=False)
         payload = self._json(response, endpoint)
-        result = WeightUpdateResponse.model_validate(payload) if "success" in payload else None
+        result = answer.model_validate(payload) if "success" in payload else None
         if result is None or not result.success or response.status_code >= 400:
             cause = result.message if result is not None else _error_message(response)
             raise InferenceRequestError(self.base_url, endpoint, cause, status_code=response.status_code)

@@ -164,6 +164,11 @@ def _add_generation_routes(app: FastAPI, engine: InferenceEngine) -> None:
         return JSONResponse(await engine.chat(request))
 
 
+def _answer(result: BaseModel) -> JSONResponse:
+    """SGLang's answer to an admin weight call: the result with 200 on ``success``, else 400."""
+    return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)  # type: ignore[attr-defined]
+
+
 def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: ServiceRegistration | None) -> None:
     """Weight updates from disk and over a weight-update group, and LoRA adapters (``{success, ...}`` with 200 or
     400)."""
@@ -173,34 +178,34 @@ def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: Serv
         result = await engine.update_weights_from_disk(request)
         if registration is not None and result.success:
             await registration.heartbeat()
-        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+        return _answer(result)
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest) -> JSONResponse:
         result = await engine.init_weights_update_group(request)
-        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+        return _answer(result)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: UpdateWeightsFromDistributedRequest) -> JSONResponse:
         result = await engine.update_weights_from_distributed(request)
         if registration is not None and result.success:
             await registration.heartbeat()
-        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+        return _answer(result)
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
         result = await engine.destroy_weights_update_group(request)
-        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+        return _answer(result)
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> JSONResponse:
         result = await engine.load_lora_adapter(request)
-        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+        return _answer(result)
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> JSONResponse:
         result = await engine.unload_lora_adapter(request)
-        return JSONResponse(result.model_dump(), status_code=200 if result.success else 400)
+        return _answer(result)
 
 
 def _add_memory_routes(app: FastAPI, engine: InferenceEngine) -> None:
