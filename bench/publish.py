@@ -1,30 +1,28 @@
 """Publishing a version of the weights to a live ``agentrl engine``: through disk against in memory, in one run.
 
-    .venv/bin/python bench/publish.py [--model DIR] [--repeats 5] [--bucket_mb 256] [--json]
+    .venv/bin/python bench/publish.py [--model DIR] [--repeats 5] [--bucket_mb 256] [--dtype float32] [--json]
 
-The sender is this process holding the model's weights in memory (as a trainer's rank 0 does after gathering
-them); the engine serves the same model (``--num_threads 1``, fp32) and is idle. Each transport publishes
-``--repeats`` versions, alternating, and the table gives medians:
+The sender is the trainer's own publishing code in this process (one rank, the model in memory); the engine serves
+the same model (``--num_threads 1``) and is idle. Each transport publishes ``--repeats`` versions, alternating, and
+the table gives medians:
 
-* **disk**: ``save_pretrained`` (safetensors) into a new directory, then ``POST /update_weights_from_disk`` (the
-  engine reads it and swaps): what the trainer does today;
-* **distributed**: ``POST /update_weights_from_distributed`` per bucket of at most ``--bucket_mb`` MB (one dtype a
-  bucket, SGLang's ``flattened_bucket``), each while this process broadcasts it over the weight-update group (gloo,
-  joined once before timing, as a trainer keeps it for the run); the engine swaps when the last bucket arrived;
-* **distributed_per_tensor**: the same calls without ``load_format``: one broadcast per tensor.
+* **disk**: the trainer's ``export_pretrained`` (safetensors, in the publish dtype) into ``weights/<v>``, then
+  ``POST /update_weights_from_disk`` (the engine reads the files and swaps): ``--weight_transport disk``;
+* **distributed**: the trainer's ``parameter_buckets`` + ``WeightGroups.send`` (``--weight_transport
+  distributed``): ``POST /update_weights_from_distributed`` per bucket of at most ``--bucket_mb`` MiB (one dtype a
+  bucket, SGLang's ``flattened_bucket``) while the bucket is broadcast over the weight-update group (gloo, joined
+  once before timing, as the trainer keeps it for the run); the engine swaps once the last bucket arrived.
 
-``send_s`` is the sender's side (writing, or nothing), ``service_s`` the HTTP calls until the engine serves the new
-version. Both transports end serving the same weights (the logprobs of a fixed prompt are compared bit for bit).
-``--json`` prints ``{seconds_by_transport, distributed_over_disk, ...}``; the figures also go to
-``bench/results/publish.json``. Run it on a quiet machine.
+``send_s`` is the sender's side (writing the files; gathering and broadcasting the buckets), ``service_s`` the rest
+until the engine serves the new version. Both transports end serving the same weights (the logprobs of a fixed
+prompt are compared bit for bit). ``--json`` prints ``{seconds_by_transport, distributed_over_disk, ...}``; the
+figures also go to ``bench/results/publish.json``. Run it on a quiet machine.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
-import socket
 import statistics
 import tempfile
 import time
@@ -34,12 +32,17 @@ import httpx
 import torch
 from transformers import AutoModelForCausalLM
 
-from agentrl.inference import SGLangClient, weight_sync
+from agentrl.inference import SGLangClient
 from agentrl.inference.embedded_model import default_model_path
 from agentrl.inference.process import EngineProcess
+from agentrl.training.aio import LoopThread
+from agentrl.training.parallel import ParallelState
+from agentrl.training.weight_transport import WeightGroups, parameter_buckets
+from agentrl.training.weights import export_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 5, 9, 14, 3, 27, 8, 30, 2]
+TRANSPORTS = ("disk", "distributed")
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,29 +50,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2-135M-Instruct")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket_mb", type=float, default=256.0)
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the publish dtype (the trainer's: bfloat16 when it trains in bf16)")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "publish.json")
     return parser.parse_args()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def buckets(named: list[tuple[str, torch.Tensor]], limit_bytes: float) -> list[list[tuple[str, torch.Tensor]]]:
-    """Consecutive tensors of one dtype, at most ``limit_bytes`` a bucket (a larger tensor goes alone)."""
-    out: list[list[tuple[str, torch.Tensor]]] = []
-    size = 0.0
-    for name, tensor in named:
-        nbytes = tensor.numel() * tensor.element_size()
-        if not out or out[-1][-1][1].dtype != tensor.dtype or size + nbytes > limit_bytes:
-            out.append([])
-            size = 0.0
-        out[-1].append((name, tensor))
-        size += nbytes
-    return out
 
 
 def logprobs(url: str) -> list[float]:
@@ -79,68 +64,69 @@ def logprobs(url: str) -> list[float]:
     return [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
 
 
-async def publish_disk(client: SGLangClient, model: torch.nn.Module, root: Path, version: int) -> dict[str, float]:
+def publish_disk(io: LoopThread, url: str, model: torch.nn.Module, dtype: torch.dtype, root: Path, version: int
+                 ) -> dict[str, float]:
     started = time.perf_counter()
     path = root / str(version)
-    await asyncio.to_thread(model.save_pretrained, path, safe_serialization=True)
+    export_pretrained(model, ParallelState(), path, dtype=dtype)
     written = time.perf_counter()
-    await client.update_weights_from_disk(str(path), weight_version=version)
+
+    async def load() -> None:
+        async with SGLangClient(url) as client:
+            await client.update_weights_from_disk(str(path), weight_version=version)
+
+    io.run(load())
     done = time.perf_counter()
     return {"send_s": written - started, "service_s": done - written, "total_s": done - started}
 
 
-async def publish_distributed(client: SGLangClient, group: object, named: list[tuple[str, torch.Tensor]],
-                              bucket_bytes: float, version: int, load_format: str | None) -> dict[str, float]:
+def publish_distributed(groups: WeightGroups, url: str, model: torch.nn.Module, dtype: torch.dtype,
+                        bucket_bytes: int, version: int) -> dict[str, float]:
     started = time.perf_counter()
-    for bucket in buckets(named, bucket_bytes):
-        layout = [weight_sync.TensorSpec(n, t.dtype, tuple(t.shape)) for n, t in bucket]
-        call = asyncio.create_task(client.update_weights_from_distributed(
-            [s.name for s in layout], [weight_sync.dtype_name(s.dtype) for s in layout],
-            [list(s.shape) for s in layout], weight_version=version, load_format=load_format))
-        await asyncio.to_thread(weight_sync.send, group, bucket, load_format)
-        await call
+    sent = groups.send(parameter_buckets(model, ParallelState(), dtype=dtype, device=torch.device("cpu"),
+                                         limit_bytes=bucket_bytes), [url], version)
+    if sent.failures:
+        raise SystemExit(f"the in-memory publish failed: {sent.failures}")
+    broadcast = time.perf_counter()
+    sent.last[url].result()
     done = time.perf_counter()
-    return {"send_s": 0.0, "service_s": done - started, "total_s": done - started}
+    return {"send_s": broadcast - started, "service_s": done - broadcast, "total_s": done - started}
 
 
-async def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
+def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    named = list(model.named_parameters())
-    size_mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
-    runs: dict[str, list[dict[str, float]]] = {"disk": [], "distributed": [], "distributed_per_tensor": []}
+    dtype = getattr(torch, args.dtype)
+    size_mb = sum(p.numel() for p in model.parameters()) * dtype.itemsize / 2**20
+    bucket_bytes = int(args.bucket_mb * 2**20)
+    runs: dict[str, list[dict[str, float]]] = {t: [] for t in TRANSPORTS}
     served: dict[str, list[float]] = {}
-    port = free_port()
-    async with SGLangClient(url) as client:
-        joined = asyncio.create_task(client.init_weights_update_group("127.0.0.1", port, 1, 2, backend="gloo"))
-        group = await asyncio.to_thread(weight_sync.init_group, "127.0.0.1", port, 0, 2,
-                                        weight_sync.DEFAULT_GROUP, "gloo", 300)
-        await joined
-        try:
-            with tempfile.TemporaryDirectory(prefix="agentrl-publish-") as tmp:
-                version = 0
-                for _ in range(args.repeats):
-                    for transport in runs:
-                        version += 1
-                        if transport == "disk":
-                            runs[transport].append(await publish_disk(client, model, Path(tmp), version))
-                        else:
-                            load_format = None if transport.endswith("per_tensor") else weight_sync.BUCKET_FORMAT
-                            runs[transport].append(await publish_distributed(
-                                client, group, named, args.bucket_mb * 2**20, version, load_format))
-                        served[transport] = await asyncio.to_thread(logprobs, url)
-        finally:
-            await client.destroy_weights_update_group()
-            weight_sync.destroy_group(group)
+    io = LoopThread("bench-io")
+    groups = WeightGroups(io, backend="gloo", timeout_s=300, retries=0)
+    try:
+        if (reason := io.run(groups.join(url))) is not None:
+            raise SystemExit(reason)
+        with tempfile.TemporaryDirectory(prefix="agentrl-publish-") as tmp:
+            version = 0
+            for _ in range(args.repeats):
+                for transport in TRANSPORTS:
+                    version += 1
+                    if transport == "disk":
+                        runs[transport].append(publish_disk(io, url, model, dtype, Path(tmp), version))
+                    else:
+                        runs[transport].append(publish_distributed(groups, url, model, dtype, bucket_bytes, version))
+                    served[transport] = logprobs(url)
+    finally:
+        groups.close()
+        io.close()
     if len({tuple(lps) for lps in served.values()}) != 1:
         raise SystemExit(f"the transports served different weights: {served}")
+    buckets = sum(1 for _ in parameter_buckets(model, ParallelState(), dtype=dtype, device=torch.device("cpu"),
+                                               limit_bytes=bucket_bytes))
     medians = {t: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for t, rows in runs.items()}
-    return {"model": str(model_dir), "size_mb": round(size_mb, 1), "repeats": args.repeats,
-            "bucket_mb": args.bucket_mb, "buckets": len(buckets(named, args.bucket_mb * 2**20)),
-            "medians": medians, "runs": runs,
+    return {"model": str(model_dir), "dtype": args.dtype, "size_mb": round(size_mb, 1), "repeats": args.repeats,
+            "bucket_mb": args.bucket_mb, "buckets": buckets, "medians": medians, "runs": runs,
             "seconds_by_transport": {t: round(m["total_s"], 3) for t, m in medians.items()},
-            "distributed_over_disk": round(min(medians["distributed"]["total_s"],
-                                               medians["distributed_per_tensor"]["total_s"])
-                                           / medians["disk"]["total_s"], 3)}
+            "distributed_over_disk": round(medians["distributed"]["total_s"] / medians["disk"]["total_s"], 3)}
 
 
 def main() -> int:
@@ -149,7 +135,7 @@ def main() -> int:
     engine = EngineProcess(model_dir, "--num_threads", "1", "--dtype", "float32", "--no_register",
                            "--max_total_tokens", "4096")
     try:
-        result = asyncio.run(measure(args, engine.url, Path(model_dir)))
+        result = measure(args, engine.url, Path(model_dir))
     finally:
         engine.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -157,8 +143,8 @@ def main() -> int:
     if args.json:
         print(json.dumps({k: v for k, v in result.items() if k != "runs"}))
         return 0
-    print(f"\nPublishing {Path(result['model']).name} ({result['size_mb']:.0f} MB fp32) to an idle engine, medians of "
-          f"{result['repeats']} (buckets of {result['bucket_mb']:g} MB: {result['buckets']})")
+    print(f"\nPublishing {Path(result['model']).name} ({result['size_mb']:.0f} MiB {result['dtype']}) to an idle "
+          f"engine, medians of {result['repeats']} (buckets of {result['bucket_mb']:g} MiB: {result['buckets']})")
     print("| transport | sender s | service s | total s | vs disk |")
     print("|---|---:|---:|---:|---:|")
     disk = result["medians"]["disk"]["total_s"]

@@ -60,8 +60,8 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
         run = db.Run.find_one()
     finally:
         client.close()
-    if point.startswith("publish."):  # versions only grow, and the newest one's weights exist
-        assert run["policy_version"] >= STEPS and Path(run["weights_path"]).name == str(run["policy_version"])
+    if point.startswith("publish."):  # versions only grow, and the newest one's weights exist (the final model)
+        assert run["policy_version"] >= STEPS and run["weights_version"] == run["policy_version"]
         assert (Path(run["weights_path"]) / "config.json").exists()
     assert {d["status"] for d in docs} == {"trained"}
     assert Counter(d["claimed_step"] for d in docs) == dict.fromkeys(range(1, STEPS + 1), BATCH)
@@ -72,6 +72,40 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
         assert set(metric["sample_ids"]) == {d["_id"] for d in docs if d["claimed_step"] == metric["step"]}
     assert [step for step, _ in list_checkpoints(out)] == list(range(save_steps, STEPS + 1, save_steps))
     assert not [p.name for p in out.iterdir() if p.name.startswith(".checkpoint")], "leftovers of the crash"
+
+
+@pytest.mark.parametrize("point", [
+    "trainer.step.after_log=exit@2",  # step 2 in the ledger, its samples still claimed
+    "samples.claim.after_one=exit@6",  # step 2 half claimed; step 1 settled or not (an overlapped publish)
+    "trainer.skip.after_abandon=exit",  # not reached: the control run of the same flags
+])
+def test_without_checkpoints_a_crash_leaves_every_trained_sample_in_the_ledger_once(
+        point: str, db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--save_steps 0``: samples become trained once their step's Metric lists them; a killed trainer's successor
+    starts fresh, marks the claims its ledger lists trained, returns the others and numbers its steps after the
+    logged ones."""
+    samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
+    asyncio.run(enqueue(db_uri, samples))
+    flags = trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", str(BATCH), "--max_steps",
+                         str(STEPS), "--save_steps", "0", "--max_staleness", "none")
+    first = run_trainer(flags, env={ENV: point})
+    if point.startswith("trainer.skip"):
+        assert first.returncode == 0, first.stdout
+    else:
+        assert first.returncode == EXIT_CODE, first.stdout
+        again = run_trainer(flags)
+        assert again.returncode == 0, again.stdout
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        docs = list(db.DBRecordData.find())
+        metrics = list(db.Metric.find())
+    finally:
+        client.close()
+    assert {d["status"] for d in docs} == {"trained"}
+    listed = [sample_id for m in metrics for sample_id in m["sample_ids"]]
+    assert sorted(listed) == sorted(s.id for s in samples), "the ledger lists a sample twice or misses one"
+    assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))
 
 
 def test_a_directory_is_never_half_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -147,3 +181,53 @@ def test_a_crash_while_skipping_stale_samples_leaves_no_record_ready(db_uri: str
     assert {(r["status"], r.get("failure_class")) for r in records.values() if r["_id"].startswith("late")} == {
         ("abandoned", "stale")}
     assert {r["status"] for r in records.values() if not r["_id"].startswith("late")} == {"trained"}
+
+
+def test_a_record_whose_branches_straddle_the_staleness_bound_ends_trained(db_uri: str, tiny_model_dir: Path,
+                                                                           tmp_path: Path) -> None:
+    """One Record, two branches (samples ``#b0`` and ``#b1``): one sampled before the last publish (stale under
+    ``--sync_sampling``), one after. The stale one is skipped, the fresh one trained: the Record is ``trained``
+    (abandoning it at the skip would have left it ``abandoned`` though one of its samples trained)."""
+    _ready_records(db_uri, make_samples(tiny_model_dir, 1, prefix="first"))
+    out = tmp_path / "out"
+    flags = ("--sync_sampling", "true", "--train_batch_size", "4", "--max_steps", "2", "--save_steps", "0")
+    trainer = start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags))
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        deadline = time.monotonic() + 120
+        while db.Run.find_one({"policy_version": 1}) is None:  # step 1 published: the policy is version 1 now
+            assert trainer.poll() is None and time.monotonic() < deadline, trainer.communicate()[0]
+            time.sleep(0.2)
+        fresh = make_samples(tiny_model_dir, 1, prefix="late", weight_version=1)
+        stale = make_samples(tiny_model_dir, 1, prefix="late", weight_version=0, seed=1)[0]
+        branch = stale.model_copy(update={"id": f"{fresh[0].record_id}#b1", "record_id": fresh[0].record_id})
+        _ready_records(db_uri, fresh)
+        asyncio.run(enqueue(db_uri, [branch]))
+        output, _ = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, output
+        samples = {d["_id"]: d["status"] for d in db.DBRecordData.find()}
+        record = db.Record.find_one({"_id": fresh[0].record_id})
+    finally:
+        client.close()
+    assert samples[branch.id] == "skipped" and samples[fresh[0].id] == "trained"
+    assert record["status"] == "trained", record
+
+
+def test_a_resumed_trainer_already_at_its_step_limit_gives_back_the_claims_it_adopted(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Killed with step 3 half claimed (checkpoint 2), resumed with ``--max_steps 2``: it has nothing to train and
+    returns step 3's claims to the queue instead of leaving them claimed for good."""
+    asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)))
+    out = tmp_path / "out"
+    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS), env={ENV: "samples.claim.after_one=exit@10"})
+    assert crashed.returncode == EXIT_CODE, crashed.stdout
+    limited = (*FLAGS[:3], "2", *FLAGS[4:])
+    resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *limited, "--resume_from_checkpoint", "latest"))
+    assert resumed.returncode == 0, resumed.stdout
+    client = sync_client(db_uri)
+    try:
+        statuses = Counter(d["status"] for d in client.get_default_database().DBRecordData.find())
+    finally:
+        client.close()
+    assert statuses == {"trained": 2 * BATCH, "queued": (STEPS - 2) * BATCH}, statuses

@@ -249,8 +249,9 @@ class _ServiceWatch:
 
 def test_a_restarted_engine_serves_the_published_weights_before_samplers_can_pick_it(
         db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """An engine restarted during a run (full-weight publishing) registers as STARTING, loads the Run's published
-    weights and only then becomes UP: it is never pickable with its start-up weights (version 0)."""
+    """An engine restarted after a run (full weights published in memory: nothing under weights/) registers as
+    STARTING, loads the files the finished trainer recorded for the Run's version (``final``) and only then becomes
+    UP: it is never pickable with its start-up weights (version 0)."""
     engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
     restarted = watch = None
     try:
@@ -271,7 +272,60 @@ def test_a_restarted_engine_serves_the_published_weights_before_samplers_can_pic
     states = {(status, weights) for url, status, weights in seen if url == restarted.url}
     assert ("STARTING", 0) in states, seen  # registered while it loaded: publishes reach it, samplers do not
     assert {weights for status, weights in states if status == "UP"} == {2}, seen
-    _assert_logprobs_of(out / "weights" / "2", output_ids, logprobs)
+    assert not (out / "weights").exists()
+    _assert_logprobs_of(out / "final", output_ids, logprobs)
+
+
+def test_an_engine_restarted_mid_run_waits_for_the_trainer_to_send_the_weights_published_in_memory(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Version 1 went to the engine in memory; the engine restarts while the trainer waits for step 2's samples:
+    it has no file to load, stays STARTING (samplers keep off it), and the waiting trainer sends it the weights
+    as a new version; then it is UP and serves exactly the trainer's weights."""
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    restarted = watch = None
+    out = tmp_path / "out"
+    outcome: list[int] = []
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=1)))
+        trainer = threading.Thread(target=lambda: outcome.append(main(trainer_args(
+            db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2", "--save_steps", "0",
+            "--max_staleness", "none"))), daemon=True)
+        trainer.start()
+        _wait_for(db_uri, lambda db: (db.Run.find_one() or {}).get("policy_version") == 1)
+        engine.stop()
+        watch = _ServiceWatch(db_uri)
+        restarted = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+        _wait_for(db_uri, lambda db: db.InferenceService.find_one({"_id": restarted.url, "status": "UP"}))
+        pushed, _, _ = _served(restarted.url)
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=1, seed=1, prefix="h")))
+        trainer.join(120)
+        version, output_ids, logprobs = _served(restarted.url)
+    finally:
+        seen = watch.stop() if watch is not None else set()
+        engine.stop()
+        if restarted is not None:
+            restarted.stop()
+    assert outcome == [0]
+    assert pushed == "2", seen  # the trainer published version 2 for it while it waited
+    assert version == "3"  # step 2's publish reached it in memory
+    states = {(status, weights) for url, status, weights in seen if url == restarted.url}
+    assert ("STARTING", 0) in states and {w for status, w in states if status == "UP"} >= {2}, seen
+    assert not (out / "weights").exists()  # nothing went through disk
+    final = out / "final"
+    assert final.is_dir()
+    _assert_logprobs_of(final, output_ids, logprobs)
+
+
+def _wait_for(db_uri: str, condition, timeout_s: float = 90.0) -> None:
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        deadline = time.monotonic() + timeout_s
+        while not condition(db):
+            assert time.monotonic() < deadline, "timed out"
+            time.sleep(0.1)
+    finally:
+        client.close()
 
 
 def test_an_engine_that_cannot_load_the_runs_published_weights_does_not_serve(db_uri: str, tiny_model_dir: Path,
@@ -306,7 +360,8 @@ def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tin
     try:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
         flags = trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "3",
-                             "--max_staleness", "none", "--save_steps", "1", "--publish_retries", "0")
+                             "--max_staleness", "none", "--save_steps", "1", "--publish_retries", "0",
+                             "--weight_transport", "disk")
         resume = [*flags, "--resume_from_checkpoint", "latest"]
         assert run_trainer(flags, env={ENV: "publish.before_bump=exit@2"}).returncode == EXIT_CODE
         assert sorted(p.name for p in weights.iterdir()) == ["1", "2"]  # 2 loaded by the engine, not in the Run
@@ -330,7 +385,9 @@ def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tin
             run = client.get_default_database().Run.find_one()
         finally:
             client.close()
-        assert run["policy_version"] == 4 and run["weights_path"] == str((weights / "4").resolve())
+        # the finished trainer recorded its final model as the files of the last version
+        assert run["policy_version"] == 4 and run["weights_path"] == str((out / "final").resolve())
+        assert run["weights_version"] == 4
         assert sorted(p.name for p in weights.iterdir()) == ["3", "4"]
         served = [_served(e.url) for e in (engine, restarted)]
     finally:

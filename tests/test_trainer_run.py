@@ -55,7 +55,7 @@ def test_short_run_trains_publishes_logs_and_checkpoints(db_uri: str, tiny_model
     out = tmp_path / "out"
     # no staleness bound: the queued samples are all of version 0, and their staleness is what is measured
     assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "4",
-                             "--save_steps", "2", "--max_staleness", "none")) == 0
+                             "--save_steps", "2", "--max_staleness", "none", "--weight_transport", "disk")) == 0
 
     metrics = _metrics(db_uri)
     assert sorted(metrics) == [1, 2, 3, 4]
@@ -82,7 +82,8 @@ def test_short_run_trains_publishes_logs_and_checkpoints(db_uri: str, tiny_model
         check_trainer_logprobs(docs, published=True)  # kept for audits, token-aligned with the engine's
         assert {d["status"] for d in db.Record.find()} == {"trained"}
         run = db.Run.find_one()
-        assert run["policy_version"] == 4 and run["weights_path"] == str((out / "weights" / "4").resolve())
+        # the last version's files: the final model, recorded when the trainer finished
+        assert run["policy_version"] == 4 and run["weights_path"] == str((out / "final").resolve())
         assert run["status"] == "finished"
     finally:
         client.close()
@@ -220,3 +221,37 @@ def test_kl_to_the_reference_model_grows_from_zero(db_uri: str, tiny_model_dir: 
     metrics = _metrics(db_uri)
     assert metrics[1]["ref_kl"] < 1e-9  # the reference is the starting policy
     assert metrics[2]["ref_kl"] > 1e-7 and metrics[2]["sequences"] == 4
+
+
+def test_sync_every_2_labels_unpublished_weights_and_publishes_the_last_step(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """With ``--sync_every 2`` the weights of step 2 are version 0 plus step 1's update, which no service serves:
+    their logprobs are not labelled version 0, and no token counts as sampled by them (``_fresh``). A run ending on
+    step 3 publishes it, so the services serve the trained policy (what an after-evaluation measures)."""
+    from agentrl.inference import SGLangClient
+    from inference_fixtures import start_engine
+
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=3)))
+        assert main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps",
+                                 "3", "--save_steps", "0", "--max_staleness", "none", "--sync_every", "2")) == 0
+
+        async def served_version() -> str:
+            async with SGLangClient(engine.url) as client:
+                return (await client.get_model_info()).weight_version
+
+        served = asyncio.run(served_version())
+    finally:
+        engine.stop()
+    metrics = _metrics(db_uri)
+    assert "logprob_mismatch_mean_fresh" in metrics[1]  # version 0's own weights scored version 0's tokens
+    assert "logprob_mismatch_mean_fresh" not in metrics[2] and "logprob_mismatch_mean_fresh" not in metrics[3]
+    client, db = _db(db_uri)
+    try:
+        by_step = {d["claimed_step"]: d.get("trainer_version", "absent") for d in db.DBRecordData.find()}
+        run = db.Run.find_one()
+    finally:
+        client.close()
+    assert by_step == {1: 0, 2: None, 3: 1}
+    assert run["policy_version"] == 2 and run["weights_version"] == 2 and served == "2"

@@ -25,8 +25,10 @@ Points in the code:
 - ``group_stage.after_ready`` (a kept trajectory's Record ``ready``, its samples not queued),
   ``group_stage.before_complete`` (every Record moved on, the Task not closed);
 - ``samples.claim.after_one`` (a trainer rank claimed one more sample of its step);
-- ``publish.after_export`` (new weights written, no service told), ``publish.before_bump`` (services loaded them,
-  ``Run.policy_version`` not bumped);
+- ``publish.after_export`` (new weights written or sent, no service told), ``publish.before_bump`` (services
+  loaded them, ``Run.policy_version`` not bumped), ``publish.distributed.after_first_bucket`` (the first bucket of
+  an in-memory publish broadcast, the others not);
+- ``engine.weight_update.after_receive`` (``agentrl engine``: a bucket of an in-memory update received, not staged);
 - ``checkpoint.save.before_rename`` (a complete checkpoint under its temporary name), ``checkpoint.save.after_aside``
   (an older checkpoint of the same step renamed aside, the new one not in place), ``checkpoint.save.after_rename``
   (the new one in place, the old one not yet deleted), ``weights.replace.after_aside``/``after_rename`` (the same

@@ -34,7 +34,7 @@ import threading
 import uuid
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from math import ceil
 
 import torch
@@ -211,6 +211,15 @@ class _Manager(ContinuousBatchingManager):
         return processor
 
 
+@dataclass
+class PreparedWeights:
+    """New weights made ready to serve (:meth:`ContinuousBatcher.prepare`): each served tensor's replacement (by
+    the ``id`` of the tensor it replaces) and the packed copies of the layers."""
+
+    values: dict[int, torch.Tensor] = field(default_factory=dict)
+    packed: dict[PackedLinear, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+
+
 class ContinuousBatcher:
     """Serves generation requests for one model from a background continuous-batching loop.
 
@@ -354,37 +363,57 @@ class ContinuousBatcher:
         return torch.cat(picked).tolist()
 
     def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Serve new weights (every key of the model's state dict; blocking). Their tensors become the model's
-        parameters (cast to each one's dtype and device; copied only when not contiguous and ``ALIGNMENT``-aligned,
-        as the allocator's are: kernels may round differently on other addresses) and the packed copies of the new
-        weights are made before the loop pauses, so the pause, between two generation steps, only exchanges
-        references."""
+        """Serve new weights (every key of the model's state dict; blocking): :meth:`prepare` then :meth:`swap`."""
         targets = self.model.state_dict(keep_vars=True)
         if state_dict.keys() != targets.keys():
             missing, unexpected = targets.keys() - state_dict.keys(), state_dict.keys() - targets.keys()
             raise ValueError(f"the new weights do not match the model: missing {sorted(missing)[:3]}, unexpected "
                              f"{sorted(unexpected)[:3]}")
-        new: dict[int, torch.Tensor] = {}
+        self.swap(self.prepare(state_dict))
+
+    def prepare(self, tensors: dict[str, torch.Tensor], into: PreparedWeights | None = None) -> PreparedWeights:
+        """Make some of the new weights ready to serve, generation still running (blocking): each state-dict key's
+        tensor cast to its parameter's dtype and device (copied only when not contiguous and ``ALIGNMENT``-aligned,
+        as the allocator's are: kernels may round differently on other addresses), and the packed copies of the
+        layers whose weights are all there. Called once with the whole state dict, or bucket by bucket as they
+        arrive (``into``: what earlier calls prepared); :meth:`swap` serves the result."""
+        targets = self.model.state_dict(keep_vars=True)
+        prepared = into if into is not None else PreparedWeights()
         with torch.no_grad():
-            for key, target in targets.items():
-                tensor = state_dict[key]
+            for key, tensor in tensors.items():
+                target = targets.get(key)
+                if target is None:
+                    raise ValueError(f"the new weights do not match the model: unexpected {key}")
                 if tensor.shape != target.shape:
                     raise ValueError(f"{key}: shape {list(tensor.shape)} instead of {list(target.shape)}")
                 value = tensor.detach().to(dtype=target.dtype, device=target.device)
                 if not value.is_contiguous() or value.data_ptr() % ALIGNMENT:
                     value = value.clone(memory_format=torch.contiguous_format)  # a view into a bucket
-                new[id(target)] = value
-            packed = {module: module.packing(new[id(module.weight)],
-                                             None if module.bias is None else new[id(module.bias)])
-                      for module in self.model.modules() if isinstance(module, PackedLinear)}
-            with self._paused():
-                for target in targets.values():
-                    if isinstance(target, torch.nn.Parameter):
-                        target.data = new[id(target)]
-                    else:
-                        target.copy_(new[id(target)])
-                for module, (weight, bias) in packed.items():
-                    module.packed, module.packed_bias = weight, bias
+                prepared.values[id(target)] = value
+            for module in self.model.modules():
+                if not isinstance(module, PackedLinear) or module in prepared.packed:
+                    continue
+                weight = prepared.values.get(id(module.weight))
+                bias = None if module.bias is None else prepared.values.get(id(module.bias))
+                if weight is not None and (module.bias is None or bias is not None):
+                    prepared.packed[module] = module.packing(weight, bias)
+        return prepared
+
+    def swap(self, prepared: PreparedWeights) -> None:
+        """Serve the prepared weights (every tensor of the model's state dict must be in them; blocking): the loop
+        pauses between two generation steps only to exchange references."""
+        targets = self.model.state_dict(keep_vars=True)
+        missing = [key for key, target in targets.items() if id(target) not in prepared.values]
+        if missing:
+            raise ValueError(f"the new weights do not match the model: missing {sorted(missing)[:3]}")
+        with torch.no_grad(), self._paused():
+            for target in targets.values():
+                if isinstance(target, torch.nn.Parameter):
+                    target.data = prepared.values[id(target)]
+                else:
+                    target.copy_(prepared.values[id(target)])
+            for module, (weight, bias) in prepared.packed.items():
+                module.packed, module.packed_bias = weight, bias
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve a LoRA adapter from the next step on (blocking)."""

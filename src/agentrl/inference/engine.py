@@ -42,7 +42,13 @@ from pydantic import BaseModel, Field, field_validator
 from agentrl import __version__
 from agentrl.failpoints import failpoint
 from agentrl.inference.admission import AdmissionGate
-from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, GenerationAborted, RequestSampling
+from agentrl.inference.batching import (
+    BatchingConfig,
+    ContinuousBatcher,
+    GenerationAborted,
+    PreparedWeights,
+    RequestSampling,
+)
 from agentrl.inference.lora_adapters import AdapterError, read_adapter
 from agentrl.inference.protocol import (
     ChatCompletionRequest,
@@ -178,7 +184,8 @@ class InferenceEngine:
         self.gate = AdmissionGate()
         self.released = False
         self._exclusive = asyncio.Lock()
-        self.weight_groups = WeightUpdateGroups(self.model, self.device, config.weight_update_timeout_s)
+        self.weight_groups = WeightUpdateGroups(self.model, self.device, config.weight_update_timeout_s,
+                                                prepare=self.batcher.prepare)
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -456,14 +463,16 @@ class InferenceEngine:
         logger.info(message)
         return UpdateWeightsFromDiskResponse(success=True, message=message, num_paused_requests=paused)
 
-    async def _swap(self, state_dict: dict[str, torch.Tensor], new_version: str) -> int:
-        """Serve ``state_dict`` as ``new_version`` in one step: running requests finish on the old weights, new ones
-        wait (none is dropped); returns how many waited."""
+    async def _swap(self, weights: dict[str, torch.Tensor] | PreparedWeights, new_version: str) -> int:
+        """Serve ``weights`` (a state dict, or weights already prepared) as ``new_version`` in one step: running
+        requests finish on the old weights, new ones wait (none is dropped); returns how many waited."""
+        if isinstance(weights, dict):
+            weights = await asyncio.to_thread(self.batcher.prepare, weights)
         async with self._exclusive:
             held_before = self.gate.held
             async with self.gate.closed():
                 if not failpoint("engine.update_weights.swap"):
-                    await asyncio.to_thread(self.batcher.load_state_dict, state_dict)
+                    await asyncio.to_thread(self.batcher.swap, weights)
                 await asyncio.to_thread(self.batcher.reset_prefix_cache)
                 self.weight_version = new_version
             return self.gate.held - held_before
@@ -516,8 +525,8 @@ class InferenceEngine:
             return WeightUpdateResponse(success=True, message=(
                 f"received {len(request.names)} tensor(s); {self.weight_groups.staged(request.group_name)} of "
                 f"{len(self.weight_groups.names)} parameters staged: the new weights are served once all arrived"))
-        paused = await self._swap(self.weight_groups.state_dict(complete), new_version)
-        message = (f"Succeeded to update model weights: {len(complete)} parameters from group "
+        paused = await self._swap(complete, new_version)
+        message = (f"Succeeded to update model weights: {len(self.weight_groups.names)} parameters from group "
                    f"{request.group_name} as weight_version {new_version} in {time.perf_counter() - started:.2f}s "
                    f"({paused} request(s) waited)")
         logger.info(message)

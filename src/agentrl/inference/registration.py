@@ -11,9 +11,11 @@ connect to the service marks it DOWN; the next heartbeat marks it UP again.
 
 A service that joins a run already under way (``load_published``) registers as STARTING: samplers do not pick it,
 but weight publishes reach it (they wait in its listen queue until it answers). It is first given the run's
-published full weights (``Run.weights_path`` as version ``Run.policy_version``), reading the Run again after each
-load in case a version was published meanwhile, and only then marks itself UP: a restarted engine never serves its
-start-up weights to samplers. Runs that publish LoRA adapters need nothing here: samplers give a service the
+published full weights (``Run.weights_path``, which hold version ``Run.weights_version``), reading the Run again
+after each load in case a version was published meanwhile; when the Run's version was published in memory (newer
+than its files), it waits for the trainer to send it (a trainer sends the current weights to services that are
+STARTING and behind). Only then does it mark itself UP: a restarted engine never serves its start-up weights, nor an
+older version, to samplers. Runs that publish LoRA adapters need nothing here: samplers give a service the
 current adapter when it lacks it (:mod:`agentrl.rollout.inference_pool`).
 """
 
@@ -32,6 +34,8 @@ from agentrl.store import ServiceStatus, Store
 logger = logging.getLogger(__name__)
 
 SERVER_SELECTION_TIMEOUT_MS = 5000
+CATCH_UP_POLL_S = 1.0
+CATCH_UP_LOG_S = 60.0
 
 LoadPublished = Callable[[str, int], Awaitable[None]]
 """``load_published(weights_path, policy_version)``: make the service serve those weights as that version."""
@@ -59,6 +63,7 @@ class ServiceRegistration:
         self.status = ServiceStatus.UP
         self._store: Store | None = None
         self._task: asyncio.Task | None = None
+        self._catching_up: asyncio.Task | None = None
 
     async def start(self, load_published: LoadPublished | None = None) -> None:
         """Register as UP (raises, naming the database, if it cannot be reached) and start heartbeating.
@@ -80,26 +85,58 @@ class ServiceRegistration:
         logger.info("registered %s in InferenceService as %s", self.base_url, self.status)
         if load_published is not None:
             try:
-                await self._catch_up(load_published)
+                caught_up = await self._catch_up(load_published, wait=False)
             except BaseException:
                 await self.stop()
                 raise
-            self.status = ServiceStatus.UP
-            await self.heartbeat()
-            logger.info("%s is UP with weight_version %s", self.base_url, self._weight_version())
+            if caught_up:
+                await self._mark_up()
+            else:  # the server must answer the trainer's calls meanwhile: wait in the background
+                self._catching_up = asyncio.create_task(self._up_once_sent(load_published), name="engine-catch-up")
 
-    async def _catch_up(self, load_published: LoadPublished) -> None:
-        """Load the run's published full weights until the version served is the Run's."""
+    async def _mark_up(self) -> None:
+        self.status = ServiceStatus.UP
+        await self.heartbeat()
+        logger.info("%s is UP with weight_version %s", self.base_url, self._weight_version())
+
+    async def _up_once_sent(self, load_published: LoadPublished) -> None:
+        try:
+            await self._catch_up(load_published, wait=True)
+        except Exception as error:  # noqa: BLE001 - a load that fails leaves the service STARTING, never UP
+            logger.error("%s cannot serve the run's policy (it stays STARTING, samplers keep off it): %s",
+                         self.base_url, error)
+            return
+        await self._mark_up()
+
+    async def _catch_up(self, load_published: LoadPublished, *, wait: bool) -> bool:
+        """Serve the Run's policy version: load its newest weight files (``Run.weights_path``, version
+        ``Run.weights_version``) when newer than what is served. A later version, published in memory, comes from
+        the trainer, which sends it to services that are STARTING and behind: with ``wait``, wait for it; without,
+        return False (True: the service serves the Run's version)."""
         assert self._store is not None
+        logged_at = None
         while True:
             run = await self._store.runs.get()
-            if run is None or run.lora_name or not run.weights_path or run.policy_version == 0:
-                return
-            if policy_version(self._weight_version()) >= run.policy_version:
-                return
-            logger.info("the run is at policy version %d: loading its weights from %s before serving",
-                        run.policy_version, run.weights_path)
-            await load_published(run.weights_path, run.policy_version)
+            if run is None or run.lora_name or run.policy_version == 0:
+                return True
+            served = policy_version(self._weight_version())
+            if served >= run.policy_version:
+                return True
+            on_disk = run.policy_version if run.weights_version is None else run.weights_version
+            if run.weights_path and served < on_disk:
+                logger.info("the run is at policy version %d: loading version %d from %s before serving",
+                            run.policy_version, on_disk, run.weights_path)
+                await load_published(run.weights_path, on_disk)
+                continue
+            if not wait:
+                return False
+            now = asyncio.get_running_loop().time()
+            if logged_at is None or now - logged_at >= CATCH_UP_LOG_S:
+                logger.info("the run is at policy version %d, published in memory: waiting for the trainer to send "
+                            "it (this service serves version %d and stays STARTING until then)",
+                            run.policy_version, served)
+                logged_at = now
+            await asyncio.sleep(CATCH_UP_POLL_S)
 
     async def heartbeat(self) -> bool:
         """Report liveness, weight version and load now (re-registering if the document disappeared).
@@ -127,10 +164,11 @@ class ServiceRegistration:
 
     async def stop(self) -> None:
         """Stop heartbeating and mark the service DOWN."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        for task in (self._catching_up, self._task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         if self._store is None:
             return
         try:

@@ -96,20 +96,31 @@ def specs(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence
     return out
 
 
-def flatten(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[torch.Tensor, list[TensorSpec]]:
-    """One ``uint8`` tensor holding ``named``'s bytes in order, as SGLang's ``FlattenedTensorBucket`` (no padding:
-    a tensor whose offset is not a multiple of its element size is an error, as on the receiving side; one dtype
-    per bucket never has one)."""
-    parts, layout, offset = [], [], 0
+def bucket_layout(named: Sequence[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
+    """The byte spans of ``named``'s tensors in a flattened bucket, as SGLang's ``FlattenedTensorBucket`` (no
+    padding: a tensor whose offset is not a multiple of its element size is an error, as on the receiving side; one
+    dtype per bucket never has one)."""
+    layout, offset = [], 0
     for name, tensor in named:
         if offset % tensor.element_size():
             raise WeightSyncError(f"{name}: byte offset {offset} in the bucket is not aligned to "
                                   f"{dtype_name(tensor.dtype)}: put tensors of one dtype in a bucket")
-        data = tensor.detach().contiguous().view(-1).view(torch.uint8)
-        layout.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape), offset, offset + data.numel()))
-        parts.append(data)
-        offset += data.numel()
-    return torch.cat(parts), layout
+        size = tensor.numel() * tensor.element_size()
+        layout.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape), offset, offset + size))
+        offset += size
+    return layout
+
+
+def flatten(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None
+            ) -> tuple[torch.Tensor, list[TensorSpec]]:
+    """One ``uint8`` tensor holding ``named``'s bytes in order (:func:`bucket_layout`); with ``out`` (a ``uint8``
+    buffer at least that long, reused from bucket to bucket: no new pages to fault in), a view of it."""
+    layout = bucket_layout(named)
+    size = layout[-1].end if layout else 0
+    flat = torch.empty(size, dtype=torch.uint8, device=named[0][1].device) if out is None else out[:size]
+    for spec, (_, tensor) in zip(layout, named):
+        flat[spec.start:spec.end].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+    return flat, layout
 
 
 def unflatten(flat: torch.Tensor, layout: Sequence[TensorSpec]) -> list[tuple[str, torch.Tensor]]:

@@ -6,7 +6,9 @@
 checks them against the served model (a name it does not have, or another shape, is a 400 naming the tensor: the
 update is dropped, the served weights stay). **All or nothing**: received tensors are staged until every parameter
 of the model has arrived since the last swap (one call with the whole model, or one call per bucket); only then is
-the staged set handed back to be swapped in in one step, and only then does ``weight_version`` change. SGLang
+the staged set handed back to be swapped in in one step, and only then does ``weight_version`` change. Each
+bucket is made ready to serve (cast, packed: ``ContinuousBatcher.prepare``) in the background once its call has
+answered, while the next bucket travels, so the last bucket leaves little to do before the swap. SGLang
 instead loads each call's tensors at once, so between two calls it serves a mix; with ours a trainer that sends
 part of the model leaves the rest staged until it sends it (a failed call, or destroying the group, discards the
 staging). Tied parameters (an ``lm_head`` tied to the embeddings) are one parameter: either name may be sent.
@@ -16,13 +18,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
+from agentrl.failpoints import failpoint
 from agentrl.inference import weight_sync
+from agentrl.inference.batching import PreparedWeights
 from agentrl.inference.weight_sync import WeightSyncError
 
 logger = logging.getLogger(__name__)
@@ -31,14 +35,25 @@ logger = logging.getLogger(__name__)
 @dataclass
 class _Group:
     group: dist.ProcessGroup
-    staged: dict[str, torch.Tensor] = field(default_factory=dict)
+    staged: set[str] = field(default_factory=set)  # parameter names received since the last swap
+    preparing: asyncio.Task | None = None  # the chain of background preparations of the received buckets
+    prepared: PreparedWeights | None = None
+
+    def discard(self) -> None:
+        if self.preparing is not None:
+            self.preparing.cancel()
+        self.staged, self.preparing, self.prepared = set(), None, None
+
+
+Prepare = Callable[[dict[str, torch.Tensor], PreparedWeights | None], PreparedWeights]
+"""``prepare(tensors, into)``: make received tensors ready to serve (:meth:`ContinuousBatcher.prepare`)."""
 
 
 class WeightUpdateGroups:
     """The weight-update groups an engine has joined, and what each has staged."""
 
-    def __init__(self, model: torch.nn.Module, device: torch.device | str, timeout_s: float):
-        self.device, self.timeout_s = device, timeout_s
+    def __init__(self, model: torch.nn.Module, device: torch.device | str, timeout_s: float, prepare: Prepare):
+        self.device, self.timeout_s, self.prepare = device, timeout_s, prepare
         canonical = {id(param): name for name, param in model.named_parameters()}
         self.names = set(canonical.values())
         """the parameters a version must bring (tied ones once)"""
@@ -64,13 +79,14 @@ class WeightUpdateGroups:
         member = self.groups.pop(group_name, None)
         if member is None:
             raise WeightSyncError(f"The group to be destroyed does not exist: {group_name!r}")
+        member.discard()
         weight_sync.destroy_group(member.group)
 
     async def receive(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
-                      shapes: Sequence[Sequence[int]], load_format: str | None) -> dict[str, torch.Tensor] | None:
-        """Receive one update into the group's staging; the whole new version (parameter name -> tensor) once
-        every parameter has arrived, else None. :class:`WeightSyncError` (staging discarded) when the tensors
-        cannot be received or do not fit the model."""
+                      shapes: Sequence[Sequence[int]], load_format: str | None) -> PreparedWeights | None:
+        """Receive one update into the group's staging (its preparation for serving goes on in the background,
+        while the next bucket travels); the whole new version once every parameter has arrived, else None.
+        :class:`WeightSyncError` (staging discarded) when the tensors cannot be received or do not fit the model."""
         member = self.groups.get(group_name)
         if member is None:
             raise WeightSyncError(f"Group {group_name} not in {sorted(self.groups)}. Please call "
@@ -81,31 +97,44 @@ class WeightUpdateGroups:
         layout = weight_sync.specs(names, dtypes, shapes)
         try:
             received = await asyncio.to_thread(weight_sync.receive, member.group, layout, load_format, self.device)
+            failpoint("engine.weight_update.after_receive")
         except Exception as error:
-            member.staged.clear()
+            member.discard()
             raise WeightSyncError(f"receiving {len(layout)} tensor(s) failed (the served weights are unchanged): "
                                   f"{error}") from error
         try:
             checked = {self._checked(name, tensor): tensor for name, tensor in received}
         except WeightSyncError:
-            member.staged.clear()
+            member.discard()
             raise
-        member.staged.update(checked)
-        missing = self.names - member.staged.keys()
+        member.staged |= checked.keys()
+        member.preparing = asyncio.create_task(self._prepare_after(member.preparing, member, checked))
+        missing = self.names - member.staged
         if missing:
             logger.info("weight update group %s: staged %d of %d parameters", group_name, len(member.staged),
                         len(self.names))
             return None
-        complete, member.staged = member.staged, {}
+        try:
+            await member.preparing
+            complete = await asyncio.to_thread(self.prepare, self.buffers, member.prepared)
+        except Exception as error:
+            member.discard()
+            raise WeightSyncError(f"preparing the new weights failed (the served weights are unchanged): {error}"
+                                  ) from error
+        member.discard()
+        for other in self.groups.values():  # a half-sent version of another group (its trainer died) is older
+            other.discard()
         return complete
+
+    async def _prepare_after(self, previous: asyncio.Task | None, member: _Group,
+                             tensors: dict[str, torch.Tensor]) -> None:
+        if previous is not None:
+            await previous
+        member.prepared = await asyncio.to_thread(self.prepare, tensors, member.prepared)
 
     def staged(self, group_name: str) -> int:
         member = self.groups.get(group_name)
         return len(member.staged) if member else 0
-
-    def state_dict(self, new: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """The served model's whole state dict with the new version's tensors (tied aliases included)."""
-        return {**self.buffers, **{key: new[name] for key, name in self.canonical.items()}}
 
     def _checked(self, name: str, tensor: torch.Tensor) -> str:
         canonical = self.canonical.get(name)

@@ -358,7 +358,8 @@ class DBRecordData(Document):
     trainer_logprobs: list[float] | None = Field(None, description="the trainer's logprob of each token under the "
                                                  "policy that trained it (0 where loss_mask is 0; None: not "
                                                  "trained, or trained with cross-entropy)")
-    trainer_version: int | None = Field(None, description="the policy version of trainer_logprobs")
+    trainer_version: int | None = Field(None, description="the policy version of trainer_logprobs (none when the "
+                                        "trainer's weights had updates not yet published: --sync_every > 1)")
     temperature: float | None = Field(None, description="the sampling temperature of its LLM calls (NaN: they "
                                       "differ; None: not known, e.g. SFT data); a trainer skips a sample drawn at "
                                       "another temperature than its own")
@@ -469,6 +470,10 @@ class Run(Document):
     config: dict[str, Any] = Field(default_factory=dict)
     policy_version: int = 0
     weights_path: str | None = None
+    weights_version: int | None = Field(None, description="the policy version the files at weights_path hold (a "
+                                        "publish in memory writes none: it may be older than policy_version)")
+    publish_id: str | None = Field(None, description="the id of the publish that made policy_version (a retried "
+                                   "bump recognises its own)")
     lora_name: str | None = Field(None, description="the published LoRA adapter samplers name (lora_publish "
                                                     "adapter); None: the services serve the policy's full weights")
     status: RunStatus = RunStatus.CREATED

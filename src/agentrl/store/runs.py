@@ -91,15 +91,17 @@ class Runs:
 
     @retry_on_reconnect
     async def bump_policy_version(self, weights_path: str | None = None, *, expected: int,
-                                  lora_name: str | None = None) -> int:
-        """Move ``policy_version`` from ``expected`` to ``expected + 1`` (recording where the new weights are, and
-        the name of the adapter that holds them if they are a LoRA adapter) in one atomic update whose filter is the
-        precondition ``policy_version == expected``; returns the new version. If another writer moved it,
-        :class:`VersionConflict` is raised and the document is left unchanged."""
-        fields: dict[str, Any] = {"updated_at": utcnow()}
+                                  lora_name: str | None = None, publish_id: str | None = None) -> int:
+        """Move ``policy_version`` from ``expected`` to ``expected + 1`` in one atomic update whose filter is the
+        precondition ``policy_version == expected``; returns the new version. With ``weights_path`` the new
+        version's weights are in those files (``weights_version``; ``lora_name``: the adapter that holds them);
+        without it they were sent in memory and the files stay those of an older version. ``publish_id`` (unique per
+        publish, made by the caller; else ``weights_path`` serves) lets a retried bump whose first answer was lost
+        recognise it landed. If another writer moved the version, :class:`VersionConflict` is raised and the
+        document is left unchanged."""
+        fields: dict[str, Any] = {"updated_at": utcnow(), "publish_id": publish_id}
         if weights_path is not None:
-            fields["weights_path"] = weights_path
-            fields["lora_name"] = lora_name
+            fields.update(weights_path=weights_path, weights_version=expected + 1, lora_name=lora_name)
         doc = await self.collection.find_one_and_update(
             {"_id": RUN_ID, "policy_version": expected}, {"$inc": {"policy_version": 1}, "$set": fields},
             return_document=ReturnDocument.AFTER)
@@ -108,10 +110,21 @@ class Runs:
         current = await self.get()
         if current is None:
             raise NotFound("no Run document: create the run first (get_or_create)")
-        if current.policy_version == expected + 1 and weights_path is not None and current.weights_path == weights_path:
+        landed = (current.publish_id == publish_id) if publish_id else (
+            weights_path is not None and current.weights_path == weights_path)
+        if current.policy_version == expected + 1 and landed:
             return current.policy_version  # this very bump landed before a broken connection hid its answer
         raise VersionConflict(f"Run {current.name!r}: expected policy_version {expected} but it is "
                               f"{current.policy_version}: is another trainer publishing weights to this run?")
+
+    @retry_on_reconnect
+    async def record_weights(self, weights_path: str, version: int) -> bool:
+        """Record ``weights_path`` as the files of ``version`` if the Run is still at that version (a publish in
+        memory wrote none; e.g. the trainer's final model); whether it was recorded."""
+        result = await self.collection.update_one(
+            {"_id": RUN_ID, "policy_version": version, "lora_name": None},
+            {"$set": {"weights_path": weights_path, "weights_version": version, "updated_at": utcnow()}})
+        return result.matched_count == 1
 
     @retry_on_reconnect
     async def set_status(self, status: RunStatus) -> None:
@@ -124,6 +137,18 @@ class Runs:
         resume, replaces it)."""
         metric = Metric(id=f"{split}/{step}", step=step, split=split, values=values, sample_ids=sample_ids or [])
         await self.metrics.replace_one({"_id": metric.id}, metric.to_mongo(), upsert=True)
+
+    @retry_on_reconnect
+    async def ledger(self, step: int, split: str = "train") -> list[str] | None:
+        """The ids of the samples step ``step`` trained, as its ``Metric`` lists them (None: not logged)."""
+        doc = await self.metrics.find_one({"_id": f"{split}/{step}"}, projection={"sample_ids": 1})
+        return None if doc is None else list(doc.get("sample_ids") or [])
+
+    @retry_on_reconnect
+    async def last_step(self, split: str = "train") -> int:
+        """The highest step with a ``Metric`` document (0: none)."""
+        doc = await self.metrics.find_one({"split": split}, sort=[("step", -1)], projection={"step": 1})
+        return int(doc["step"]) if doc else 0
 
     @retry_on_reconnect
     async def forget_metrics_after(self, step: int, split: str = "train") -> int:

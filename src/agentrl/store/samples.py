@@ -90,10 +90,32 @@ class SampleQueue:
                              f"{len(sample_ids)} samples were not claimed by it (already trained or requeued)")
 
     @retry_on_reconnect
-    async def record_trainer_logprobs(self, rank: int, step: int, version: int,
+    async def others_in_play(self, record_id: str, sample_ids: list[Any]) -> int:
+        """How many samples of Record ``record_id`` besides ``sample_ids`` are not skipped (queued, claimed or
+        trained: the Record may still be, or is, trained through them)."""
+        return await self.collection.count_documents({"record_id": record_id, "_id": {"$nin": list(sample_ids)},
+                                                      "status": {"$ne": str(SampleStatus.SKIPPED)}})
+
+    @retry_on_reconnect
+    async def claimed_steps(self) -> list[int]:
+        """The steps that hold claims (of any rank)."""
+        return sorted(await self.collection.distinct("claimed_step", {"status": str(SampleStatus.CLAIMED)}))
+
+    @retry_on_reconnect
+    async def mark_logged_trained(self, step: int, sample_ids: list[Any]) -> int:
+        """``claimed(any rank, step) → trained`` for those of ``sample_ids`` (a step whose ledger lists them);
+        returns how many."""
+        result = await self.collection.update_many(
+            {"_id": {"$in": list(sample_ids)}, "claimed_step": step, "status": str(SampleStatus.CLAIMED)},
+            {"$set": {"status": str(SampleStatus.TRAINED), "trained_at": utcnow()}})
+        return result.modified_count
+
+    @retry_on_reconnect
+    async def record_trainer_logprobs(self, rank: int, step: int, version: int | None,
                                       logprobs: dict[Any, list[float]]) -> None:
         """Keep the logprobs the trainer computed for its claimed samples (``trainer_logprobs``, aligned with
-        ``logprobs``; the policy ``trainer_version``), so audits can compare them token by token with the engine's.
+        ``logprobs``; the policy ``trainer_version``, None when the weights had updates not yet published), so
+        audits can compare them token by token with the engine's.
         An annotation, not part of the claim protocol: a sample trained again after a resume is overwritten."""
         if not logprobs:
             return

@@ -178,6 +178,20 @@ class TrainConfig(BaseModel):
         "step's samples leave the samplers' admission count once they serve them); false: wait for the services "
         "after every publish")
     keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
+    weight_transport: Literal["auto", "distributed", "disk"] = Field(
+        "auto", description="how published weights reach the inference services: distributed (SGLang's weight-update "
+        "group: flattened buckets broadcast from rank 0, gloo on CPU, NCCL on CUDA; nothing written per step), disk "
+        "(weights/<version> and /update_weights_from_disk), auto (distributed where a service can join a group, "
+        "disk for the others). A transfer that fails falls back to disk for that publish. LoRA adapters "
+        "(--lora_publish adapter) and 4-bit bases always go through disk")
+    weight_bucket_mb: float = Field(256.0, gt=0.0, description="distributed: the most MiB of weights gathered and "
+                                    "broadcast at once (one dtype a bucket; a larger tensor goes alone)")
+    weight_update_timeout_s: float = Field(
+        120.0, gt=0.0, description="distributed: the longest a group's rendezvous, a bucket's broadcast or a "
+        "service's answer to it may take before that service gets the version through disk")
+    weight_sync_address: str | None = Field(
+        None, description="distributed: the address the services reach this trainer's rank 0 by (default: the "
+        "local address of the route to each service; 127.0.0.1 for a local one)")
     publish_retries: int = Field(3, ge=0, description="extra attempts per inference service when publishing")
     policy_probe_max_diff: float = Field(
         0.1, ge=0.0, description="after each publish every service scores a fixed sequence; one whose mean "

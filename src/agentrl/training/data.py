@@ -6,11 +6,12 @@ by (rank, step), so a trainer resumed from a checkpoint gets back exactly the sa
 steps after that checkpoint. Samples more than ``staleness_bound`` policy versions old (0 under
 ``--sync_sampling``) are claimed and then marked ``skipped`` with the reason, counted, never trained; their
 Records leave the ``ready`` state first (``abandoned``, failure class ``stale``), so the samplers' admission
-control does not wait for them. A crash between the two writes (failpoint ``trainer.skip.after_abandon``) leaves
-the samples claimed: the next trainer claims them again (claims held for a step are checked for staleness like new
-ones; the policy version only grows) and skips them. Samples drawn at another temperature than the trainer's
-(``DBRecordData.temperature``: e.g. a sampler that used its default before a trainer given ``--temperature`` recorded
-it on the run) are skipped the same way (failure class ``temperature``): their behaviour logprobs are of another
+control does not wait for them, unless another sample of the Record is still in play (a Record whose branches
+straddle the bound is trained through its fresh one). A crash between the two writes (failpoint
+``trainer.skip.after_abandon``) leaves the samples claimed: the next trainer claims them again (claims held for a
+step are checked for staleness like new ones; the policy version only grows) and skips them. Samples drawn at
+another temperature than the trainer's (``DBRecordData.temperature``: e.g. a sampler that used its default before a
+trainer given ``--temperature`` recorded it on the run) are skipped the same way (failure class ``temperature``): their behaviour logprobs are of another
 distribution than the one the trainer computes.
 
 While a share is incomplete every rank polls with a growing pause (up to ``poll_interval_s``) and joins one small
@@ -38,6 +39,7 @@ from agentrl.trajectory.merge import MergedSample
 logger = logging.getLogger(__name__)
 
 STATUS_EVERY_S = 30.0
+PUBLISH_CHECK_S = 5.0
 FIRST_POLL_S = 0.05
 
 
@@ -47,6 +49,7 @@ class StepEnd(Enum):
     STOPPED = "stopped"  # a stop was requested (SIGTERM) while waiting; the step's claims went back to the queue
     EXHAUSTED = "exhausted"  # no queued sample is left on any rank, and (online) every Task of the split is done
     DEADLINE = "deadline"  # the deadline passed while waiting; the step's claims went back to the queue
+    PUBLISH = "publish"  # while waiting, a service needs the current weights sent (its claims are kept: ask again)
 
 
 @dataclass
@@ -108,10 +111,13 @@ class SampleStream:
         self._finished_logged = False
 
     def next_step(self, step: int, current_version: int, deadline: float | None = None,
-                  before_waiting: Callable[[], None] | None = None) -> StepData | StepEnd:
+                  before_waiting: Callable[[], None] | None = None,
+                  publish_due: Callable[[], bool] | None = None) -> StepData | StepEnd:
         """This rank's samples for ``step``, waiting for the queue as needed until ``deadline`` (``time.monotonic``
         on any rank); or why there are none. ``before_waiting`` runs once, on every rank at the same point, if the
-        step's samples are not all there at once (the trainer finishes its last step then)."""
+        step's samples are not all there at once (the trainer finishes its last step then). ``publish_due`` (asked
+        on the main rank every ``PUBLISH_CHECK_S`` while waiting): true returns ``StepEnd.PUBLISH``, the claims
+        made so far kept for the next call."""
         started = time.monotonic()
         samples: list[DBRecordData] = []
         skipped = 0
@@ -119,7 +125,7 @@ class SampleStream:
         if self.parallel.is_tp_leader:  # claims this rank already holds for the step (a resumed run) come first
             held = self.io.run(self.store.samples.claim_batch(self.parallel.dp_rank, step, 0, self.split))
             samples, skipped = self._sort_out(step, held, current_version)
-        pause, last_status = FIRST_POLL_S, started
+        pause, last_status, last_check = FIRST_POLL_S, started, started
         while True:
             if self.parallel.is_tp_leader and len(samples) < self.share:
                 fresh, stale, exhausted = self._claim_more(step, samples, current_version)
@@ -129,14 +135,19 @@ class SampleStream:
                     exhausted = self._sampling_finished()
             short = self.parallel.is_tp_leader and len(samples) < self.share  # peers get the leader's samples
             late = short and deadline is not None and time.monotonic() >= deadline
-            short_open, any_short, stop, nonempty, any_late = self.parallel.all_reduce(
+            publish = False
+            if publish_due is not None and self.parallel.is_main and time.monotonic() - last_check >= PUBLISH_CHECK_S:
+                publish, last_check = publish_due(), time.monotonic()
+            short_open, any_short, stop, nonempty, any_late, any_publish = self.parallel.all_reduce(
                 [float(short and not exhausted), float(short), float(self.stop.is_set()), float(bool(samples)),
-                 float(late)], op="max")
+                 float(late), float(publish)], op="max")
             if stop or any_late:
-                self._give_back(step)
+                self.give_back(step)
                 return StepEnd.STOPPED if stop else StepEnd.DEADLINE
             if not any_short:
                 break
+            if any_publish:
+                return StepEnd.PUBLISH
             if not short_open:  # every short rank found the queue empty for good: the data is used up
                 if nonempty:
                     break  # a last, partial step
@@ -200,15 +211,25 @@ class SampleStream:
 
     async def _skip(self, rank: int, step: int, samples: Sequence[DBRecordData], reason: str,
                     failure_class: FailureClass) -> None:
-        """Abandon the samples' Records, then mark the samples skipped (see the module docstring)."""
+        """Abandon the samples' Records, then mark the samples skipped (see the module docstring). A Record with
+        another sample that is not skipped stays ``ready`` (it is trained through that one), and is abandoned once
+        that one is skipped too (checked again after the mark: two ranks may skip a Record's last two at once)."""
+        ids = [s.id for s in samples]
+        fields = {"group_decision": f"skipped by the trainer: {reason}", "failure_class": str(failure_class)}
+        kept = []
         for record_id in dict.fromkeys(s.record_id for s in samples):
-            await move_record(self.store, record_id, RecordStatus.ABANDONED,
-                              group_decision=f"skipped by the trainer: {reason}",
-                              failure_class=str(failure_class))
+            if await self.store.samples.others_in_play(record_id, ids):
+                kept.append(record_id)
+            else:
+                await move_record(self.store, record_id, RecordStatus.ABANDONED, **fields)
         failpoint("trainer.skip.after_abandon")
-        await self.store.samples.skip(rank, step, [s.id for s in samples], reason)
+        await self.store.samples.skip(rank, step, ids, reason)
+        for record_id in kept:
+            if not await self.store.samples.others_in_play(record_id, ids):
+                await move_record(self.store, record_id, RecordStatus.ABANDONED, **fields)
 
-    def _give_back(self, step: int) -> None:
+    def give_back(self, step: int) -> None:
+        """Claims of steps ``>= step`` on this rank go back to the queue (the trainer leaves before training them)."""
         if self.parallel.is_tp_leader:
             returned = self.io.run(self.store.samples.requeue(rank=self.parallel.dp_rank, from_step=step))
             if returned:

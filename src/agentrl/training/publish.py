@@ -31,6 +31,8 @@ import asyncio
 import logging
 import shutil
 import time
+import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -45,6 +47,7 @@ from agentrl.store.models import PolicyProbe
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
 from agentrl.training.policy_probe import check_service, trainer_logprobs
+from agentrl.training.weight_transport import SendResult, WeightGroups, WeightTransport, parameter_buckets
 from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)
@@ -66,12 +69,14 @@ class ProbeSettings:
 @dataclass
 class PublishResult:
     version: int
-    path: Path
+    path: Path | None  # the weight files written for this version (None: every service got it in memory)
     services: int = 0
+    in_memory: int = 0  # services that got it through their weight-update group
     failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
     probes: dict[str, PolicyProbe] = field(default_factory=dict)  # service base URL -> its check (when probed)
     seconds: float = 0.0  # from the export to the bump
-    # of ``seconds``: gathering and writing the weights; the services' loads (each waits for its running requests);
+    # of ``seconds``: gathering and sending or writing the weights; the services' loads or swaps (each waits for its
+    # running requests);
     # the policy probe (the trainer's forward pass and the services' answers). The rest: the bump and pruning.
     export_s: float = 0.0
     load_s: float = 0.0
@@ -85,6 +90,8 @@ class PendingPublish:
     result: PublishResult
     started: float  # time.monotonic() when the export began
     expected: list[float] | None  # the trainer's logprobs of the probe sequence (None: no probe)
+    swaps: dict[str, Future] = field(default_factory=dict)  # in memory: each service's answer to the last bucket
+    from_disk: list[str] | None = None  # the services that load the files (None: every serving one)
 
 
 class WeightPublisher:
@@ -92,11 +99,16 @@ class WeightPublisher:
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, output_dir: Path, *, dtype: torch.dtype,
                  tokenizer: Any | None, keep: int = 2, retries: int = 3, adapter: bool = False,
-                 probe: ProbeSettings | None = None):
+                 probe: ProbeSettings | None = None, transport: WeightTransport = "disk", bucket_mb: float = 256.0,
+                 timeout_s: float = 120.0, address: str | None = None):
         self.store, self.io, self.parallel = store, io, parallel
         self.root = output_dir / "weights"
         self.dtype, self.tokenizer, self.keep, self.retries = dtype, tokenizer, keep, retries
-        self.adapter, self.probe = adapter, probe
+        self.adapter, self.probe, self.transport = adapter, probe, transport
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.groups = WeightGroups(io, backend="nccl" if parallel.device.type == "cuda" else "gloo",
+                                   timeout_s=timeout_s, retries=retries, address=address) \
+            if transport != "disk" and parallel.is_main else None
 
     def publish(self, model: nn.Module, version: int) -> PublishResult:
         """Publish ``model`` as ``version`` and wait until it is served (every rank calls this; the result is
@@ -107,64 +119,126 @@ class WeightPublisher:
         return self.finish(pending)
 
     def export(self, model: nn.Module, version: int) -> PendingPublish:
-        """Write ``model`` as ``version`` and compute the probe's expected logprobs (every rank); the services hear
-        of it from :meth:`announce`. The model may change once this returns."""
+        """Send or write ``model`` as ``version`` and compute the probe's expected logprobs (every rank); the
+        services swap in what they received, load the files and hear of the version from :meth:`announce`. The
+        model may change once this returns."""
         started = time.monotonic()
-        path = (self.root / str(version)).resolve()
-        if self.parallel.is_main:
-            self.root.mkdir(parents=True, exist_ok=True)
-        if self.adapter:
-            export_adapter(model, self.parallel, path)
-        else:
-            export_pretrained(model, self.parallel, path, dtype=self.dtype, tokenizer=self.tokenizer)
-        result = PublishResult(version=version, path=path, export_s=time.monotonic() - started)
+        result = PublishResult(version=version, path=None)
+        pending = PendingPublish(result=result, started=started, expected=None)
+        to_disk = True
+        if self.transport != "disk":
+            memory, pending.from_disk = self.io.run(self._plan(result)) if self.parallel.is_main else ([], [])
+            if self.parallel.broadcast_from_main(bool(memory)):
+                sent = self._send(model, memory, version)
+                for url, error in sent.failures.items():
+                    logger.warning("publishing weights version %d: the in-memory transfer to inference service %s "
+                                   "failed (%s): it loads this version from disk", version, url, error)
+                    pending.from_disk.append(url)
+                pending.swaps, result.in_memory = sent.last, len(sent.last)
+            to_disk = self.parallel.broadcast_from_main(bool(pending.from_disk))
+        if to_disk:
+            result.path = (self.root / str(version)).resolve()
+            if self.parallel.is_main:
+                self.root.mkdir(parents=True, exist_ok=True)
+            if self.adapter:
+                export_adapter(model, self.parallel, result.path)
+            else:
+                export_pretrained(model, self.parallel, result.path, dtype=self.dtype, tokenizer=self.tokenizer)
+        result.export_s = time.monotonic() - started
         failpoint("publish.after_export")
         probe_started = time.monotonic()
-        expected = None if self.probe is None else trainer_logprobs(model, self.probe.token_ids, self.parallel.device)
+        pending.expected = None if self.probe is None else trainer_logprobs(model, self.probe.token_ids,
+                                                                            self.parallel.device)
         result.probe_s = time.monotonic() - probe_started
         result.seconds = time.monotonic() - started
-        return PendingPublish(result=result, started=started, expected=expected)
+        return pending
+
+    async def _plan(self, result: PublishResult) -> tuple[list[str], list[str]]:
+        """Rank 0: which serving services get this version in memory (their groups joined) and which from disk
+        (``auto``: those that cannot join; ``distributed``: none, they are reported failed)."""
+        assert self.groups is not None
+        urls = [s.base_url for s in await self.store.services.serving()]
+        for gone in set(self.groups.members) - set(urls):
+            self.groups.drop(gone)
+        reasons = await asyncio.gather(*(self.groups.join(url) for url in urls))
+        memory = [url for url, reason in zip(urls, reasons) if reason is None]
+        refused = {url: reason for url, reason in zip(urls, reasons) if reason is not None}
+        if self.transport == "distributed":
+            result.failures.update(refused)
+            return memory, []
+        return memory, list(refused)
+
+    def _send(self, model: nn.Module, urls: list[str], version: int) -> SendResult:
+        """Every rank: gather the buckets; rank 0 broadcasts them to the services ``urls``."""
+        buckets = parameter_buckets(model, self.parallel, dtype=self.dtype, device=self._send_device(),
+                                    limit_bytes=self.bucket_bytes)
+        if not self.parallel.is_main:
+            for _ in buckets:  # the gathers are collectives
+                pass
+            return SendResult()
+        assert self.groups is not None
+        return self.groups.send(buckets, urls, version)
+
+    def _send_device(self) -> torch.device:
+        return self.parallel.device if self.parallel.device.type == "cuda" else torch.device("cpu")
 
     async def announce(self, pending: PendingPublish) -> None:
-        """Rank 0, on the io loop: every live service loads the version, the probe checks them, the Run's
-        ``policy_version`` moves to it (:class:`PublishError` if another writer moved it)."""
+        """Rank 0, on the io loop: every live service swaps in or loads the version, the probe checks them, the
+        Run's ``policy_version`` moves to it (:class:`PublishError` if another writer moved it)."""
         result = pending.result
-        services = await self.store.services.serving()
-        result.services = len(services)
+        disk = pending.from_disk
+        if disk is None:
+            disk = [s.base_url for s in await self.store.services.serving()]
+        urls = [*pending.swaps, *disk]
+        result.services = len(urls) + len(result.failures)
         started = time.monotonic()
-        errors = await asyncio.gather(*(self._load_on(s.base_url, result) for s in services))
+        errors = await asyncio.gather(*(self._swapped(answer) for answer in pending.swaps.values()),
+                                      *(self._load_on(url, result) for url in disk))
         result.load_s = time.monotonic() - started
-        for service, error in zip(services, errors):
+        for url, error in zip(urls, errors):
             if error is not None:
-                result.failures[service.base_url] = error
+                result.failures[url] = error
                 logger.error("publishing weights version %d: inference service %s did not load them: %s",
-                             result.version, service.base_url, error)
+                             result.version, url, error)
         if pending.expected is not None:
             started = time.monotonic()
-            await self._probe([s.base_url for s in services if s.base_url not in result.failures], result,
-                              pending.expected)
+            await self._probe([url for url in urls if url not in result.failures], result, pending.expected)
             result.probe_s += time.monotonic() - started
         failpoint("publish.before_bump")
         lora_name = policy_adapter_name(result.version) if self.adapter else None
         try:
-            await self.store.runs.bump_policy_version(str(result.path), expected=result.version - 1,
-                                                      lora_name=lora_name)
+            await self.store.runs.bump_policy_version(None if result.path is None else str(result.path),
+                                                      expected=result.version - 1, lora_name=lora_name,
+                                                      publish_id=uuid.uuid4().hex)
         except VersionConflict as error:
             raise PublishError(f"cannot publish weights version {result.version}: {error}") from error
         result.seconds = time.monotonic() - pending.started
+        how = f"{result.in_memory} in memory" + (f", {len(disk)} from {result.path}" if result.path else "")
         logger.info("published weights version %d%s to %d of %d inference services (%s)", result.version,
-                    f" as LoRA adapter {lora_name}" if lora_name else "", len(services) - len(result.failures),
-                    len(services), result.path)
+                    f" as LoRA adapter {lora_name}" if lora_name else "", result.services - len(result.failures),
+                    result.services, how)
+
+    async def _swapped(self, answer: Future) -> str | None:
+        """A service's answer to the last bucket (it swapped the version in); the error text if it refused."""
+        try:
+            await asyncio.wrap_future(answer)
+        except Exception as error:  # noqa: BLE001 - reported by service
+            return str(error)
+        return None
 
     def finish(self, pending: PendingPublish) -> PublishResult:
         """After :meth:`announce` returned on rank 0 (every rank calls this): older versions are pruned and the ranks
         wait for each other."""
-        if self.parallel.is_main:
+        if self.parallel.is_main and pending.result.path is not None:
             pruned = self._prune(pending.result.version)
             if self.adapter and pruned:
                 self.io.submit(self._unload([policy_adapter_name(v) for v in pruned]))
         self.parallel.barrier()
         return pending.result
+
+    def close(self) -> None:
+        if self.groups is not None:
+            self.groups.close()
 
     async def _load_on(self, base_url: str, result: PublishResult) -> str | None:
         """Have one service load the weights; the error text if it still fails after the client's retries."""

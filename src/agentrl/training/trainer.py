@@ -48,6 +48,7 @@ from agentrl.store import (
     DBRecordData,
     RecordStatus,
     RunStatus,
+    ServiceStatus,
     Store,
     database_name,
     resolve_connection_string,
@@ -86,13 +87,14 @@ from agentrl.training.parallel import (
 )
 from agentrl.training.policy_probe import probe_metrics, probe_token_ids
 from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
-from agentrl.training.publish import PendingPublish, ProbeSettings, PublishError, WeightPublisher
+from agentrl.training.publish import PendingPublish, ProbeSettings, PublishError, PublishResult, WeightPublisher
 from agentrl.training.weights import WeightsError, export_pretrained, load_sharded, load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 SCHEDULERS = {"constant": "constant_with_warmup", "linear": "linear", "cosine": "cosine"}
 VERSION_HISTORY = 1000  # version -> step entries kept in the trainer state
+PROBE_REPUBLISHES = 1  # publishes again when every service failed the policy probe, before the run stops
 
 
 class TrainerError(RuntimeError):
@@ -128,6 +130,7 @@ class Trainer:
         self.store: Store | None = None
         self.sink: MetricsSink | None = None
         self.unsettled: _Unsettled | None = None  # the last step, while its publish may still be loading
+        self.computed_by: int | None = None  # the policy version of the weights the running step computes with
 
     # ------------------------------------------------------------------------------------------------- set-up
 
@@ -266,6 +269,7 @@ class Trainer:
             self.state.version_steps = saved.version_steps
         else:
             self._release_stale_claims()
+            self._continue_step_count()
         self.last_checkpoint = self.state.step
 
     def _setup_publishing(self, resume: Path | None) -> None:
@@ -280,7 +284,9 @@ class Trainer:
                                          tokenizer=self.tokenizer, keep=cfg.keep_published_weights,
                                          retries=cfg.publish_retries,
                                          adapter=cfg.use_peft and cfg.lora_publish == "adapter",
-                                         probe=self._probe_settings())
+                                         probe=self._probe_settings(), transport=self._weight_transport(),
+                                         bucket_mb=cfg.weight_bucket_mb, timeout_s=cfg.weight_update_timeout_s,
+                                         address=cfg.weight_sync_address)
         if cfg.enable_sampling and (resume is not None or self.version > 0):
             # the services may serve weights this trainer does not have (a later step, another run): align them
             self._publish()
@@ -288,6 +294,22 @@ class Trainer:
                                    staleness_bound=cfg.staleness_bound, offline=not cfg.enable_sampling,
                                    poll_interval_s=cfg.poll_interval_s, stop=self.stop,
                                    temperature=cfg.temperature if self.policy_gradient else None)
+
+    def _weight_transport(self) -> str:
+        """``--weight_transport``, except for what only files carry (adapters, merges into a 4-bit base's weights)."""
+        cfg = self.cfg
+        files_only = ("LoRA adapters are published as files" if cfg.use_peft and cfg.lora_publish == "adapter" else
+                      "a 4-bit base's adapters are merged from the base's files" if cfg.load_in_4bit else None)
+        if files_only and cfg.weight_transport != "disk":
+            if cfg.weight_transport == "distributed":
+                logger.warning("--weight_transport distributed: %s, so weights go through disk", files_only)
+            return "disk"
+        if cfg.enable_sampling and self.parallel.is_main:
+            logger.info("weights reach the inference services %s", {
+                "auto": "in memory (SGLang's weight-update group) where a service can join one, else through disk",
+                "distributed": "in memory (SGLang's weight-update group)",
+                "disk": "through disk (weights/<version>, /update_weights_from_disk)"}[cfg.weight_transport])
+        return cfg.weight_transport
 
     def _probe_settings(self) -> ProbeSettings | None:
         """What the policy probe after each publish checks (None: ``--policy_probe_max_diff 0``)."""
@@ -400,9 +422,27 @@ class Trainer:
                 self.io.run(self.store.samples.mark_trained_through(rank, saved.step))
         parallel.barrier()
 
+    def _continue_step_count(self) -> None:
+        """A fresh start online in a run whose earlier trainer logged steps (without a checkpoint to resume, e.g.
+        ``--save_steps 0``): number the steps after them, so that the ledger keeps every step it logged."""
+        if not self.cfg.enable_sampling:
+            return
+        last = self.parallel.broadcast_from_main(self.io.run(self.store.runs.last_step())
+                                                 if self.parallel.is_main else None)
+        if last:
+            logger.info("an earlier trainer of this run logged %d steps (no checkpoint resumed: this one starts from "
+                        "the base weights): numbering the steps from %d on", last, last + 1)
+            self.state.step = last
+
     def _release_stale_claims(self) -> None:
-        """A fresh start: claims an earlier trainer of this run left behind go back to the queue."""
+        """A fresh start: claims an earlier trainer of this run left behind go back to the queue, except those its
+        ledger lists (``--save_steps 0``: it died between logging a step and marking its samples trained)."""
         if self.parallel.is_main:
+            for step in self.io.run(self.store.samples.claimed_steps()):
+                logged = self.io.run(self.store.runs.ledger(step))
+                if logged and (settled := self.io.run(self.store.samples.mark_logged_trained(step, logged))):
+                    logger.info("step %d of an earlier trainer is in the ledger: its %d samples still claimed are "
+                                "trained", step, settled)
             returned = self.io.run(self.store.samples.requeue(from_step=0))
             if returned:
                 logger.info("%d samples claimed by an earlier trainer of this run went back to the queue",
@@ -436,13 +476,20 @@ class Trainer:
         deadline = started + cfg.max_train_time_s if cfg.max_train_time_s else None
         while True:
             if 0 < cfg.max_steps <= self.state.step:
+                self.stream.give_back(self.state.step + 1)  # a resumed run's claims for later steps
                 return True
             if deadline is not None and self.parallel.broadcast_from_main(
                     time.monotonic() >= deadline if self.parallel.is_main else None):
                 logger.info("training time limit of %.0f s reached after step %d", cfg.max_train_time_s,
                             self.state.step)
+                self.stream.give_back(self.state.step + 1)
                 return True
-            got = self.stream.next_step(self.state.step + 1, self.version, deadline, before_waiting=self._settle)
+            got = self.stream.next_step(self.state.step + 1, self.version, deadline, before_waiting=self._settle,
+                                        publish_due=self._service_behind if cfg.enable_sampling else None)
+            if got is StepEnd.PUBLISH:
+                self._settle()
+                self._publish()
+                continue
             if got is StepEnd.DEADLINE:
                 logger.info("training time limit of %.0f s reached while waiting for the samples of step %d: "
                             "finishing after step %d", cfg.max_train_time_s, self.state.step + 1, self.state.step)
@@ -468,7 +515,7 @@ class Trainer:
         its wait for samples) unless this step saves a checkpoint (which needs the model as this step left it)."""
         self._settle()
         cfg, parallel, step = self.cfg, self.parallel, data.step
-        trained_version = self.version  # the policy that computed trainer_logprobs, before publishing moves it
+        trained_version = self.computed_by  # the policy that computed trainer_logprobs (None: unpublished weights)
         values.update(policy_version=float(self.version), epoch=float(self.state.epoch),
                       wait_s=data.wait_s,
                       skipped_stale=parallel.all_reduce([float(data.skipped_stale)], group="dp")[0])
@@ -483,7 +530,7 @@ class Trainer:
         if pending is None or not cfg.overlap_publish or self._checkpoint_due(step):
             self._settle()
 
-    async def _release(self, data: StepData, trained_version: int, trainer_logprobs: dict[Any, list[float]],
+    async def _release(self, data: StepData, trained_version: int | None, trainer_logprobs: dict[Any, list[float]],
                        pending: PendingPublish | None) -> None:
         """A tensor-parallel leader's share of a step, on the io loop: once the step's version is served (rank 0
         announces it; the others wait to see it on the Run), its Records leave ``ready`` — the samplers' admission
@@ -493,13 +540,20 @@ class Trainer:
             if self.parallel.is_main:
                 await self.publisher.announce(pending)
             else:
-                while await self.store.runs.policy_version() < pending.result.version:
-                    await asyncio.sleep(self.cfg.poll_interval_s)
+                await self._served_by_main(pending.result.version)
         await self._records_trained(data.samples)
         await self.store.samples.record_trainer_logprobs(self.parallel.dp_rank, data.step, trained_version,
                                                          trainer_logprobs)
-        if self.cfg.save_steps == 0:
-            await self.store.samples.mark_trained(self.parallel.dp_rank, data.step, [s.id for s in data.samples])
+
+    async def _served_by_main(self, version: int) -> None:
+        """Another rank's wait for rank 0's announcement of ``version`` (seen on the Run), at most ``--ddp_timeout``
+        (rank 0's publish failed, or rank 0 is gone: :class:`PublishError`)."""
+        deadline = time.monotonic() + self.cfg.ddp_timeout
+        while await self.store.runs.policy_version() < version:
+            if time.monotonic() > deadline:
+                raise PublishError(f"rank 0 did not publish weights version {version} within --ddp_timeout "
+                                   f"{self.cfg.ddp_timeout} s (its publish failed, or it is gone: see its log)")
+            await asyncio.sleep(min(self.cfg.poll_interval_s, 0.5))
 
     def _settle(self) -> None:
         """Finish the last step: wait for its publish and Records, log it, save its checkpoint if one is due."""
@@ -517,13 +571,38 @@ class Trainer:
                           publish_failures=float(len(result.failures)), policy_version=float(result.version))
             if self.publisher.probe is not None:
                 values.update(probe_metrics(result.probes))
+                self._after_probe(result)
         # the step ledger: tensor-parallel peers hold the same samples, their leaders speak for them
         ledger = parallel.gather_to_main([s.id for s in unsettled.data.samples] if parallel.is_tp_leader else [])
         if self.sink is not None:
             self.sink.log(step, values, [sample_id for ids in ledger for sample_id in ids])
+        if self.cfg.save_steps == 0:  # no checkpoint to wait for: trained once the ledger lists them
+            parallel.barrier()
+            if parallel.is_tp_leader:
+                self.io.run(self.store.samples.mark_trained(parallel.dp_rank, step,
+                                                            [s.id for s in unsettled.data.samples]))
         failpoint("trainer.step.after_log")
         if self._checkpoint_due(step):
             self._checkpoint()
+
+    def _after_probe(self, result: PublishResult) -> None:
+        """When every service failed the policy probe, none serves samplers, so no sample comes: publish the
+        trainer's weights again (``PROBE_REPUBLISHES`` times), then stop the run with :class:`PublishError`."""
+        for attempt in range(PROBE_REPUBLISHES + 1):
+            failed = self.parallel.broadcast_from_main(
+                bool(result.probes) and not any(p.ok for p in result.probes.values())
+                if self.parallel.is_main else None)
+            if not failed:
+                return
+            errors = "; ".join(f"{url}: {p.error}" for url, p in result.probes.items())
+            if attempt == PROBE_REPUBLISHES:
+                raise PublishError(f"every inference service failed the policy probe after weights version "
+                                   f"{result.version}, published {attempt + 1} times ({errors}): they do not serve "
+                                   "the trainer's policy (another model or precision? see --policy_probe_max_diff), "
+                                   "so no sampler can use them: stopping the run")
+            logger.warning("every inference service failed the policy probe after weights version %d (%s): "
+                           "publishing the trainer's weights again", result.version, errors)
+            result = self._publish()
 
     def _checkpoint_due(self, step: int) -> bool:
         return bool(self.cfg.save_steps) and step % self.cfg.save_steps == 0
@@ -545,18 +624,30 @@ class Trainer:
         self.state.epoch += 1
 
     def _finish(self, finished: bool) -> None:
+        """Settle the last step and checkpoint it; a finished run also publishes its last step if ``sync_every``
+        left it unpublished (the services serve the trained policy), writes ``final`` and records it on the Run as
+        the files of the last version (an engine joining later loads them)."""
         self._settle()
-        if self.cfg.save_steps and self.last_checkpoint != self.state.step:
+        cfg = self.cfg
+        if finished and cfg.enable_sampling and self.state.version_steps.get(self.version) != self.state.step:
+            logger.info("publishing the last step (%d), which --sync_every %d left unpublished", self.state.step,
+                        cfg.sync_every)
+            self._publish()
+        if cfg.save_steps and self.last_checkpoint != self.state.step:
             self._checkpoint()
         if finished:
-            export_pretrained(self.model, self.parallel, self.output_dir / "final", dtype=torch.float32,
-                              tokenizer=self.tokenizer)
+            final = self.output_dir / "final"
+            export_pretrained(self.model, self.parallel, final, dtype=torch.float32, tokenizer=self.tokenizer)
             if self.parallel.is_main:
+                if cfg.enable_sampling and not self.publisher.adapter:
+                    self.io.run(self.store.runs.record_weights(str(final.resolve()), self.version))
                 self.io.run(self.store.runs.set_status(RunStatus.FINISHED))
                 logger.info("training finished after %d steps; final model in %s", self.state.step,
                             self.output_dir / "final")
 
     def _close(self) -> None:
+        if getattr(self, "publisher", None) is not None:
+            self.publisher.close()
         if self.sink is not None:
             self.sink.close()
         if self.io is not None:
@@ -592,6 +683,8 @@ class Trainer:
         the loss tokens; none with cross-entropy), which the store keeps for audits."""
         cfg, parallel, device = self.cfg, self.parallel, self.parallel.device
         started = time.monotonic()
+        # the weights are policy version ``self.version`` only if no update came after its publish (sync_every > 1)
+        self.computed_by = self.version if self.state.version_steps.get(self.version) == self.state.step else None
         merged = [to_merged(sample) for sample in data.samples]
         pad_id = self.model.config.pad_token_id or 0
         micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id, min_shared=self.min_shared,
@@ -652,7 +745,7 @@ class Trainer:
             with torch.no_grad():
                 mask = batch.loss_mask
                 gap = (new_logprobs.detach() - batch.old_logprobs).abs()
-                fresh = mask & (batch.versions == self.version)
+                fresh = mask & (batch.versions == self.computed_by) if self.computed_by is not None else mask & False
                 for suffix, selected in (("", mask), ("_fresh", fresh)):
                     values = gap[selected]
                     if values.numel():
@@ -687,6 +780,18 @@ class Trainer:
         result = self.publisher.publish(self.model, self.version + 1)
         self._adopt_version(result.version)
         return result
+
+    def _service_behind(self) -> bool:
+        """Main rank, while waiting for samples: a service STARTING (joining the run) that serves an older version
+        than the trainer's. It waits for the trainer to send the weights when the Run's version was published in
+        memory; until then it serves no sampler, and if no service serves, no sample comes: publish now."""
+        services = self.io.run(self.store.services.serving())
+        behind = [s.base_url for s in services
+                  if s.status == ServiceStatus.STARTING and s.weight_version < self.version]
+        if behind:
+            logger.info("inference service(s) %s joined the run and wait for its weights: publishing now",
+                        ", ".join(behind))
+        return bool(behind)
 
     def _adopt_version(self, version: int) -> None:
         """The model is ``version`` from now on (its weights are written; the services may still be loading)."""

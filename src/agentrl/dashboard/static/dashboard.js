@@ -129,7 +129,7 @@
       ];
       if (view.mask[i]) {
         lines.push("engine logprob  " + fmt(view.logprobs[i]));
-        if (view.trainer_logprobs) lines.push("trainer logprob " + fmt(view.trainer_logprobs[i]) + " (v" + view.trainer_version + ") · diff " + fmt(view.trainer_logprobs[i] - view.logprobs[i]));
+        if (view.trainer_logprobs) lines.push("trainer logprob " + fmt(view.trainer_logprobs[i]) + (view.trainer_version === null ? " (unpublished weights)" : " (v" + view.trainer_version + ")") + " · diff " + fmt(view.trainer_logprobs[i] - view.logprobs[i]));
         if (view.advantages) lines.push("advantage " + fmt(view.advantages[i]));
       }
       info.textContent = lines.join("\n");

@@ -1,0 +1,165 @@
+"""The trainer's in-memory publishing (``--weight_transport``) against a real ``agentrl engine`` and a stand-in for an
+SGLang without the weight-update group: buckets of a few MiB broadcast over a group per service, nothing written
+per step; a service that cannot join gets the files (``auto``) or is reported (``distributed``); a transfer that
+breaks on either side mid-bucket leaves the engine serving its previous version, and the trainer falls back to disk
+for that publish (engine side) or, killed, leaves nothing half-served (trainer side)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import torch
+
+from agentrl.failpoints import ENV, EXIT_CODE
+from agentrl.inference import SGLangClient
+from agentrl.store import Store, sync_client
+from inference_fixtures import start_engine
+from sglang_standin import StandInProcess
+from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+
+PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
+SMALL_BUCKETS = ("--weight_bucket_mb", "1")  # the tiny model (~13 MiB fp32) in several buckets
+
+
+def _served(url: str) -> tuple[str, list[float]]:
+    async def ask() -> tuple[str, list[float]]:
+        async with SGLangClient(url) as client:
+            result = await client.generate(PROMPT, {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True})
+        return result.weight_version, result.output_token_logprobs
+
+    return asyncio.run(ask())
+
+
+def _logprobs_of(model_dir: Path, url: str) -> list[float]:
+    """What the engine at ``url`` answers once it loaded ``model_dir`` from disk (the disk path, same engine)."""
+    async def load() -> None:
+        async with SGLangClient(url) as client:
+            await client.update_weights_from_disk(str(model_dir), weight_version="disk")
+
+    asyncio.run(load())
+    version, logprobs = _served(url)
+    assert version == "disk"
+    return logprobs
+
+
+def _metrics(db_uri: str) -> dict[int, dict[str, float]]:
+    client = sync_client(db_uri)
+    try:
+        return {d["step"]: d["values"] for d in client.get_default_database().Metric.find()}
+    finally:
+        client.close()
+
+
+def _run(db_uri: str) -> dict:
+    client = sync_client(db_uri)
+    try:
+        return client.get_default_database().Run.find_one()
+    finally:
+        client.close()
+
+
+def test_in_memory_publishing_reaches_engines_and_the_files_reach_an_sglang_without_groups(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    try:
+        with StandInProcess(reply_ids=[5, 6, 2]) as standin:
+            async def prepare() -> None:
+                await enqueue(db_uri, make_samples(tiny_model_dir, groups=2))
+                async with Store(db_uri) as store:
+                    await store.services.register(standin.url, kind="sglang")
+
+            asyncio.run(prepare())
+            out = tmp_path / "out"
+            result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps",
+                                              "2", "--save_steps", "0", "--max_staleness", "none",
+                                              "--policy_probe_max_diff", "0", *SMALL_BUCKETS))
+            assert result.returncode == 0, result.stdout
+            loads = standin.requests("/update_weights_from_disk")
+        version, logprobs = _served(engine.url)
+        from_disk = _logprobs_of(out / "weights" / "2", engine.url)
+    finally:
+        engine.stop()
+    # the stand-in has no /init_weights_update_group: auto sends it the files, said once
+    assert result.stdout.count(f"inference service {standin.url} cannot join a weight-update group") == 1
+    assert "published weights version 2 to 2 of 2 inference services (1 in memory, 1 from" in result.stdout
+    assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]
+    assert [Path(r["body"]["model_path"]).name for r in loads] == ["1", "2"]
+    assert version == "2" and _metrics(db_uri)[2]["publish_failures"] == 0
+    assert logprobs == from_disk  # bit-identical to the same weights loaded from disk
+
+
+def test_distributed_reports_a_service_that_cannot_join_and_writes_nothing(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    try:
+        with StandInProcess(reply_ids=[5, 6, 2]) as standin:
+            async def prepare() -> None:
+                await enqueue(db_uri, make_samples(tiny_model_dir, groups=1))
+                async with Store(db_uri) as store:
+                    await store.services.register(standin.url, kind="sglang")
+
+            asyncio.run(prepare())
+            out = tmp_path / "out"
+            result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps",
+                                              "1", "--save_steps", "0", "--policy_probe_max_diff", "0",
+                                              "--weight_transport", "distributed", *SMALL_BUCKETS))
+            assert result.returncode == 0, result.stdout
+            assert standin.requests("/update_weights_from_disk") == []
+        version, logprobs = _served(engine.url)
+        from_disk = _logprobs_of(out / "final", engine.url)
+    finally:
+        engine.stop()
+    assert "published weights version 1 to 1 of 2 inference services (1 in memory)" in result.stdout
+    assert _metrics(db_uri)[1]["publish_failures"] == 1
+    assert not (out / "weights").exists()
+    assert version == "1" and logprobs == from_disk
+
+
+def test_an_engine_failing_mid_transfer_keeps_its_weights_and_gets_the_version_from_disk(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The engine's first bucket fails after it arrived: it discards what it staged and keeps serving; the trainer
+    says so and the engine loads the version from disk; the next publish goes in memory again."""
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1",
+                          env={ENV: "engine.weight_update.after_receive"})
+    try:
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
+        out = tmp_path / "out"
+        result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
+                                          "--save_steps", "0", "--max_staleness", "none", *SMALL_BUCKETS))
+        assert result.returncode == 0, result.stdout
+        version, logprobs = _served(engine.url)
+        from_disk = _logprobs_of(out / "final", engine.url)
+    finally:
+        engine.stop()
+    assert "the in-memory transfer to inference service" in result.stdout and "loads this version from disk" \
+        in result.stdout, result.stdout
+    assert "published weights version 1 to 1 of 1 inference services (0 in memory, 1 from" in result.stdout
+    assert "published weights version 2 to 1 of 1 inference services (1 in memory)" in result.stdout
+    metrics = _metrics(db_uri)
+    assert [metrics[s]["publish_failures"] for s in (1, 2)] == [0.0, 0.0]
+    assert [metrics[s]["policy_probe_max_mean_abs_diff"] <= 1e-5 for s in (1, 2)] == [True, True], metrics
+    assert version == "2" and logprobs == from_disk
+
+
+def test_a_trainer_killed_mid_transfer_leaves_the_engine_serving_its_previous_weights(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    try:
+        before = _served(engine.url)
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
+        out = tmp_path / "out"
+        flags = trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
+                             "--save_steps", "0", "--max_staleness", "none", *SMALL_BUCKETS)
+        killed = run_trainer(flags, env={ENV: "publish.distributed.after_first_bucket=exit"})
+        assert killed.returncode == EXIT_CODE, killed.stdout
+        assert _served(engine.url) == before  # one bucket staged, nothing swapped in
+        assert _run(db_uri)["policy_version"] == 0
+        finished = run_trainer(flags)  # a fresh trainer: its group is new, the old one's staging is dropped
+        assert finished.returncode == 0, finished.stdout
+        version, logprobs = _served(engine.url)
+        from_disk = _logprobs_of(out / "final", engine.url)
+    finally:
+        engine.stop()
+    assert version == "2" and logprobs == from_disk
+    assert torch.tensor(logprobs).ne(torch.tensor(before[1])).any()
