@@ -11,8 +11,8 @@ straddle the bound is trained through its fresh one). A crash between the two wr
 ``trainer.skip.after_abandon``) leaves the samples claimed: the next trainer claims them again (claims held for a
 step are checked for staleness like new ones; the policy version only grows) and skips them. Samples drawn at
 another temperature than the trainer's (``DBRecordData.temperature``: e.g. a sampler that used its default before a
-trainer given ``--temperature`` recorded it on the run) are skipped the same way (failure class ``temperature``): their behaviour logprobs are of another
-distribution than the one the trainer computes.
+trainer given ``--temperature`` recorded it on the run) are skipped the same way (failure class ``temperature``):
+their behaviour logprobs are of another distribution than the one the trainer computes.
 
 While a share is incomplete every rank polls with a growing pause (up to ``poll_interval_s``) and joins one small
 all-reduce per poll, so no rank blocks long inside a collective and all ranks agree on when to start, stop or
