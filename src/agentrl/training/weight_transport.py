@@ -158,7 +158,7 @@ class WeightGroups:
             async with SGLangClient(base_url, max_retries=0, admin_timeout_s=self.timeout_s + 30) as client:
                 await client.init_weights_update_group(address, port, 1, 2, group_name=name, backend=self.backend)
             group = await asyncio.wait_for(joined, self.timeout_s + 30)
-        except (InferenceServiceError, OSError, RuntimeError, asyncio.TimeoutError) as error:
+        except (InferenceServiceError, OSError, RuntimeError, TimeoutError) as error:
             # rank 0's rendezvous, if still waiting, ends at its timeout in its (daemon) thread
             reason = f"cannot join a weight-update group: {error}"
             if self.refused.get(base_url) != reason:
