@@ -220,7 +220,8 @@ def test_a_resumed_trainer_already_at_its_step_limit_gives_back_the_claims_it_ad
     returns step 3's claims to the queue instead of leaving them claimed for good."""
     asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)))
     out = tmp_path / "out"
-    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS), env={ENV: "samples.claim.after_one=exit@10"})
+    crashed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *FLAGS),
+                          env={ENV: "samples.claim.after_one=exit@10"})
     assert crashed.returncode == EXIT_CODE, crashed.stdout
     limited = (*FLAGS[:3], "2", *FLAGS[4:])
     resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *limited, "--resume_from_checkpoint", "latest"))
