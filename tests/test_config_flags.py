@@ -16,7 +16,8 @@ from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConf
 
 # `agentrl sample --help` and `agentrl eval --help` before the flags were generated (hand-written argparse).
 SAMPLE_FLAGS = {
-    "--adv_scaling", "--agent_config_path", "--balance_sample", "--curriculum", "--curriculum_by_type",
+    "--adv_scaling", "--agent_config_path", "--allow_biased_sampling", "--balance_sample", "--curriculum",
+    "--curriculum_by_type",
     "--curriculum_revisit_prob",
     "--db_connection_string", "--drop_zero_advantage", "--efficient_rewarding", "--env_server", "--exit_when_done",
     "--frequency_penalty", "--help", "--inference_urls", "--lease_s", "--leave_one_out",
@@ -65,7 +66,7 @@ def test_generated_flags_are_the_hand_written_ones(command: str, expected: set[s
 
 
 def test_a_sampler_and_an_evaluation_of_the_same_flags_agree_on_every_rollout_field() -> None:
-    sampler = sample_config(_parse("sample", *SHARED_FLAGS))
+    sampler = sample_config(_parse("sample", *SHARED_FLAGS, "--allow_biased_sampling", "true"))
     evaluation = eval_config(_parse("eval", "--tasks", "t.jsonl", *SHARED_FLAGS))
     for name, model in (("rollout", RolloutConfig), ("tools", ToolsConfig), ("concurrency", ConcurrencyConfig)):
         ours, theirs = getattr(sampler, name), getattr(evaluation, name)
@@ -95,7 +96,8 @@ def test_command_lines_users_type_keep_working() -> None:
         "sample", "--inference_urls", "http://a:1, http://b:2", "--exit_when_done", "true", "--balance_sample",
         "false", "--drop_zero_advantage", "false", "--curriculum", "none", "--curriculum_revisit_prob", "0.5",
         "--rounds", "3", "--seed", "4", "--minimal_advantage", "0.1", "--max_staleness", "0",
-        "--preferred_sampling_params", '{"temperature": 0.7, "top_k": 5}'))
+        "--preferred_sampling_params", '{"temperature": 0.7, "top_k": 5}', "--allow_biased_sampling", "true"))
+    # (top-k on the train split needs --allow_biased_sampling: test_rollout_standin's refusal test)
     assert config.inference_urls == ["http://a:1", "http://b:2"]
     assert config.exit_when_done and not config.group.balance_sample and not config.advantage.drop_zero_advantage
     assert (config.curriculum.mode, config.curriculum.revisit_prob, config.curriculum.rounds) == ("none", 0.5, 3)

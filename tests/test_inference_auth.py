@@ -44,6 +44,11 @@ async def test_every_endpoint_but_health_wants_the_key(guarded: EngineProcess, t
              ("POST", "/update_weights_from_disk", {"model_path": str(tmp_path)}),
              ("POST", "/load_lora_adapter", {"lora_name": "a", "lora_path": str(tmp_path)}),
              ("POST", "/unload_lora_adapter", {"lora_name": "a"}),
+             ("POST", "/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                                     "world_size": 2, "group_name": "g", "backend": "gloo"}),
+             ("POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
+                                                           "group_name": "g"}),
+             ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
              ("POST", "/release_memory_occupation", {}), ("GET", "/get_model_info", None),
              ("POST", "/flush_cache", None),
              ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})]
@@ -80,8 +85,10 @@ def test_the_samplers_and_the_trainer_send_the_key(guarded: EngineProcess, db_ur
 
     assert len(asyncio.run(sample())) == 3
     asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=1)))
-    assert main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4", "--max_steps",
-                             "1", "--save_steps", "0", "--publish_retries", "0")) == 0
+    out = tmp_path / "out"  # the weights go in memory: the group's calls carry the key too
+    assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "1",
+                             "--save_steps", "0", "--publish_retries", "0", "--weight_transport", "distributed")) == 0
+    assert not (out / "weights").exists()
     client = sync_client(db_uri)
     try:
         values = client.get_default_database().Metric.find_one({"step": 1})["values"]

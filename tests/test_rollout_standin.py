@@ -51,10 +51,10 @@ def test_sampler_samples_with_its_own_parameters_and_stamps_version_0(
     upload(db_uri, write_tasks(tmp_path / "tasks.jsonl"), "--num_generations", "2")
     done = run("sample", "--db_connection_string", db_uri, "--model_name_or_path", str(tiny_model_dir),
                "--inference_urls", standin.url, "--max_turns", "2", "--max_new_tokens", "32",
-               "--presence_penalty", "0.5", "--exit_when_done", "true", "--zero_variance_threshold", "0",
-               "--drop_zero_advantage", "false")
+               "--presence_penalty", "0.5", "--allow_biased_sampling", "true", "--exit_when_done", "true",
+               "--zero_variance_threshold", "0", "--drop_zero_advantage", "false")
     assert "sampler done: 4 trajectories, 4 scored" in done.stdout
-    assert done.stderr.count("biases the importance ratio") == 1  # penalties on the train split: warned once
+    assert done.stderr.count("biases the trainer's importance ratio") == 1  # allowed on the train split: warned
 
     calls = used(standin)
     assert len(calls) == 4
@@ -90,6 +90,22 @@ def test_eval_sends_its_sampling_parameters(db_uri: str, tmp_path: Path, tiny_mo
     assert used(standin)[2:] == [{"max_new_tokens": 32, "temperature": 0.8, "top_p": 0.9, "top_k": 5, "min_p": 0.0,
                                   "presence_penalty": 0.0, "frequency_penalty": 0.25,
                                   "repetition_penalty": 1.0}] * 2
+
+
+def test_rl_refuses_sampling_whose_logprobs_are_not_the_sampled_distribution(db_uri: str) -> None:
+    """The engine reports logprobs before top-p/top-k/min-p truncation and after penalties (SGLang's convention):
+    on the train split those settings would bias the importance ratio, so the sampler refuses them (exit 2) before
+    touching the database; evaluation and --allow_biased_sampling take them."""
+    for flags in (["--top_p", "0.9"], ["--top_k", "20"], ["--min_p", "0.05"], ["--frequency_penalty", "0.1"],
+                  ["--preferred_sampling_params", '{"top_p": 0.95, "top_k": 20, "presence_penalty": 1.5}']):
+        done = run("sample", "--db_connection_string", db_uri, *flags, expect=2)
+        assert "on the train split" in done.stderr and "--allow_biased_sampling true" in done.stderr, done.stderr
+        assert flags[0].lstrip("-") in done.stderr or "top_p 0.95" in done.stderr
+    from agentrl.rollout.config import SamplerConfig
+
+    assert SamplerConfig(split="test", rollout={"top_p": 0.9}).rollout.top_p == 0.9
+    assert SamplerConfig(rollout={"top_p": 0.9, "temperature": 0.0}).rollout.top_p == 0.9  # greedy: no truncation
+    assert SamplerConfig(rollout={"top_k": 20}, allow_biased_sampling=True).rollout.top_k == 20
 
 
 def test_a_flag_contradicting_preferred_sampling_params_is_an_error(db_uri: str) -> None:

@@ -218,3 +218,14 @@ def test_a_sampler_claims_a_type_that_teaches_nothing_last(db_uri: str, tmp_path
     first_claims = {t["_id"].split(":")[1]: min(r["created_at"] for r in documents(db_uri, "Record", {
         "task_id": t["_id"]})) for t in tasks}
     assert sorted(first_claims, key=first_claims.get) == ["add", "mul", "coin", "bad"], first_claims
+
+
+def test_a_deferred_type_is_revisited_as_other_groups_complete() -> None:
+    """The revisit draw is keyed on the split's completed groups, which grow while other types are sampled: a
+    deferred type comes back with about ``revisit_prob`` of them (keyed on its own groups, frozen while it is
+    deferred, it would be deferred for good)."""
+    cfg = CurriculumConfig(revisit_prob=0.25, seed=3)
+    history = [("travel", False)] * 4 + [("growth", True)] * 2
+    deferred = [("travel" in type_order(cfg, history, groups_done=done).deferred) for done in range(6, 4006)]
+    assert abs(deferred.count(False) / len(deferred) - 0.25) < 0.03
+    assert deferred == [("travel" in type_order(cfg, history, groups_done=done).deferred) for done in range(6, 4006)]

@@ -22,7 +22,8 @@ from agentrl.trajectory.advantages import AdvantageConfig
 # The sampling parameters ``--preferred_sampling_params`` may set (each also has its own flag).
 PREFERRED_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty")
 PENALTY_HELP = ("logprobs returned by the engine then come from the penalised distribution while the trainer's "
-                "assume the policy's own, which biases the importance ratio (a warning on the train split)")
+                "assume the policy's own, which biases the importance ratio (refused on the train split unless "
+                "--allow_biased_sampling)")
 
 
 class SamplingFlagsError(ValueError):
@@ -96,11 +97,6 @@ class RolloutConfig(BaseModel):
         return {"max_new_tokens": self.max_new_tokens, "temperature": self.temperature, "top_p": self.top_p,
                 "top_k": self.top_k, "min_p": self.min_p, "presence_penalty": self.presence_penalty,
                 "frequency_penalty": self.frequency_penalty, "repetition_penalty": 1.0}
-
-    @property
-    def penalised(self) -> bool:
-        """Penalties change the sampling distribution away from the policy's, which the trainer assumes."""
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
 class ToolsConfig(BaseModel):
@@ -185,6 +181,30 @@ class SamplerConfig(BaseModel):
                                          title="rounds and curriculum (train split)")
     group: GroupConfig = Field(default_factory=GroupConfig, title="group stage")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, title="advantages")
+
+    allow_biased_sampling: bool = Field(
+        False, description="train split: allow --top_p < 1, --top_k, --min_p and penalties, whose tokens come from "
+        "another distribution than the logprobs the engine reports (SGLang's convention: before truncation, after "
+        "penalties), so the trainer's importance ratio is biased (default: refused)")
+
+    @model_validator(mode="after")
+    def _unbiased_behaviour_logprobs(self) -> SamplerConfig:
+        """On the train split, refuse sampling settings whose behaviour logprobs are not the sampled distribution's
+        (unless ``allow_biased_sampling``)."""
+        if self.split != "train" or self.allow_biased_sampling:
+            return self
+        r = self.rollout
+        biased = [f"--{name} {value:g}" for name, value, neutral in (
+            ("top_p", r.top_p, r.top_p >= 1.0), ("top_k", r.top_k, r.top_k <= 0), ("min_p", r.min_p, r.min_p <= 0.0),
+            ("presence_penalty", r.presence_penalty, r.presence_penalty == 0.0),
+            ("frequency_penalty", r.frequency_penalty, r.frequency_penalty == 0.0)) if not neutral]
+        if biased and r.temperature > 0:
+            raise ValueError(f"{', '.join(biased)} on the train split: the engine reports each token's logprob "
+                             "before top-p/top-k/min-p truncation and after penalties (SGLang's convention), not "
+                             "under the distribution it was sampled from, so the trainer's importance ratio would be "
+                             "biased. Sample RL data with the defaults (--top_p 1 --top_k -1 --min_p 0, no "
+                             "penalties), or pass --allow_biased_sampling true to accept the bias")
+        return self
 
     @model_validator(mode="after")
     def _curriculum_seed(self) -> SamplerConfig:

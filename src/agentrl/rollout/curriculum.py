@@ -22,7 +22,8 @@ already learns from its neighbours (``type_order``, read from the split's recent
   Tasks of preferred types first (their rewards are likely to vary again);
 - a type none of whose last groups taught anything (its last ``TYPE_WINDOW``, at least ``TYPE_EVIDENCE``) is
   *deferred*: its open Tasks are claimed only when no other Task is open. Each deferred type is let through now and
-  then, with ``revisit_prob`` for each new group of it (a reproducible draw).
+  then: with ``revisit_prob`` each time a group of the split completes (a reproducible draw keyed on the number of
+  completed groups, which grows while the type waits).
 
 Other types (untried, or without enough evidence) come in between. This only orders claims: no document is written
 for it, so it adds no crash window; the closing Task records ``taught`` for it.
@@ -109,21 +110,24 @@ class TypeOrder:
     deferred: frozenset[str] = frozenset()
 
 
-def type_order(cfg: CurriculumConfig, outcomes: Iterable[tuple[str | None, bool]]) -> TypeOrder:
+def type_order(cfg: CurriculumConfig, outcomes: Iterable[tuple[str | None, bool]], groups_done: int | None = None
+               ) -> TypeOrder:
     """Which task types new groups start on first and last: ``outcomes`` are ``(task_type, taught)`` of completed
-    groups, oldest first."""
+    groups, oldest first; ``groups_done``: how many groups of the split are complete so far (default: the number of
+    ``outcomes``), which keys each deferred type's revisit draw: a new draw with every group that completes, of
+    any type (a deferred type's own count does not grow while it is deferred)."""
+    outcomes = list(outcomes)
+    drawn_at = len(outcomes) if groups_done is None else groups_done
     if cfg.mode != "pass_rate" or not cfg.by_type:
         return TypeOrder()
     recent: dict[str, list[bool]] = {}
-    counts: dict[str, int] = {}
     for task_type, taught in outcomes:
         if task_type is not None:
             recent[task_type] = [*recent.get(task_type, []), taught][-TYPE_WINDOW:]
-            counts[task_type] = counts.get(task_type, 0) + 1
     preferred = frozenset(name for name, taught in recent.items() if taught[-1])
     if cfg.revisit_prob >= 1.0:
         return TypeOrder(preferred)
     deferred = frozenset(name for name, taught in recent.items()
                          if len(taught) >= TYPE_EVIDENCE and not any(taught)
-                         and _uniform(cfg.seed, f"type:{name}", counts[name]) > cfg.revisit_prob)
+                         and _uniform(cfg.seed, f"type:{name}", drawn_at) > cfg.revisit_prob)
     return TypeOrder(preferred, deferred)

@@ -101,11 +101,10 @@ async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResourc
 
 async def run_sampler(config: SamplerConfig) -> SamplerStats:
     """Run one sampler until it is stopped (SIGTERM/SIGINT) or, with ``exit_when_done``, its split is done."""
-    if config.split == "train" and config.rollout.penalised:
-        logger.warning(
-            "presence_penalty %s / frequency_penalty %s: the engine's logprobs then come from the penalised "
-            "distribution while the trainer's assume the policy's own, which biases the importance ratio",
-            config.rollout.presence_penalty, config.rollout.frequency_penalty)
+    if config.split == "train" and config.allow_biased_sampling:
+        logger.warning("--allow_biased_sampling: the engine's logprobs may come from another distribution than the "
+                       "one it sampled from (top-p/top-k/min-p truncation, penalties), which biases the trainer's "
+                       "importance ratio")
     async with sampler_resources(config) as resources:
         sampler = Sampler(resources, owner=resources.inference.owner)  # one identity for slots and load
         sampler.install_signal_handlers()

@@ -325,7 +325,7 @@ class Sampler:
         if now >= self._next_types_refresh:
             self._next_types_refresh = now + self.cfg.concurrency.lease_s / 4
             outcomes = await self.res.store.slots.recent_outcomes(self.cfg.split)
-            order = type_order(curriculum, outcomes)
+            order = type_order(curriculum, outcomes, await self.res.store.slots.completed_groups(self.cfg.split))
             if order.deferred != self._type_order.deferred:
                 logger.info("curriculum: new groups of %s wait until no other Task is open",
                             ", ".join(sorted(order.deferred)) or "no task type")

@@ -381,6 +381,11 @@ class SlotLeases:
             {"task_type": 1, "taught": 1}, sort=[("updated_at", -1)], limit=limit)]
         return [(doc.get("task_type"), bool(doc["taught"])) for doc in reversed(docs)]
 
+    async def completed_groups(self, split: str) -> int:
+        """How many groups of ``split`` a group stage has closed (with a ``taught`` verdict)."""
+        return await self.tasks.count_documents(
+            {"split": split, "status": str(TaskStatus.COMPLETED), "taught": {"$in": [True, False]}})
+
     async def sampling_finished(self, split: str) -> bool:
         """Whether ``split`` has Tasks and every one of them is done (all slots settled, group stage run)."""
         if await self.tasks.count_documents({"split": split}, limit=1) == 0:
