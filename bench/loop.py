@@ -85,8 +85,10 @@ def run_loop(args: argparse.Namespace, work: Path) -> dict:
             env=env, stdout=(work / "trainer.log").open("w"), stderr=subprocess.STDOUT)
         wait_for_trainer(trainer, sampler, args.timeout_s, work)
         wall = time.monotonic() - started
-        loads = [line for line in engine.output.splitlines() if "loaded weights from" in line]
-        print("the engine's weight loads (reading, waiting for running requests, swapping):", *loads, sep="\n  ")
+        loads = [line for line in engine.output.splitlines()
+                 if "loaded weights from" in line or "Succeeded to update model weights" in line]
+        print("the engine's weight updates (receiving or reading, waiting for running requests, swapping):", *loads,
+              sep="\n  ")
         client = sync_client(uri)
         try:
             db = client.get_default_database()

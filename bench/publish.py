@@ -1,9 +1,12 @@
 """Publishing a version of the weights to a live ``agentrl engine``: through disk against in memory, in one run.
 
-    .venv/bin/python bench/publish.py [--model DIR] [--repeats 5] [--bucket_mb 256] [--dtype float32] [--json]
+    .venv/bin/python bench/publish.py [--model DIR | --model_config FILE] [--device cpu|cuda] [--repeats 5]
+                                      [--bucket_mb 256] [--dtype float32] [--json] [--dry_run]
 
-The sender is the trainer's own publishing code in this process (one rank, the model in memory); the engine serves
-the same model (``--num_threads 1``) and is idle. Each transport publishes ``--repeats`` versions, alternating, and
+The sender is the trainer's own publishing code in this process (one rank, the model in memory on ``--device``);
+the engine serves the same model (on the CPU ``--num_threads 1`` and fp32; on CUDA bf16) and is idle.
+``--model_config`` builds a random-weight model of that architecture (the GPU check: the Qwen3-0.6B shape, on
+CUDA, NCCL). Each transport publishes ``--repeats`` versions, alternating, and
 the table gives medians:
 
 * **disk**: the trainer's ``export_pretrained`` (safetensors, in the publish dtype) into ``weights/<v>``, then
@@ -35,6 +38,7 @@ from transformers import AutoModelForCausalLM
 from agentrl.inference import SGLangClient
 from agentrl.inference.embedded_model import default_model_path
 from agentrl.inference.process import EngineProcess
+from agentrl.inference.tiny_model import build_random_model
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
 from agentrl.training.weight_transport import WeightGroups, parameter_buckets
@@ -48,6 +52,9 @@ TRANSPORTS = ("disk", "distributed")
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, default=None, help="default: the embedded SmolLM2-135M-Instruct")
+    parser.add_argument("--model_config", type=Path, default=None, help="a config.json to build a random model from")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dry_run", action="store_true", help="check the arguments, measure nothing")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket_mb", type=float, default=256.0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
@@ -64,8 +71,14 @@ def logprobs(url: str) -> list[float]:
     return [entry[0] for entry in reply["meta_info"]["output_token_logprobs"]]
 
 
+def synchronized(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def publish_disk(io: LoopThread, url: str, model: torch.nn.Module, dtype: torch.dtype, root: Path, version: int
                  ) -> dict[str, float]:
+    synchronized(model.device.type)
     started = time.perf_counter()
     path = root / str(version)
     export_pretrained(model, ParallelState(), path, dtype=dtype)
@@ -82,8 +95,9 @@ def publish_disk(io: LoopThread, url: str, model: torch.nn.Module, dtype: torch.
 
 def publish_distributed(groups: WeightGroups, url: str, model: torch.nn.Module, dtype: torch.dtype,
                         bucket_bytes: int, version: int) -> dict[str, float]:
+    synchronized(model.device.type)
     started = time.perf_counter()
-    sent = groups.send(parameter_buckets(model, ParallelState(), dtype=dtype, device=torch.device("cpu"),
+    sent = groups.send(parameter_buckets(model, ParallelState(), dtype=dtype, device=model.device,
                                          limit_bytes=bucket_bytes), [url], version)
     if sent.failures:
         raise SystemExit(f"the in-memory publish failed: {sent.failures}")
@@ -94,14 +108,14 @@ def publish_distributed(groups: WeightGroups, url: str, model: torch.nn.Module, 
 
 
 def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(args.device)
     dtype = getattr(torch, args.dtype)
     size_mb = sum(p.numel() for p in model.parameters()) * dtype.itemsize / 2**20
     bucket_bytes = int(args.bucket_mb * 2**20)
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in TRANSPORTS}
     served: dict[str, list[float]] = {}
     io = LoopThread("bench-io")
-    groups = WeightGroups(io, backend="gloo", timeout_s=300, retries=0)
+    groups = WeightGroups(io, backend="nccl" if args.device == "cuda" else "gloo", timeout_s=300, retries=0)
     try:
         if (reason := io.run(groups.join(url))) is not None:
             raise SystemExit(reason)
@@ -120,10 +134,10 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
         io.close()
     if len({tuple(lps) for lps in served.values()}) != 1:
         raise SystemExit(f"the transports served different weights: {served}")
-    buckets = sum(1 for _ in parameter_buckets(model, ParallelState(), dtype=dtype, device=torch.device("cpu"),
+    buckets = sum(1 for _ in parameter_buckets(model, ParallelState(), dtype=dtype, device=model.device,
                                                limit_bytes=bucket_bytes))
     medians = {t: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for t, rows in runs.items()}
-    return {"model": str(model_dir), "dtype": args.dtype, "size_mb": round(size_mb, 1), "repeats": args.repeats,
+    return {"model": str(model_dir), "device": args.device, "dtype": args.dtype, "size_mb": round(size_mb, 1), "repeats": args.repeats,
             "bucket_mb": args.bucket_mb, "buckets": buckets, "medians": medians, "runs": runs,
             "seconds_by_transport": {t: round(m["total_s"], 3) for t, m in medians.items()},
             "distributed_over_disk": round(medians["distributed"]["total_s"] / medians["disk"]["total_s"], 3)}
@@ -131,13 +145,21 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
 
 def main() -> int:
     args = parse_args()
-    model_dir = args.model or default_model_path()
-    engine = EngineProcess(model_dir, "--num_threads", "1", "--dtype", "float32", "--no_register",
-                           "--max_total_tokens", "4096")
-    try:
-        result = measure(args, engine.url, Path(model_dir))
-    finally:
-        engine.stop()
+    if args.model and args.model_config:
+        raise SystemExit("give --model or --model_config, not both")
+    if args.dry_run:
+        print(json.dumps({"dry_run": True, "device": args.device, "dtype": args.dtype, "bucket_mb": args.bucket_mb}))
+        return 0
+    with tempfile.TemporaryDirectory(prefix="agentrl-publish-model-") as built:
+        model_dir = (build_random_model(args.model_config, Path(built) / "model") if args.model_config
+                     else args.model or default_model_path())
+        flags = (["--device", "cuda", "--dtype", "bfloat16"] if args.device == "cuda"
+                 else ["--num_threads", "1", "--dtype", "float32"])
+        engine = EngineProcess(model_dir, *flags, "--no_register", "--max_total_tokens", "4096")
+        try:
+            result = measure(args, engine.url, Path(model_dir))
+        finally:
+            engine.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
     if args.json:

@@ -19,7 +19,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 KIT_LIMIT = 48 * 2**20
 TRAVEL_LIMIT = 64 * 2**20
-CHECKS = ["install", "environment", "imports", "pytest_gpu", "bench_trainer", "bench_engine", "decode_attn", "rl_loop"]
+CHECKS = ["install", "environment", "imports", "pytest_gpu", "bench_trainer", "bench_engine", "decode_attn", "publish",
+          "rl_loop"]
 CUDA_CHECKS = CHECKS[3:]
 
 

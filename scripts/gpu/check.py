@@ -16,6 +16,7 @@ bench_trainer  ``bench/trainer.py``, random Qwen3-0.6B shape, ~16k tokens a step
 bench_engine   ``bench/engine.py``, the same shape: tokens/s at 1, 16 and 64 concurrent requests
 decode_attn    ``bench/decode_attention.py``: the engine's decode attention call per SDPA backend, key length exact
                and rounded up, as the keys grow
+publish        ``bench/publish.py``, the same shape: the trainer's publish through disk against in memory (NCCL), bf16
 rl_loop        ``bench/loop.py`` under py-spy (from the kit): database on the CPU, engine and trainer on the GPU;
                step and publish times, and where each process's CPU time goes (without py-spy if it cannot run)
 =============  =====================================================================================================
@@ -199,6 +200,9 @@ def steps(ctx: Context) -> list[Step]:
         Step("decode_attn", [python, "bench/decode_attention.py", "--device", "cuda", "--json",
                              f"{work}/decode_attn.json"], 90, cuda=True,
              figures=lambda w, o: read_json(w / "decode_attn.json")),
+        Step("publish", [python, "bench/publish.py", "--model_config", MODEL_CONFIG, "--device", "cuda", "--dtype",
+                         "bfloat16", "--repeats", "3", "--json"], 120, cuda=True,
+             figures=lambda w, o: last_json_line(o)),
         Step("rl_loop", [*py_spy, *rl_loop], 240, cuda=True, fallback=rl_loop,
              figures=lambda w, o: {**read_json(w / "rl_loop.json"), **py_spy_figures(w, o)}),
     ]
