@@ -137,8 +137,8 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
     buckets = sum(1 for _ in parameter_buckets(model, ParallelState(), dtype=dtype, device=model.device,
                                                limit_bytes=bucket_bytes))
     medians = {t: {k: statistics.median(r[k] for r in rows) for k in rows[0]} for t, rows in runs.items()}
-    return {"model": str(model_dir), "device": args.device, "dtype": args.dtype, "size_mb": round(size_mb, 1), "repeats": args.repeats,
-            "bucket_mb": args.bucket_mb, "buckets": buckets, "medians": medians, "runs": runs,
+    return {"model": str(model_dir), "device": args.device, "dtype": args.dtype, "size_mb": round(size_mb, 1),
+            "repeats": args.repeats, "bucket_mb": args.bucket_mb, "buckets": buckets, "medians": medians, "runs": runs,
             "seconds_by_transport": {t: round(m["total_s"], 3) for t, m in medians.items()},
             "distributed_over_disk": round(medians["distributed"]["total_s"] / medians["disk"]["total_s"], 3)}
 
