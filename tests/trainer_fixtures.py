@@ -148,12 +148,14 @@ def train_uninterrupted(mongo_server_uri: str, samples: Sequence[DBRecordData], 
 
 def check_trainer_logprobs(docs: Sequence[dict], *, published: bool) -> None:
     """Every trained sample keeps the trainer's logprobs, token-aligned with the engine's, 0 off the loss tokens,
-    under the policy version of its step (``published``: a version per step, else 0); the samples of step 1 were
+    under the policy version of its step (``published``: a version per step; else version 0 for step 1 and none
+    after, when the weights have moved without a publish); the samples of step 1 were
     sampled by the policy that trained them, so there the two agree (``make_samples`` gives the tiny model's own
     logprobs), and after the first update they differ."""
     assert docs
     for doc in docs:
-        assert doc["trainer_version"] == (doc["claimed_step"] - 1 if published else 0), doc["_id"]
+        expected = doc["claimed_step"] - 1 if published else (0 if doc["claimed_step"] == 1 else None)
+        assert doc["trainer_version"] == expected, doc["_id"]
         assert len(doc["trainer_logprobs"]) == len(doc["logprobs"]), doc["_id"]
         assert all(t == 0.0 for t, m in zip(doc["trainer_logprobs"], doc["loss_mask"]) if not m), doc["_id"]
         gaps = [abs(t - e) for t, e, m in zip(doc["trainer_logprobs"], doc["logprobs"], doc["loss_mask"]) if m]

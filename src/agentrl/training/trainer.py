@@ -131,6 +131,8 @@ class Trainer:
         self.sink: MetricsSink | None = None
         self.unsettled: _Unsettled | None = None  # the last step, while its publish may still be loading
         self.computed_by: int | None = None  # the policy version of the weights the running step computes with
+        self.first_step = 0  # steps before this trainer's own that --max_steps leaves out (after a finished trainer)
+        self.interrupted = False  # main rank: the run's last trainer did not finish
 
     # ------------------------------------------------------------------------------------------------- set-up
 
@@ -211,7 +213,8 @@ class Trainer:
         if parallel.is_main:
             self.output_dir.mkdir(parents=True, exist_ok=True)
             snapshot = cfg.flag_values(exclude=frozenset({"db_connection_string"}))
-            self.io.run(self.store.runs.get_or_create(self.run_name, snapshot))
+            run = self.io.run(self.store.runs.get_or_create(self.run_name, snapshot))
+            self.interrupted = run.status in (RunStatus.RUNNING, RunStatus.FAILED)  # an earlier trainer did not finish
             self.io.run(self.store.runs.set_status(RunStatus.RUNNING))
             self.sink = MetricsSink(self.store, self.io, report_to=cfg.report_to,
                                     logging_dir=Path(cfg.logging_dir or self.output_dir / "runs"),
@@ -424,15 +427,22 @@ class Trainer:
 
     def _continue_step_count(self) -> None:
         """A fresh start online in a run whose earlier trainer logged steps (without a checkpoint to resume, e.g.
-        ``--save_steps 0``): number the steps after them, so that the ledger keeps every step it logged."""
+        ``--save_steps 0``): number the steps after them, so that the ledger keeps every step it logged.
+        ``--max_steps`` counts them too when that trainer did not finish (this one takes its place), else only this
+        trainer's own steps."""
         if not self.cfg.enable_sampling:
             return
         last = self.parallel.broadcast_from_main(self.io.run(self.store.runs.last_step())
                                                  if self.parallel.is_main else None)
+        interrupted = self.parallel.broadcast_from_main(self.interrupted if self.parallel.is_main else None)
         if last:
             logger.info("an earlier trainer of this run logged %d steps (no checkpoint resumed: this one starts from "
-                        "the base weights): numbering the steps from %d on", last, last + 1)
+                        "the base weights): numbering the steps from %d on%s", last, last + 1,
+                        "; it did not finish, so --max_steps counts them too" if interrupted else "")
             self.state.step = last
+            self.first_step = 0 if interrupted else last
+            if self.sink is not None:
+                self.sink.max_steps = self.cfg.max_steps + self.first_step if self.cfg.max_steps > 0 else -1
 
     def _release_stale_claims(self) -> None:
         """A fresh start: claims an earlier trainer of this run left behind go back to the queue, except those its
@@ -475,7 +485,7 @@ class Trainer:
         started = time.monotonic()
         deadline = started + cfg.max_train_time_s if cfg.max_train_time_s else None
         while True:
-            if 0 < cfg.max_steps <= self.state.step:
+            if 0 < cfg.max_steps <= self.state.step - self.first_step:
                 self.stream.give_back(self.state.step + 1)  # a resumed run's claims for later steps
                 return True
             if deadline is not None and self.parallel.broadcast_from_main(
