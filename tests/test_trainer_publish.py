@@ -258,7 +258,7 @@ def test_a_restarted_engine_serves_the_published_weights_before_samplers_can_pic
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2)))
         out = tmp_path / "out"
         assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",
-                                 "--save_steps", "0")) == 0
+                                 "--save_steps", "0", "--weight_transport", "distributed")) == 0
         engine.stop()
         watch = _ServiceWatch(db_uri)
         restarted = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
@@ -289,7 +289,7 @@ def test_an_engine_restarted_mid_run_waits_for_the_trainer_to_send_the_weights_p
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=1)))
         trainer = threading.Thread(target=lambda: outcome.append(main(trainer_args(
             db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2", "--save_steps", "0",
-            "--max_staleness", "none"))), daemon=True)
+            "--max_staleness", "none", "--weight_transport", "distributed"))), daemon=True)
         trainer.start()
         _wait_for(db_uri, lambda db: (db.Run.find_one() or {}).get("policy_version") == 1)
         engine.stop()

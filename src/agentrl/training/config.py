@@ -179,11 +179,12 @@ class TrainConfig(BaseModel):
         "after every publish")
     keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
     weight_transport: Literal["auto", "distributed", "disk"] = Field(
-        "auto", description="how published weights reach the inference services: distributed (SGLang's weight-update "
-        "group: flattened buckets broadcast from rank 0, gloo on CPU, NCCL on CUDA; nothing written per step), disk "
-        "(weights/<version> and /update_weights_from_disk), auto (distributed where a service can join a group, "
-        "disk for the others). A transfer that fails falls back to disk for that publish. LoRA adapters "
-        "(--lora_publish adapter) and 4-bit bases always go through disk")
+        "auto", description="how published weights reach the inference services: distributed (in memory over SGLang's "
+        "weight-update group: flattened buckets broadcast from rank 0, gloo on CPU, NCCL on CUDA, nothing written per "
+        "step; a service that cannot join one gets files), disk (weights/<version> and /update_weights_from_disk), "
+        "auto (distributed from a CUDA trainer, disk from a CPU one: on one CPU host the page cache is faster than "
+        "loopback TCP). A transfer that fails falls back to disk for that publish. LoRA adapters (--lora_publish "
+        "adapter) and 4-bit bases always go through disk")
     weight_bucket_mb: float = Field(256.0, gt=0.0, description="distributed: the most MiB of weights gathered and "
                                     "broadcast at once (one dtype a bucket; a larger tensor goes alone)")
     weight_update_timeout_s: float = Field(

@@ -35,7 +35,7 @@ import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -47,7 +47,7 @@ from agentrl.store.models import PolicyProbe
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
 from agentrl.training.policy_probe import check_service, trainer_logprobs
-from agentrl.training.weight_transport import SendResult, WeightGroups, WeightTransport, parameter_buckets
+from agentrl.training.weight_transport import SendResult, WeightGroups, parameter_buckets
 from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,8 @@ class WeightPublisher:
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, output_dir: Path, *, dtype: torch.dtype,
                  tokenizer: Any | None, keep: int = 2, retries: int = 3, adapter: bool = False,
-                 probe: ProbeSettings | None = None, transport: WeightTransport = "disk", bucket_mb: float = 256.0,
+                 probe: ProbeSettings | None = None, transport: Literal["distributed", "disk"] = "disk",
+                 bucket_mb: float = 256.0,
                  timeout_s: float = 120.0, address: str | None = None):
         self.store, self.io, self.parallel = store, io, parallel
         self.root = output_dir / "weights"
@@ -127,7 +128,7 @@ class WeightPublisher:
         pending = PendingPublish(result=result, started=started, expected=None)
         to_disk = True
         if self.transport != "disk":
-            memory, pending.from_disk = self.io.run(self._plan(result)) if self.parallel.is_main else ([], [])
+            memory, pending.from_disk = self.io.run(self._plan()) if self.parallel.is_main else ([], [])
             if self.parallel.broadcast_from_main(bool(memory)):
                 sent = self._send(model, memory, version)
                 for url, error in sent.failures.items():
@@ -153,20 +154,16 @@ class WeightPublisher:
         result.seconds = time.monotonic() - started
         return pending
 
-    async def _plan(self, result: PublishResult) -> tuple[list[str], list[str]]:
+    async def _plan(self) -> tuple[list[str], list[str]]:
         """Rank 0: which serving services get this version in memory (their groups joined) and which from disk
-        (``auto``: those that cannot join; ``distributed``: none, they are reported failed)."""
+        (those that cannot join one)."""
         assert self.groups is not None
         urls = [s.base_url for s in await self.store.services.serving()]
         for gone in set(self.groups.members) - set(urls):
             self.groups.drop(gone)
         reasons = await asyncio.gather(*(self.groups.join(url) for url in urls))
-        memory = [url for url, reason in zip(urls, reasons) if reason is None]
-        refused = {url: reason for url, reason in zip(urls, reasons) if reason is not None}
-        if self.transport == "distributed":
-            result.failures.update(refused)
-            return memory, []
-        return memory, list(refused)
+        return ([url for url, reason in zip(urls, reasons) if reason is None],
+                [url for url, reason in zip(urls, reasons) if reason is not None])
 
     def _send(self, model: nn.Module, urls: list[str], version: int) -> SendResult:
         """Every rank: gather the buckets; rank 0 broadcasts them to the services ``urls``."""

@@ -299,20 +299,24 @@ class Trainer:
                                    temperature=cfg.temperature if self.policy_gradient else None)
 
     def _weight_transport(self) -> str:
-        """``--weight_transport``, except for what only files carry (adapters, merges into a 4-bit base's weights)."""
+        """``--weight_transport`` resolved: ``auto`` is in memory from a CUDA trainer and through disk from a CPU one
+        (on one CPU host the page cache beats loopback TCP: docs/training.md); files only for what only files carry
+        (adapters, merges into a 4-bit base's weights)."""
         cfg = self.cfg
         files_only = ("LoRA adapters are published as files" if cfg.use_peft and cfg.lora_publish == "adapter" else
                       "a 4-bit base's adapters are merged from the base's files" if cfg.load_in_4bit else None)
-        if files_only and cfg.weight_transport != "disk":
-            if cfg.weight_transport == "distributed":
-                logger.warning("--weight_transport distributed: %s, so weights go through disk", files_only)
-            return "disk"
+        transport = cfg.weight_transport
+        if transport == "auto":
+            transport = "distributed" if self.parallel.device.type == "cuda" and not files_only else "disk"
+        elif files_only and transport == "distributed":
+            logger.warning("--weight_transport distributed: %s, so weights go through disk", files_only)
+            transport = "disk"
         if cfg.enable_sampling and self.parallel.is_main:
             logger.info("weights reach the inference services %s", {
-                "auto": "in memory (SGLang's weight-update group) where a service can join one, else through disk",
-                "distributed": "in memory (SGLang's weight-update group)",
-                "disk": "through disk (weights/<version>, /update_weights_from_disk)"}[cfg.weight_transport])
-        return cfg.weight_transport
+                "distributed": "in memory (SGLang's weight-update group; through disk for a service that cannot "
+                               "join one)",
+                "disk": "through disk (weights/<version>, /update_weights_from_disk)"}[transport])
+        return transport
 
     def _probe_settings(self) -> ProbeSettings | None:
         """What the policy probe after each publish checks (None: ``--policy_probe_max_diff 0``)."""

@@ -11,8 +11,8 @@ rank 0 (as the disk export).
 **Groups** (:class:`WeightGroups`, rank 0): one SGLang weight-update group per inference service, world size 2
 (this process rank 0, the service rank 1), made the first time a publish reaches the service and kept for the run.
 One group per service, not one for all: a service that dies or restarts breaks only its own group. A service that
-cannot join (an SGLang without the endpoint, a failed rendezvous) gets its weights through disk (``auto``) or is
-reported failed (``distributed``); the reason is logged once.
+cannot join (an SGLang without the endpoint, a failed rendezvous) gets its weights through disk; the reason is
+logged once.
 
 **A send** (:meth:`WeightGroups.send`): for each bucket, every service gets ``POST /update_weights_from_distributed``
 (SGLang's body, ``load_format: flattened_bucket``, the version) while rank 0 broadcasts the bucket in its group;
@@ -35,7 +35,6 @@ import uuid
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Literal
 from urllib.parse import urlsplit
 
 import torch
@@ -50,7 +49,6 @@ from agentrl.training.parallel import ParallelState
 
 logger = logging.getLogger(__name__)
 
-WeightTransport = Literal["auto", "distributed", "disk"]
 POLL_S = 0.002
 _WRAPPERS = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.")
 
