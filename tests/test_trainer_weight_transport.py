@@ -1,8 +1,9 @@
 """The trainer's in-memory publishing (``--weight_transport``) against a real ``agentrl engine`` and a stand-in for an
 SGLang without the weight-update group (``--weight_transport distributed``): buckets of a few MiB broadcast over a
 group per service, nothing written per step; a service that cannot join gets the files; ``auto`` from a CPU
-trainer goes through disk; a transfer that breaks on either side mid-bucket leaves the engine serving its previous version, and the trainer falls back to disk
-for that publish (engine side) or, killed, leaves nothing half-served (trainer side)."""
+trainer goes through disk; a transfer that breaks on either side mid-bucket leaves the engine serving its previous
+version, and the trainer falls back to disk for that publish (engine side) or, killed, leaves nothing half-served
+(trainer side)."""
 
 from __future__ import annotations
 
