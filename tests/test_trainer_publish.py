@@ -422,3 +422,22 @@ def test_the_next_step_is_claimed_and_trained_while_the_last_one_publishes(overl
         assert (next_claimed < logged[step]["created_at"]) is overlap, (step, next_claimed, logged[step])
         assert logged[step]["values"]["policy_version"] == step
         assert 0 <= logged[step]["values"]["publish_wait_s"] <= logged[step]["values"]["publish_s"] + 1
+
+
+async def test_another_rank_stops_waiting_for_a_publish_rank_0_never_announces(db_uri: str) -> None:
+    """A data-parallel rank waits for rank 0's bump of the version it exported; when rank 0's publish failed (the
+    Run stays at the old version), the wait ends after ``--ddp_timeout`` with an error naming rank 0, instead of
+    polling forever (a launcher that does not kill the other ranks would hang). Driven on the real store; the
+    trainer around it is not built (the wait is one coroutine)."""
+    from agentrl.training.config import TrainConfig
+    from agentrl.training.publish import PublishError
+    from agentrl.training.trainer import Trainer
+
+    trainer = Trainer(TrainConfig(ddp_timeout=1, poll_interval_s=0.1))
+    async with Store(db_uri) as store:
+        await store.runs.get_or_create("run")
+        trainer.store = store
+        started = time.monotonic()
+        with pytest.raises(PublishError, match="rank 0 did not publish weights version 1 within --ddp_timeout 1 s"):
+            await asyncio.wait_for(trainer._served_by_main(1), 30)
+    assert time.monotonic() - started < 10
