@@ -115,7 +115,7 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in TRANSPORTS}
     served: dict[str, list[float]] = {}
     io = LoopThread("bench-io")
-    groups = WeightGroups(io, backend="nccl" if args.device == "cuda" else "gloo", timeout_s=300, retries=0)
+    groups = WeightGroups(io, backend="nccl" if args.device == "cuda" else "gloo", timeout_s=300)
     try:
         if (reason := io.run(groups.join(url))) is not None:
             raise SystemExit(reason)

@@ -223,7 +223,7 @@ async def test_agentrls_client_and_sender_update_the_engine(engine: str, tiny_mo
             sent = asyncio.create_task(client.update_weights_from_distributed(
                 [s.name for s in layout], [weight_sync.dtype_name(s.dtype) for s in layout],
                 [list(s.shape) for s in layout], weight_version=31, load_format=weight_sync.BUCKET_FORMAT))
-            await asyncio.to_thread(weight_sync.send, group, new, weight_sync.BUCKET_FORMAT)
+            await asyncio.to_thread(torch.distributed.broadcast, flat, 0, group)
             assert (await sent).success
         finally:
             await client.destroy_weights_update_group()

@@ -175,12 +175,7 @@ def test_when_every_service_fails_the_probe_the_trainer_publishes_again_then_sto
     from sglang_standin import StandInProcess
 
     with StandInProcess(reply_ids=[5, 6, 2]) as standin:
-        async def prepare() -> None:
-            await enqueue(db_uri, make_samples(tiny_model_dir, groups=4))
-            async with Store(db_uri) as store:
-                await store.services.register(standin.url, kind="sglang")
-
-        asyncio.run(prepare())
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=4), services=[standin.url]))
         result = run_trainer(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4",
                                           "--max_steps", "4", "--save_steps", "0", "--max_staleness", "none"))
         loads = standin.requests("/update_weights_from_disk")

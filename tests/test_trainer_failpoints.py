@@ -52,14 +52,7 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
     resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest"))
     assert resumed.returncode == 0, resumed.stdout
 
-    client = sync_client(db_uri)
-    try:
-        db = client.get_default_database()
-        docs = list(db.DBRecordData.find())
-        metrics = list(db.Metric.find())
-        run = db.Run.find_one()
-    finally:
-        client.close()
+    docs, metrics, run = _ledger(db_uri)
     if point.startswith("publish."):  # versions only grow, and the newest one's weights exist (the final model)
         assert run["policy_version"] >= STEPS and run["weights_version"] == run["policy_version"]
         assert (Path(run["weights_path"]) / "config.json").exists()
@@ -95,17 +88,21 @@ def test_without_checkpoints_a_crash_leaves_every_trained_sample_in_the_ledger_o
         assert first.returncode == EXIT_CODE, first.stdout
         again = run_trainer(flags)
         assert again.returncode == 0, again.stdout
-    client = sync_client(db_uri)
-    try:
-        db = client.get_default_database()
-        docs = list(db.DBRecordData.find())
-        metrics = list(db.Metric.find())
-    finally:
-        client.close()
+    docs, metrics, _ = _ledger(db_uri)
     assert {d["status"] for d in docs} == {"trained"}
     listed = [sample_id for m in metrics for sample_id in m["sample_ids"]]
     assert sorted(listed) == sorted(s.id for s in samples), "the ledger lists a sample twice or misses one"
     assert sorted(m["step"] for m in metrics) == list(range(1, STEPS + 1))
+
+
+def _ledger(db_uri: str) -> tuple[list[dict], list[dict], dict]:
+    """The samples, the step ledger (Metric documents) and the Run."""
+    client = sync_client(db_uri)
+    try:
+        db = client.get_default_database()
+        return list(db.DBRecordData.find()), list(db.Metric.find()), db.Run.find_one()
+    finally:
+        client.close()
 
 
 def test_a_directory_is_never_half_replaced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -44,12 +44,8 @@ def test_publishing_switches_a_live_engine_to_the_trainers_weights(
             time.sleep(0.1)
         client.close()
 
-        async def prepare() -> None:
-            await enqueue(db_uri, make_samples(tiny_model_dir, groups=2))
-            async with Store(db_uri) as store:  # a registered service that is down: publishing must go on
-                await store.services.register(dead, kind="sglang")
-
-        asyncio.run(prepare())
+        # a registered service that is down: publishing must go on
+        asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2), services=[dead]))
         out = tmp_path / "out"
         with caplog.at_level(logging.ERROR, logger="agentrl.training.publish"):
             assert main(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "2",

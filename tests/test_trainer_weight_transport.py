@@ -14,7 +14,7 @@ import torch
 
 from agentrl.failpoints import ENV, EXIT_CODE
 from agentrl.inference import SGLangClient
-from agentrl.store import Store, sync_client
+from agentrl.store import sync_client
 from inference_fixtures import start_engine
 from sglang_standin import StandInProcess
 from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
@@ -65,12 +65,7 @@ def test_in_memory_publishing_reaches_engines_and_the_files_reach_an_sglang_with
     engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
     try:
         with StandInProcess(reply_ids=[5, 6, 2]) as standin:
-            async def prepare() -> None:
-                await enqueue(db_uri, make_samples(tiny_model_dir, groups=2))
-                async with Store(db_uri) as store:
-                    await store.services.register(standin.url, kind="sglang")
-
-            asyncio.run(prepare())
+            asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2), services=[standin.url]))
             out = tmp_path / "out"
             result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps",
                                               "2", "--save_steps", "0", "--max_staleness", "none",

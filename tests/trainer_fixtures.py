@@ -91,9 +91,12 @@ def sft_samples(count: int, *, seed: int = 0, length: int = 24, prefix: str = "s
     return samples
 
 
-async def enqueue(db_uri: str, samples: Sequence[DBRecordData]) -> None:
+async def enqueue(db_uri: str, samples: Sequence[DBRecordData], *, services: Sequence[str] = ()) -> None:
+    """Queue ``samples``; register ``services`` (base URLs, e.g. an SGLang stand-in's) as SGLang services."""
     async with Store(db_uri) as store:
         assert await store.samples.enqueue(list(samples)) == len(samples)
+        for url in services:
+            await store.services.register(url, kind="sglang")
 
 
 def trainer_args(db_uri: str, model_dir: Path, output_dir: Path, *extra: str, dtype: str | None = "float32"

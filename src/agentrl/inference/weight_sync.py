@@ -97,18 +97,9 @@ def specs(names: Sequence[str], dtypes: Sequence[str], shapes: Sequence[Sequence
 
 
 def bucket_layout(named: Sequence[tuple[str, torch.Tensor]]) -> list[TensorSpec]:
-    """The byte spans of ``named``'s tensors in a flattened bucket, as SGLang's ``FlattenedTensorBucket`` (no
-    padding: a tensor whose offset is not a multiple of its element size is an error, as on the receiving side; one
-    dtype per bucket never has one)."""
-    layout, offset = [], 0
-    for name, tensor in named:
-        if offset % tensor.element_size():
-            raise WeightSyncError(f"{name}: byte offset {offset} in the bucket is not aligned to "
-                                  f"{dtype_name(tensor.dtype)}: put tensors of one dtype in a bucket")
-        size = tensor.numel() * tensor.element_size()
-        layout.append(TensorSpec(name, tensor.dtype, tuple(tensor.shape), offset, offset + size))
-        offset += size
-    return layout
+    """:func:`specs` of tensors: their byte spans in a flattened bucket (one dtype per bucket is always aligned)."""
+    return specs([name for name, _ in named], [dtype_name(t.dtype) for _, t in named],
+                 [list(t.shape) for _, t in named])
 
 
 def flatten(named: Sequence[tuple[str, torch.Tensor]], out: torch.Tensor | None = None
@@ -140,14 +131,3 @@ def receive(group: dist.ProcessGroup, layout: Sequence[TensorSpec], load_format:
         handle.wait()
     return tensors
 
-
-def send(group: dist.ProcessGroup, named: Sequence[tuple[str, torch.Tensor]], load_format: str | None) -> None:
-    """Rank 0's side of :func:`receive`."""
-    if load_format == BUCKET_FORMAT:
-        flat, _ = flatten(named)
-        dist.broadcast(flat, src=0, group=group)
-        return
-    handles = [dist.broadcast(tensor.detach().contiguous(), src=0, group=group, async_op=True)
-               for _, tensor in named]
-    for handle in handles:
-        handle.wait()

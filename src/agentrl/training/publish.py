@@ -108,7 +108,7 @@ class WeightPublisher:
         self.adapter, self.probe, self.transport = adapter, probe, transport
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.groups = WeightGroups(io, backend="nccl" if parallel.device.type == "cuda" else "gloo",
-                                   timeout_s=timeout_s, retries=retries, address=address) \
+                                   timeout_s=timeout_s, address=address) \
             if transport != "disk" and parallel.is_main else None
 
     def publish(self, model: nn.Module, version: int) -> PublishResult:
@@ -187,7 +187,7 @@ class WeightPublisher:
         if disk is None:
             disk = [s.base_url for s in await self.store.services.serving()]
         urls = [*pending.swaps, *disk]
-        result.services = len(urls) + len(result.failures)
+        result.services = len(urls)
         started = time.monotonic()
         errors = await asyncio.gather(*(self._swapped(answer) for answer in pending.swaps.values()),
                                       *(self._load_on(url, result) for url in disk))

@@ -125,15 +125,13 @@ class SendResult:
 
     last: dict[str, Future] = field(default_factory=dict)
     failures: dict[str, str] = field(default_factory=dict)
-    bytes: int = 0
 
 
 class WeightGroups:
     """Rank 0's weight-update groups, one per inference service, kept for the run."""
 
-    def __init__(self, io: LoopThread, *, backend: str, timeout_s: float, retries: int,
-                 address: str | None = None):
-        self.io, self.backend, self.timeout_s, self.retries, self.address = io, backend, timeout_s, retries, address
+    def __init__(self, io: LoopThread, *, backend: str, timeout_s: float, address: str | None = None):
+        self.io, self.backend, self.timeout_s, self.address = io, backend, timeout_s, address
         self.members: dict[str, _Member] = {}
         self.refused: dict[str, str] = {}  # base URL -> why it could not join last time (logged once)
         self.unable: dict[str, str] = {}  # base URL -> why it never can (it has no such endpoint): not asked again
@@ -193,15 +191,14 @@ class WeightGroups:
         answers: dict[str, Future] = {}
         for index, bucket in enumerate(buckets):
             flat, layout = weight_sync.flatten(bucket, self._buffer_for(bucket))
-            result.bytes += flat.numel()
             for url in list(active):
                 error = self._send_bucket(url, flat, layout, version, answers)
-                if index == 0:
-                    failpoint("publish.distributed.after_first_bucket")
                 if error is not None:
                     active.remove(url)
                     result.failures[url] = error
                     self.drop(url)
+            if index == 0:
+                failpoint("publish.distributed.after_first_bucket")
         result.last = {url: answers[url] for url in active}
         return result
 
