@@ -67,7 +67,7 @@ SLOW_MODULES = LONG_MODULES + (
     "test_envs_protocol", "test_inference_load_counters", "test_trainer_run", "test_store_dates", "test_tools_manager",
     "test_run_progress", "test_store_crash_windows", "test_tools_sandbox_escape", "test_inference_weights",
     "test_cli_db", "test_trainer_sharding", "test_tools_sandbox", "test_inference_default_model",
-    "test_inference_weight_sync")
+    "test_inference_weight_sync", "test_version_spans")
 
 
 def uses_module_fixture(item: pytest.Item) -> bool:

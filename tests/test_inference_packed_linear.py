@@ -39,7 +39,7 @@ async def test_loaded_weights_reach_the_packed_layers(tiny_model_dir: Path, tiny
     other = bf16_model(tiny_model_b_dir)
     batcher.start()
     try:
-        batcher.load_state_dict(other.state_dict())
+        batcher.load_state_dict(other.state_dict(), "1")
         output = await batcher.generate(PROMPT, max_new_tokens=8, stop_token_ids=[],
                                         sampling=RequestSampling(top_k=1))
     finally:

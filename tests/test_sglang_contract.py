@@ -18,6 +18,7 @@ from fastapi.routing import APIRoute
 
 from agentrl.inference import SGLangClient
 from agentrl.inference.protocol import (
+    EXTENSIONS,
     DestroyWeightsUpdateGroupRequest,
     FinishReason,
     GenerateRequest,
@@ -116,7 +117,7 @@ def test_sampling_defaults_are_sglangs() -> None:
 
 def test_response_models_read_only_keys_sglang_produces() -> None:
     meta_keys = set(CONTRACT["meta_info_keys"]) | set(API["GenerateMetaInfo"]["fields"])
-    assert fields(MetaInfo) <= meta_keys
+    assert fields(MetaInfo) - EXTENSIONS <= meta_keys and not EXTENSIONS & meta_keys  # ours never clash with SGLang's
     assert fields(GenerateResponse) <= set(API["GenerateResponse"]["fields"])
     finish = CONTRACT["finish_reasons"]
     assert set(FinishReason.model_fields["type"].annotation.__args__) == set(finish)

@@ -46,6 +46,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     parser.add_argument("--weight_update_timeout_s", type=float, default=120.0,
                         help="how long joining a weight-update group (/init_weights_update_group), and each of its "
                              "transfers, may take before it fails (default: 120)")
+    parser.add_argument("--weight_update_mode", choices=("in_place", "drain"), default="in_place",
+                        help="in_place: new weights are swapped in between two decoding steps, running requests go "
+                             "on with them and each token keeps the version that sampled it (a response spanning "
+                             "two versions lists them in meta_info.weight_version_spans); drain: running requests "
+                             "finish on the old weights while new ones wait, as SGLang without /pause_generation "
+                             "(default: in_place)")
     parser.add_argument("--api_key", default=None,
                         help="every request but /health and /health_generate must carry 'Authorization: Bearer "
                              "KEY' (SGLang's --api-key; default: $AGENTRL_INFERENCE_API_KEY, which the samplers, "
@@ -102,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
             weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
             max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
             page_size=args.page_size, preferred_sampling_params=preferred, enable_lora=args.enable_lora,
-            weight_update_timeout_s=args.weight_update_timeout_s)
+            weight_update_timeout_s=args.weight_update_timeout_s, weight_update_mode=args.weight_update_mode)
     except ValidationError as error:
         print(f"agentrl engine: error: {error}", file=sys.stderr)
         return 2

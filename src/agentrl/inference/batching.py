@@ -21,6 +21,13 @@ Two replace what transformers does per decoding step:
 CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
 is used as is: requests are added from any thread, results come back through ``register_result_handler``.
 
+New weights are swapped in between two decoding steps while requests keep running (:meth:`ContinuousBatcher.swap`):
+each sampled token is recorded with the version of the weights whose logits it was drawn from
+(:class:`TokenVersions`), so a request that straddles a swap reports both versions and where the change fell. Its
+KV cache stays as computed (the old weights' keys and values for the tokens before the swap, as PipelineRL and
+SGLang's in-place pause). Prefix sharing never hands the old weights' blocks to a request after a swap: block hashes
+are salted with the number of swaps so far (:func:`_salted_block_hash`).
+
 LoRA adapters (:mod:`agentrl.inference.lora_adapters`) are routed per request: before each forward pass the
 runner tells the served adapters which token rows belong to which request's adapter. Prefix sharing then has to
 be off (``BatchingConfig.prefix_sharing``): a cached block holds the keys and values of one adapter's model.
@@ -29,6 +36,7 @@ be off (``BatchingConfig.prefix_sharing``): a cached block holds the keys and va
 from __future__ import annotations
 
 import asyncio
+import itertools
 import secrets
 import threading
 import uuid
@@ -41,6 +49,7 @@ import torch
 from transformers import GenerationConfig, PreTrainedModel
 from transformers.generation.configuration_utils import ContinuousBatchingConfig
 from transformers.generation.continuous_batching import ContinuousBatchingManager
+from transformers.generation.continuous_batching.cache_allocators import cache_allocator
 from transformers.generation.continuous_batching.cb_logits_processors import (
     ContinuousBatchingLogitsProcessor,
     ContinuousBatchingLogitsProcessorList,
@@ -58,6 +67,76 @@ PROMPT_LOGPROB_ROWS = 256
 ALIGNMENT = 64
 """Bytes a served weight's address is a multiple of (the CPU allocator's alignment)."""
 """Prompt positions whose fp32 log-softmax over the vocabulary is made at once (input-token logprobs)."""
+
+
+_unsalted_block_hash = cache_allocator.compute_block_hash
+_swaps = itertools.count(1)
+_block_salt: int | None = None
+"""The parent hash of every sequence's first KV block (None until the first weight swap in this process)."""
+
+
+def _salted_block_hash(parent_hash: int | None, tokens: list[int]) -> int:
+    """transformers' block hash, with a first block chained to the current salt: a swap changes the salt, so blocks
+    cached under earlier weights are never matched again (a process-wide salt: another batcher's swap only costs
+    this one cache misses)."""
+    return _unsalted_block_hash(parent_hash if parent_hash is not None else _block_salt, tokens)
+
+
+cache_allocator.compute_block_hash = _salted_block_hash
+
+
+class TokenVersions:
+    """The weights version each request's tokens were sampled with, as ``[version, tokens]`` runs.
+
+    ``version`` changes only while the generation loop is paused (:meth:`ContinuousBatcher.swap`); :meth:`record`
+    runs on the loop thread right after a step sampled its tokens, for the requests :meth:`open` registered."""
+
+    def __init__(self, version: str):
+        self.version = version
+        self._runs: dict[str, list[list]] = {}
+
+    def open(self, request_id: str) -> None:
+        self._runs[request_id] = []
+
+    def record(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            runs = self._runs.get(request_id)
+            if runs is None:
+                continue
+            if runs and runs[-1][0] == self.version:
+                runs[-1][1] += 1
+            else:
+                runs.append([self.version, 1])
+
+    def sampled(self) -> int:
+        """Tokens sampled so far by the requests still open."""
+        return sum(count for runs in list(self._runs.values()) for _, count in runs)
+
+    def close(self, request_id: str) -> list[list]:
+        """Forget the request; returns its runs."""
+        return self._runs.pop(request_id, [])
+
+
+def _first_tokens(runs: list[list], tokens: int) -> list[tuple[str, int]]:
+    """``runs`` cut to their first ``tokens`` tokens (a request stopped early may have sampled more than it
+    returns)."""
+    kept = []
+    for version, count in runs:
+        if tokens <= 0:
+            break
+        kept.append((version, min(count, tokens)))
+        tokens -= count
+    return kept
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One request's output: its tokens, their logprobs and ``versions``, the ``(weights version, tokens)`` runs
+    that sampled them in order (one run unless weights were swapped while it ran)."""
+
+    generated_tokens: list[int]
+    logprobs: list[float]
+    versions: list[tuple[str, int]]
 
 
 class EngineStopped(RuntimeError):
@@ -153,6 +232,7 @@ class _SGLangSamplingRunner(ModelRunner):
     """transformers' model runner with the sampling step replaced by :func:`sample` and LoRA rows routed."""
 
     adapters: ServedAdapters | None = None
+    versions: TokenVersions | None = None
 
     def _forward_process_and_sample(self, model: torch.nn.Module, batch_data: dict, carry_over_ids: torch.Tensor,
                                     prev_output_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -173,6 +253,9 @@ class _SGLangSamplingRunner(ModelRunner):
         rows = tokens.size(0)
         output_ids[0, :rows].copy_(tokens)
         output_ids[1, :rows].copy_(logprobs.view(torch.int32))
+        if self.versions is not None:
+            self.versions.record([r.state.request_id for r in self.inputs_and_outputs.requests_in_batch
+                                  if r.has_new_token])
 
     def _penalties(self, params: RowParams, rows: int, vocab: int) -> torch.Tensor | None:
         """Presence/frequency penalties of the rows; logits rows follow the batch's requests that sample a token."""
@@ -187,10 +270,12 @@ class _SGLangSamplingRunner(ModelRunner):
 class _Manager(ContinuousBatchingManager):
     """transformers' manager with our per-request values and our sampling runner."""
 
-    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters):
+    def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters,
+                 versions: TokenVersions):
         super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
         self.logit_processor = _RequestValues()
         self.adapters = adapters
+        self.versions = versions
 
     def switch_to_cb_friendly_attn(self, model: PreTrainedModel, auto_switch_to_flash: bool = True) -> None:
         """Serve with :mod:`agentrl.inference.paged_attention` where the model allows (for good: outside a step it
@@ -208,6 +293,7 @@ class _Manager(ContinuousBatchingManager):
                 inputs_and_outputs=processor.inputs_and_outputs, cache=processor.cache, do_sample=True,
                 return_logprobs=True)
             processor.model_runner.adapters = self.adapters
+            processor.model_runner.versions = self.versions
         return processor
 
 
@@ -228,12 +314,13 @@ class ContinuousBatcher:
     :meth:`remove_adapter`; each pauses the loop between two steps.
     """
 
-    def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None):
+    def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None, *, version: str = "default"):
         self.model = model.eval()
         self.config = config or BatchingConfig()
         pack_linears(self.model, bf16_matmuls=self.config.bf16_matmuls)
         self.adapters = ServedAdapters(self.model)
-        self._manager = _Manager(self.model, self._cb_config(), self.adapters)
+        self.versions = TokenVersions(version)
+        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self.versions)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
@@ -261,7 +348,7 @@ class ContinuousBatcher:
 
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids: list[int],
                        sampling: RequestSampling, should_stop: Callable[[list[int]], bool] | None = None,
-                       adapter: str | None = None) -> GenerationOutput:
+                       adapter: str | None = None) -> Generation:
         """Generate for one prompt; finished when a token of ``stop_token_ids`` is sampled or at the length limit.
         With ``adapter``, the named LoRA adapter (added with :meth:`add_adapter`) applies to the request's tokens.
 
@@ -287,6 +374,7 @@ class ContinuousBatcher:
         seed = sampling.seed if sampling.seed is not None else secrets.randbits(31)
         self._manager.register_result_handler(request_id, on_output)
         self._running[request_id] = done
+        self.versions.open(request_id)
         if adapter is not None:
             self.adapters.assign(request_id, adapter)
         self.in_flight += 1
@@ -306,12 +394,14 @@ class ContinuousBatcher:
         finally:
             self.in_flight -= 1
             self._running.pop(request_id, None)
+            runs = self.versions.close(request_id)
             self.adapters.release(request_id)
             with self._manager.output_router._lock:
                 self._manager.output_router.result_handlers.pop(request_id, None)
         if output.error is not None:
             raise RuntimeError(f"generation failed: {output.error}")
-        return output
+        tokens = list(output.generated_tokens)
+        return Generation(tokens, list(output.logprobs), _first_tokens(runs, len(tokens)))
 
     def abort_all(self, message: str) -> int:
         """Abort every running request now (they raise :class:`GenerationAborted`) and refuse new ones; returns how
@@ -362,14 +452,15 @@ class ContinuousBatcher:
                       for i in range(0, targets.numel(), PROMPT_LOGPROB_ROWS)]
         return torch.cat(picked).tolist()
 
-    def load_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
-        """Serve new weights (every key of the model's state dict; blocking): :meth:`prepare` then :meth:`swap`."""
+    def load_state_dict(self, state_dict: dict[str, torch.Tensor], version: str) -> None:
+        """Serve new weights (every key of the model's state dict; blocking) as ``version``: :meth:`prepare` then
+        :meth:`swap`."""
         targets = self.model.state_dict(keep_vars=True)
         if state_dict.keys() != targets.keys():
             missing, unexpected = targets.keys() - state_dict.keys(), state_dict.keys() - targets.keys()
             raise ValueError(f"the new weights do not match the model: missing {sorted(missing)[:3]}, unexpected "
                              f"{sorted(unexpected)[:3]}")
-        self.swap(self.prepare(state_dict))
+        self.swap(self.prepare(state_dict), version)
 
     def prepare(self, tensors: dict[str, torch.Tensor], into: PreparedWeights | None = None) -> PreparedWeights:
         """Make some of the new weights ready to serve, generation still running (blocking): each state-dict key's
@@ -399,9 +490,12 @@ class ContinuousBatcher:
                     prepared.packed[module] = module.packing(weight, bias)
         return prepared
 
-    def swap(self, prepared: PreparedWeights) -> None:
-        """Serve the prepared weights (every tensor of the model's state dict must be in them; blocking): the loop
-        pauses between two generation steps only to exchange references."""
+    def swap(self, prepared: PreparedWeights, version: str) -> None:
+        """Serve the prepared weights (every tensor of the model's state dict must be in them; blocking) as
+        ``version``: the loop pauses between two generation steps only to exchange references; running requests
+        go on with the new weights (their next tokens are recorded under ``version``), and the prefix cache is
+        no longer matched (its blocks hold the old weights' keys and values)."""
+        global _block_salt
         targets = self.model.state_dict(keep_vars=True)
         missing = [key for key, target in targets.items() if id(target) not in prepared.values]
         if missing:
@@ -414,6 +508,11 @@ class ContinuousBatcher:
                     target.copy_(prepared.values[id(target)])
             for module, (weight, bias) in prepared.packed.items():
                 module.packed, module.packed_bias = weight, bias
+            self.versions.version = version
+            _block_salt = next(_swaps)
+            processor = self._manager.batch_processor
+            if processor is not None:
+                processor.cache.evict_cached_blocks()
 
     def add_adapter(self, adapter: Adapter) -> None:
         """Serve a LoRA adapter from the next step on (blocking)."""

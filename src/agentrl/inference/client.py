@@ -23,6 +23,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from agentrl.inference.protocol import (
+    EXTENSIONS,
     GenerateResponse,
     LoRAUpdateResponse,
     ModelInfo,
@@ -73,7 +74,10 @@ class GenerateResult(BaseModel):
     completion_tokens: int
     input_token_logprobs: list[float | None] = Field(
         default_factory=list, description="logprobs of the prompt tokens from logprob_start_len on (the first: None)")
-    weight_version: str | None = Field(None, description="version of the weights that produced the output")
+    weight_version: str | None = Field(None, description="version of the weights that produced the output (its "
+                                       "last token's)")
+    weight_version_spans: list[tuple[str, int]] | None = Field(
+        None, description="[version, tokens] in order when the output spans several weight versions")
     lora_path: str | None = Field(None, description="the LoRA adapter the request named, if any")
     meta_info: dict[str, Any] = Field(default_factory=dict, description="the raw meta_info, all keys")
 
@@ -83,6 +87,14 @@ class GenerateResult(BaseModel):
         loads), else the service's weight version."""
         version = adapter_policy_version(self.lora_path) if self.lora_path else None
         return version if version is not None else policy_version(self.weight_version)
+
+    @property
+    def policy_version_spans(self) -> list[tuple[int, int]]:
+        """``(policy version, tokens)`` runs of the output in order: one run of :attr:`policy_version` unless the
+        service swapped base weights while generating (an adapter's tokens all have the adapter's version)."""
+        if self.weight_version_spans and not self.lora_path:
+            return [(policy_version(version), tokens) for version, tokens in self.weight_version_spans]
+        return [(self.policy_version, len(self.output_ids))]
 
     @classmethod
     def from_response(cls, response: GenerateResponse) -> GenerateResult:
@@ -95,7 +107,8 @@ class GenerateResult(BaseModel):
                                   for entry in meta.input_token_logprobs or []],
             finish_reason=finish.type if finish else "abort", matched_stop=finish.matched if finish else None,
             prompt_tokens=meta.prompt_tokens, completion_tokens=meta.completion_tokens,
-            weight_version=meta.weight_version, meta_info=meta.model_dump(mode="json"))
+            weight_version=meta.weight_version, weight_version_spans=meta.weight_version_spans,
+            meta_info=meta.model_dump(mode="json", exclude=None if meta.weight_version_spans else EXTENSIONS))
 
 
 class SGLangClient:

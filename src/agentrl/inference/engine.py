@@ -7,10 +7,13 @@
   :mod:`agentrl.inference.sampling`). With ``logprob_start_len`` the prompt tokens from there on get theirs too
   (``input_token_logprobs``, ``log_softmax(logits / temperature)``, the first one null, as SGLang), from one extra
   forward pass of the prompt with the same weights and adapter, between two generation steps.
-* ``update_weights_from_disk`` reads the new checkpoint while generation goes on, then closes the admission gate:
-  requests already running finish with the old weights, new ones wait (none is dropped), the weights are
-  swapped in place and the prefix cache is flushed. Each response carries the ``weight_version`` that produced
-  all its tokens. :meth:`InferenceEngine.load_published` does the same for an engine joining a run under way.
+* ``update_weights_from_disk`` reads the new checkpoint while generation goes on, then swaps it in between two
+  decoding steps (``weight_update_mode="in_place"``, the default): running requests go on with the new weights and
+  no request waits; each response's ``weight_version`` is that of its last token and, when its tokens span
+  several versions, ``weight_version_spans`` (our extension of SGLang's ``meta_info``) lists
+  ``[version, tokens]`` in order. ``"drain"`` (SGLang's behaviour without ``/pause_generation``) closes the
+  admission gate instead: running requests finish on the old weights, new ones wait, then the swap.
+  :meth:`InferenceEngine.load_published` does the same for an engine joining a run under way.
 * ``init_weights_update_group`` / ``update_weights_from_distributed`` / ``destroy_weights_update_group``: SGLang's
   in-memory update (a trainer broadcasts the tensors over a process group it shares with the engine; see
   :mod:`agentrl.inference.weight_updates`), swapped in the same way once the whole model has arrived.
@@ -93,6 +96,10 @@ class EngineConfig(BaseModel):
     device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     weight_version: str = "0"
+    weight_update_mode: Literal["in_place", "drain"] = Field(
+        "in_place", description="in_place: new weights are swapped in between two decoding steps and running "
+        "requests go on with them (each token keeps its version); drain: running requests finish on the old "
+        "weights while new ones wait")
     max_total_tokens: int = Field(32768, gt=0, description="KV cache capacity in tokens, all requests together")
     max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
     max_running_requests: int = Field(64, gt=0)
@@ -146,12 +153,14 @@ def bf16_matmuls(dtype: str, device: torch.device) -> bool:
 
 
 class _Run(NamedTuple):
-    """One admitted generation: output ids and logprobs, finish reason, weight version, prompt logprobs."""
+    """One admitted generation: output ids and logprobs, finish reason, the weight version of its last token (or
+    of its admission), the ``(version, tokens)`` spans of its output, prompt logprobs."""
 
     output_ids: list[int]
     logprobs: list[float]
     finish: FinishReason
     version: str
+    spans: list[tuple[str, int]]
     prompt_logprobs: list[float]
 
 
@@ -175,10 +184,10 @@ class InferenceEngine:
         self.batcher = ContinuousBatcher(self.model, BatchingConfig(
             max_total_tokens=config.max_total_tokens, max_batch_tokens=config.max_batch_tokens,
             max_running_requests=config.max_running_requests, page_size=config.page_size,
-            prefix_sharing=not config.enable_lora, bf16_matmuls=bf16_matmuls(config.dtype, self.device)))
+            prefix_sharing=not config.enable_lora, bf16_matmuls=bf16_matmuls(config.dtype, self.device)),
+            version=config.weight_version)
         self.precision = str(self.dtype).removeprefix("torch.") + (
             ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "")
-        self.weight_version = config.weight_version
         self._adapter_users: dict[str, int] = {}  # loaded adapter -> admitted requests using it
         self._adapter_idle: dict[str, asyncio.Event] = {}  # adapters being unloaded -> set when unused
         self.gate = AdmissionGate()
@@ -186,6 +195,11 @@ class InferenceEngine:
         self._exclusive = asyncio.Lock()
         self.weight_groups = WeightUpdateGroups(self.model, self.device, config.weight_update_timeout_s,
                                                 prepare=self.batcher.prepare)
+
+    @property
+    def weight_version(self) -> str:
+        """The version of the weights served now (the next sampled token's)."""
+        return self.batcher.versions.version
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
@@ -274,6 +288,7 @@ class InferenceEngine:
         meta = MetaInfo(
             id=request.rid or uuid.uuid4().hex, finish_reason=run.finish, prompt_tokens=len(input_ids),
             completion_tokens=len(run.output_ids), cached_tokens=0, weight_version=run.version,
+            weight_version_spans=[list(span) for span in run.spans] if len(run.spans) > 1 else None,
             e2e_latency=time.perf_counter() - started)
         if start is not None:
             def entry(logprob: float | None, token: int) -> tuple[float | None, int, str | None]:
@@ -336,7 +351,7 @@ class InferenceEngine:
         matcher = self._stop_string_matcher(params.stop_strings)
         sampling = self._sampling(params)
         async with self.gate.admit():
-            version = self.weight_version  # constant while admitted: updates wait for admitted requests
+            version = self.weight_version
             self._use_adapter(adapter)
             prompt: list[float] = []
             try:
@@ -344,16 +359,17 @@ class InferenceEngine:
                     prompt = await asyncio.to_thread(self.batcher.prompt_logprobs, input_ids, prompt_start,
                                                      temperature=sampling.temperature, adapter=adapter)
                 if params.max_new_tokens == 0:
-                    return _Run([], [], FinishReason(type="length", length=0), version, prompt)
+                    return _Run([], [], FinishReason(type="length", length=0), version, [], prompt)
                 output = await self.batcher.generate(
                     input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids, sampling=sampling,
                     should_stop=(lambda ids: matcher(ids) is not None) if matcher else None, adapter=adapter)
             except GenerationAborted as error:  # SGLang answers an aborted request, it does not drop it
-                return _Run([], [], FinishReason(type="abort", message=str(error)), version, prompt)
+                return _Run([], [], FinishReason(type="abort", message=str(error)), version, [], prompt)
             finally:
                 self._release_adapter(adapter)
-        tokens, logprobs = list(output.generated_tokens), list(output.logprobs)
-        return _Run(tokens, logprobs, self._finish_reason(tokens, params, stop_ids, matcher), version, prompt)
+        tokens, spans = output.generated_tokens, output.versions
+        return _Run(tokens, output.logprobs, self._finish_reason(tokens, params, stop_ids, matcher),
+                    spans[-1][0] if spans else version, spans, prompt)
 
     def _stop_string_matcher(self, stops: list[str]) -> Callable[[list[int]], str | None] | None:
         """A function telling which stop string (if any) the end of the generated tokens contains."""
@@ -431,7 +447,8 @@ class InferenceEngine:
             "model": self.model_name, "choices": [choice],
             "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(output_ids),
                       "total_tokens": len(input_ids) + len(output_ids)},
-            "metadata": {"weight_version": version},
+            "metadata": {"weight_version": version} | (
+                {"weight_version_spans": [list(span) for span in run.spans]} if len(run.spans) > 1 else {}),
         }
 
     # ------------------------------------------------------------------------------------------ weight updates
@@ -464,18 +481,26 @@ class InferenceEngine:
         return UpdateWeightsFromDiskResponse(success=True, message=message, num_paused_requests=paused)
 
     async def _swap(self, weights: dict[str, torch.Tensor] | PreparedWeights, new_version: str) -> int:
-        """Serve ``weights`` (a state dict, or weights already prepared) as ``new_version`` in one step: running
-        requests finish on the old weights, new ones wait (none is dropped); returns how many waited."""
+        """Serve ``weights`` (a state dict, or weights already prepared) as ``new_version`` in one step, between
+        two decoding steps; returns how many requests waited (none in place; under ``drain``, those that arrived
+        while running requests finished on the old weights)."""
         if isinstance(weights, dict):
             weights = await asyncio.to_thread(self.batcher.prepare, weights)
         async with self._exclusive:
+            if self.config.weight_update_mode == "in_place":
+                await asyncio.to_thread(self._swap_now, weights, new_version)
+                return 0
             held_before = self.gate.held
             async with self.gate.closed():
-                if not failpoint("engine.update_weights.swap"):
-                    await asyncio.to_thread(self.batcher.swap, weights)
+                await asyncio.to_thread(self._swap_now, weights, new_version)
                 await asyncio.to_thread(self.batcher.reset_prefix_cache)
-                self.weight_version = new_version
             return self.gate.held - held_before
+
+    def _swap_now(self, weights: PreparedWeights, new_version: str) -> None:
+        """Swap (blocking); the ``engine.update_weights.swap`` failpoint keeps the old weights under the new name."""
+        if failpoint("engine.update_weights.swap"):
+            weights = self.batcher.prepare(dict(self.model.state_dict()))
+        self.batcher.swap(weights, new_version)
 
     def _next_version(self, requested: str | None) -> str:
         """The version a swap serves: the one requested, else the current one plus one (WeightSyncError if the

@@ -181,6 +181,10 @@ class FinishReason(BaseModel):
         return {key: value for key, value in handler(self).items() if value is not None}
 
 
+EXTENSIONS = {"weight_version_spans"}
+"""``meta_info`` keys the ``agentrl engine`` adds to SGLang's (only when it has something to say)."""
+
+
 class MetaInfo(BaseModel):
     """``meta_info`` of a ``/generate`` response (extra keys that SGLang adds are kept)."""
 
@@ -191,7 +195,10 @@ class MetaInfo(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int = 0
-    weight_version: str | None = None
+    weight_version: str | None = Field(None, description="the weight version of the last output token")
+    weight_version_spans: list[tuple[str, int]] | None = Field(
+        None, description="agentrl engine only, when the output spans several weight versions (weights swapped "
+        "while it ran): [version, tokens] in order; absent: every token has weight_version")
     e2e_latency: float | None = None
     output_token_logprobs: list[tuple[float, int, str | None]] | None = None
     input_token_logprobs: list[tuple[float | None, int, str | None]] | None = Field(

@@ -155,12 +155,13 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
         calls.finish(call.id, CallStatus.FAILED, output_ids=result.output_ids,
                      output_logprobs=result.output_token_logprobs, error=error, latency_s=time.monotonic() - started)
         raise GenerationFailed(error)
-    version = result.policy_version
+    spans = result.policy_version_spans
+    version = spans[0][0]  # the oldest: versions only grow while a call runs
     state.first_version = version if state.first_version is None else state.first_version
     calls.finish(
         call.id, CallStatus.COMPLETED, output_ids=result.output_ids, output_logprobs=result.output_token_logprobs,
-        output_text=result.text, weight_version=version, finish_reason=result.finish_reason, service_id=service_id,
-        latency_s=time.monotonic() - started)
+        output_text=result.text, weight_version=version, weight_version_spans=spans if len(spans) > 1 else None,
+        finish_reason=result.finish_reason, service_id=service_id, latency_s=time.monotonic() - started)
     state.previous_call = call.id
     return Generated(call.id, result.text, list(result.output_ids), version)
 

@@ -305,7 +305,10 @@ class DispatchedSamplingTask(Document):
     output_ids: list[int] = Field(default_factory=list)
     output_logprobs: list[float] = Field(default_factory=list)
     output_text: str = ""
-    weight_version: int | None = None
+    weight_version: int | None = Field(None, description="the policy version of the first output token")
+    weight_version_spans: list[tuple[int, int]] | None = Field(
+        None, description="(policy version, tokens) in order when the output spans several versions (the service "
+        "swapped weights while generating it); None: every token has weight_version")
     finish_reason: str | None = None
     sampling_params: dict[str, Any] = Field(default_factory=dict)
     tool_calls: list[dict[str, Any]] = Field(default_factory=list)

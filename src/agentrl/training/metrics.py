@@ -15,7 +15,7 @@ progress line on the console; ``--report_to tensorboard`` / ``wandb`` also send 
   before the update (``_fresh``: only tokens sampled by the current version, i.e. pure numerical mismatch);
 * optimisation and speed: ``grad_norm``, ``learning_rate``, ``policy_version``, ``epoch``, ``step_s``,
   ``wait_s``, ``publish_s`` (of which ``publish_export_s`` gathering and writing the weights,
-  ``publish_load_s`` the services' loads, each waiting for its running requests, and ``publish_probe_s`` the
+  ``publish_load_s`` the services' loads and swaps, and ``publish_probe_s`` the
   policy probe; from the export to the Run's new version), ``publish_wait_s`` (how long the trainer waited for
   it: with ``overlap_publish`` the next step's compute hides the rest), ``publish_failures``, ``tokens_per_s``
   (real tokens / compute time of the step).

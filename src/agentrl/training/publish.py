@@ -2,10 +2,11 @@
 
 Order for version ``v`` (the run's ``policy_version`` + 1): the weights go to ``output_dir/weights/<v>`` (complete
 before anyone sees the name), every live ``InferenceService`` gets ``POST /update_weights_from_disk`` with that
-path and ``weight_version = "v"`` (all services at once; transient failures retried; the services finish their
-running requests with the old weights, nothing is aborted), then ``Run.policy_version`` becomes ``v``. A service
-that still fails is reported by name and counted, and keeps serving its old version, whose tokens stay stamped
-with it, so staleness accounting stays right. Only the last ``keep`` weight directories are kept.
+path and ``weight_version = "v"`` (all services at once; transient failures retried; nothing is aborted: our engine
+swaps between two decoding steps and its running requests go on with ``v``, each token keeping the version that
+sampled it; SGLang finishes its running requests with the old weights first), then ``Run.policy_version`` becomes
+``v``. A service that still fails is reported by name and counted, and keeps serving its old version, whose tokens
+stay stamped with it, so staleness accounting stays right. Only the last ``keep`` weight directories are kept.
 
 :meth:`WeightPublisher.publish` does it all and waits. Its three parts serve a trainer that goes on training while
 the services load (``--overlap_publish``): :meth:`~WeightPublisher.export` (every rank: the weights and the
@@ -75,8 +76,7 @@ class PublishResult:
     failures: dict[str, str] = field(default_factory=dict)  # service base URL -> error
     probes: dict[str, PolicyProbe] = field(default_factory=dict)  # service base URL -> its check (when probed)
     seconds: float = 0.0  # from the export to the bump
-    # of ``seconds``: gathering and sending or writing the weights; the services' loads or swaps (each waits for its
-    # running requests);
+    # of ``seconds``: gathering and sending or writing the weights; the services' loads or swaps;
     # the policy probe (the trainer's forward pass and the services' answers). The rest: the bump and pruning.
     export_s: float = 0.0
     load_s: float = 0.0

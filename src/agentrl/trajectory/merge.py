@@ -42,8 +42,19 @@ class CallTokens:
     previous_call_id: str | None = None
     prompt_delta_ids: Sequence[int] = ()
     weight_version: int | None = None
+    weight_version_spans: Sequence[tuple[int, int]] | None = None
     status: str = "completed"
     advantage: float | None = None
+
+    def output_versions(self) -> list[int]:
+        """The policy version of each output token (-1: unknown)."""
+        if self.weight_version_spans:
+            versions = [int(v) for v, count in self.weight_version_spans for _ in range(count)]
+            if len(versions) != len(self.output_ids):
+                raise ValueError(f"call {self.call_id!r}: weight_version_spans cover {len(versions)} tokens, the "
+                                 f"output has {len(self.output_ids)}")
+            return versions
+        return [-1 if self.weight_version is None else int(self.weight_version)] * len(self.output_ids)
 
     @classmethod
     def from_document(cls, doc: DispatchedSamplingTask, advantage: float | None) -> CallTokens:
@@ -56,6 +67,7 @@ class CallTokens:
             previous_call_id=doc.previous_call_id,
             prompt_delta_ids=doc.prompt_delta_ids,
             weight_version=doc.weight_version,
+            weight_version_spans=doc.weight_version_spans,
             status=str(doc.status),
             advantage=advantage,
         )
@@ -111,8 +123,7 @@ class MergedSample:
         self.input_ids.extend(call.output_ids)
         self.loss_mask.extend([int(trained)] * n_out)
         self.logprobs.extend(list(call.output_logprobs) if trained else [0.0] * n_out)
-        version = -1 if call.weight_version is None else int(call.weight_version)
-        self.versions.extend([version] * n_out)
+        self.versions.extend(call.output_versions())
         self.advantages.extend([float(call.advantage) if trained else 0.0] * n_out)
         self.turns.append(TurnSpan(call.call_id, start, output_start, len(self.input_ids), trained))
 
@@ -240,7 +251,7 @@ def verify_merged(sample: MergedSample, calls: Sequence[CallTokens]) -> None:
             raise PrefixError(f"call {turn.call_id!r}: output tokens differ from the sample")
         span = slice(turn.output_start, turn.output_end)
         n_out = len(call.output_ids)
-        expected["versions"][span] = [-1 if call.weight_version is None else call.weight_version] * n_out
+        expected["versions"][span] = call.output_versions()
         if turn.trained:
             expected["logprobs"][span] = list(call.output_logprobs)
             expected["loss_mask"][span] = [1] * n_out
