@@ -14,11 +14,15 @@ the table gives medians:
 * **distributed**: the trainer's ``parameter_buckets`` + ``WeightGroups.send`` (``--weight_transport
   distributed``): ``POST /update_weights_from_distributed`` per bucket of at most ``--bucket_mb`` MiB (one dtype a
   bucket, SGLang's ``flattened_bucket``) while the bucket is broadcast over the weight-update group (gloo, joined
-  once before timing, as the trainer keeps it for the run); the engine swaps once the last bucket arrived.
+  once before timing, as the trainer keeps it for the run); the engine swaps once the last bucket arrived;
+* **tensor**: the same buckets through ``TensorSender.send`` (``--weight_transport tensor``): each flattened into a
+  shared send buffer (shared memory on the CPU, CUDA IPC on a GPU) that the engine maps and copies, ``POST
+  /update_weights_from_tensor`` per bucket.
 
 ``send_s`` is the sender's side (writing the files; gathering and broadcasting the buckets), ``service_s`` the rest
-until the engine serves the new version. Both transports end serving the same weights (the logprobs of a fixed
-prompt are compared bit for bit). ``--json`` prints ``{seconds_by_transport, distributed_over_disk, ...}``; the
+until the engine serves the new version. All transports end serving the same weights (the logprobs of a fixed
+prompt are compared bit for bit). ``--json`` prints ``{seconds_by_transport, distributed_over_disk,
+tensor_over_disk, ...}``; the
 figures also go to ``bench/results/publish.json``. Run it on a quiet machine.
 """
 
@@ -41,12 +45,12 @@ from agentrl.inference.process import EngineProcess
 from agentrl.inference.tiny_model import build_random_model
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
-from agentrl.training.weight_transport import WeightGroups, parameter_buckets
+from agentrl.training.weight_transport import TensorSender, WeightGroups, parameter_buckets
 from agentrl.training.weights import export_pretrained
 
 ROOT = Path(__file__).resolve().parent.parent
 PROMPT = [1, 5, 9, 14, 3, 27, 8, 30, 2]
-TRANSPORTS = ("disk", "distributed")
+TRANSPORTS = ("disk", "distributed", "tensor")
 
 
 def parse_args() -> argparse.Namespace:
@@ -93,8 +97,8 @@ def publish_disk(io: LoopThread, url: str, model: torch.nn.Module, dtype: torch.
     return {"send_s": written - started, "service_s": done - written, "total_s": done - started}
 
 
-def publish_distributed(groups: WeightGroups, url: str, model: torch.nn.Module, dtype: torch.dtype,
-                        bucket_bytes: int, version: int) -> dict[str, float]:
+def publish_in_memory(groups: WeightGroups | TensorSender, url: str, model: torch.nn.Module, dtype: torch.dtype,
+                      bucket_bytes: int, version: int) -> dict[str, float]:
     synchronized(model.device.type)
     started = time.perf_counter()
     sent = groups.send(parameter_buckets(model, ParallelState(), dtype=dtype, device=model.device,
@@ -115,10 +119,12 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
     runs: dict[str, list[dict[str, float]]] = {t: [] for t in TRANSPORTS}
     served: dict[str, list[float]] = {}
     io = LoopThread("bench-io")
-    groups = WeightGroups(io, backend="nccl" if args.device == "cuda" else "gloo", timeout_s=300)
+    senders = {"distributed": WeightGroups(io, backend="nccl" if args.device == "cuda" else "gloo", timeout_s=300),
+               "tensor": TensorSender(io, timeout_s=300)}
     try:
-        if (reason := io.run(groups.join(url))) is not None:
-            raise SystemExit(reason)
+        for sender in senders.values():
+            if (reason := io.run(sender.join(url))) is not None:
+                raise SystemExit(reason)
         with tempfile.TemporaryDirectory(prefix="agentrl-publish-") as tmp:
             version = 0
             for _ in range(args.repeats):
@@ -127,10 +133,12 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
                     if transport == "disk":
                         runs[transport].append(publish_disk(io, url, model, dtype, Path(tmp), version))
                     else:
-                        runs[transport].append(publish_distributed(groups, url, model, dtype, bucket_bytes, version))
+                        runs[transport].append(publish_in_memory(senders[transport], url, model, dtype,
+                                                                 bucket_bytes, version))
                     served[transport] = logprobs(url)
     finally:
-        groups.close()
+        for sender in senders.values():
+            sender.close()
         io.close()
     if len({tuple(lps) for lps in served.values()}) != 1:
         raise SystemExit(f"the transports served different weights: {served}")
@@ -140,7 +148,8 @@ def measure(args: argparse.Namespace, url: str, model_dir: Path) -> dict:
     return {"model": str(model_dir), "device": args.device, "dtype": args.dtype, "size_mb": round(size_mb, 1),
             "repeats": args.repeats, "bucket_mb": args.bucket_mb, "buckets": buckets, "medians": medians, "runs": runs,
             "seconds_by_transport": {t: round(m["total_s"], 3) for t, m in medians.items()},
-            "distributed_over_disk": round(medians["distributed"]["total_s"] / medians["disk"]["total_s"], 3)}
+            **{f"{t}_over_disk": round(medians[t]["total_s"] / medians["disk"]["total_s"], 3)
+               for t in TRANSPORTS if t != "disk"}}
 
 
 def main() -> int:

@@ -49,6 +49,7 @@ async def test_every_endpoint_but_health_wants_the_key(guarded: EngineProcess, t
              ("POST", "/update_weights_from_distributed", {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]],
                                                            "group_name": "g"}),
              ("POST", "/destroy_weights_update_group", {"group_name": "g"}),
+             ("POST", "/begin_weight_update", {}), ("POST", "/end_weight_update", {}),
              ("POST", "/release_memory_occupation", {}), ("GET", "/get_model_info", None),
              ("POST", "/flush_cache", None),
              ("POST", "/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}]})]

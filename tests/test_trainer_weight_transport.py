@@ -1,9 +1,9 @@
 """The trainer's in-memory publishing (``--weight_transport``) against a real ``agentrl engine`` and a stand-in for an
 SGLang without the weight-update group (``--weight_transport distributed``): buckets of a few MiB broadcast over a
-group per service, nothing written per step; a service that cannot join gets the files; ``auto`` from a CPU
-trainer goes through disk; a transfer that breaks on either side mid-bucket leaves the engine serving its previous
-version, and the trainer falls back to disk for that publish (engine side) or, killed, leaves nothing half-served
-(trainer side)."""
+group per service, or shared in place with a service on this host (``tensor``), nothing written per step; a
+service that cannot join gets the files; ``auto`` from a CPU trainer goes through disk; a transfer that breaks on
+either side mid-bucket leaves the engine serving its previous version, and the trainer falls back to disk for that
+publish (engine side) or, killed, leaves nothing half-served (trainer side)."""
 
 from __future__ import annotations
 
@@ -81,6 +81,33 @@ def test_in_memory_publishing_reaches_engines_and_the_files_reach_an_sglang_with
     assert "published weights version 2 to 2 of 2 inference services (1 in memory, 1 from" in result.stdout
     assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]
     assert [Path(r["body"]["model_path"]).name for r in loads] == ["1", "2"]
+    assert version == "2" and _metrics(db_uri)[2]["publish_failures"] == 0
+    assert logprobs == from_disk  # bit-identical to the same weights loaded from disk
+
+
+def test_tensors_shared_on_this_host_reach_the_engine_and_the_files_an_sglang_without_the_endpoint(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """``--weight_transport tensor``: the engine maps each bucket from the trainer's shared memory
+    (``/update_weights_from_tensor`` in a session); the stand-in (no such endpoint, 404) gets files from then on."""
+    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
+    try:
+        with StandInProcess(reply_ids=[5, 6, 2]) as standin:
+            asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2), services=[standin.url]))
+            out = tmp_path / "out"
+            result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps",
+                                              "2", "--save_steps", "0", "--max_staleness", "none",
+                                              "--policy_probe_max_diff", "0", "--weight_transport", "tensor",
+                                              "--weight_bucket_mb", "1"), timeout_s=120)
+            assert result.returncode == 0, result.stdout
+            loads = standin.requests("/update_weights_from_disk")
+        version, logprobs = _served(engine.url)
+        from_disk = _logprobs_of(out / "weights" / "2", engine.url)
+    finally:
+        engine.stop()
+    assert "weights reach the inference services in memory, shared with the services on this host" in result.stdout
+    assert result.stdout.count(f"inference service {standin.url} has no /update_weights_from_tensor") == 1
+    assert "published weights version 2 to 2 of 2 inference services (1 in memory, 1 from" in result.stdout
+    assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]
     assert version == "2" and _metrics(db_uri)[2]["publish_failures"] == 0
     assert logprobs == from_disk  # bit-identical to the same weights loaded from disk
 

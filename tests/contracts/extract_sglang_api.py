@@ -19,9 +19,10 @@ requests and their output),
 bodies), ``srt/managers/tokenizer_manager.py`` (``meta_info`` keys, how preferred sampling params are merged),
 ``srt/managers/schedule_batch.py`` (finish reasons), ``srt/utils/common.py`` (``init_custom_process_group``, the
 weight-update group's recipe), ``srt/model_executor/model_runner_components/weight_updater.py`` and
-``srt/weight_sync/tensor_bucket.py`` (the flattened-bucket form), ``api/v1/api_types.py`` (the JSON contract gate of
-recent releases, optional), ``srt/entrypoints/v1_loads.py`` and ``srt/managers/load_snapshot.py`` (``/v1/loads``,
-optional) and the server arguments (``weight_version`` default).
+``srt/weight_sync/tensor_bucket.py`` (the flattened-bucket form),
+``srt/managers/scheduler_components/weight_updater.py`` (which updates need a weight-update session, optional),
+``api/v1/api_types.py`` (the JSON contract gate of recent releases, optional), ``srt/entrypoints/v1_loads.py`` and
+``srt/managers/load_snapshot.py`` (``/v1/loads``, optional) and the server arguments (``weight_version`` default).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ SERVER_ARGS = ("srt/arg_groups/fields/serving.py", "srt/server_args.py")
 UTILS_COMMON = "srt/utils/common.py"
 WEIGHT_UPDATER = "srt/model_executor/model_runner_components/weight_updater.py"
 TENSOR_BUCKET = "srt/weight_sync/tensor_bucket.py"
+SCHEDULER_WEIGHT_UPDATER = "srt/managers/scheduler_components/weight_updater.py"
 VERSION_FILES = ("_version.py", "version.py")
 API_V1_CLASSES = ("SamplingParams", "GenerateRequest", "GenerateResponse", "GenerateMetaInfo", "LogprobEntry",
                   "FinishStop", "FinishLength", "FinishAbort", "ErrorBody")
@@ -315,6 +317,29 @@ def weight_update_group(reader: SourceReader, io_struct: ast.Module, http: ast.M
     }
 
 
+def weight_update_session(reader: SourceReader, io_struct: ast.Module, http: ast.Module,
+                          handlers: dict[str, str]) -> dict[str, Any]:
+    """The weight-update session of recent releases (``/begin_weight_update`` ... ``/end_weight_update``): its
+    requests, answers, and the updates that refuse to run outside one (the scheduler's weight-updater methods that
+    check ``self._session is None``); ``required_by`` is empty where there is no session."""
+    text = reader.get(SCHEDULER_WEIGHT_UPDATER)
+    if text is None or "/begin_weight_update" not in handlers:
+        return {"required_by": []}
+    def checks_session(function: ast.FunctionDef) -> bool:
+        return any(isinstance(n, ast.Compare) and ast.unparse(n) == "self._session is None"
+                   for n in ast.walk(function))
+
+    required = sorted(f"/{f.name}" for f in ast.walk(ast.parse(text)) if isinstance(f, ast.FunctionDef)
+                      and f.name.startswith("update_weights_from") and checks_session(f))
+    return {
+        "begin_request": struct_fields(io_struct, "BeginWeightUpdateReqInput"),
+        "end_request": struct_fields(io_struct, "EndWeightUpdateReqInput"),
+        "response_keys": {path: handler_keys(http, handlers[path]) for path in (
+            "/begin_weight_update", "/end_weight_update")},
+        "required_by": required,
+    }
+
+
 def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
     io_struct = reader.require(IO_STRUCT)
     sampling = classes(reader.require(SAMPLING_PARAMS))["SamplingParams"]
@@ -336,6 +361,7 @@ def extract(reader: SourceReader, label: str | None) -> dict[str, Any]:
             "resume": sorted(struct_fields(io_struct, "ResumeMemoryOccupationReqInput")),
         },
         "weight_update_group": weight_update_group(reader, io_struct, http, handlers),
+        "weight_update_session": weight_update_session(reader, io_struct, http, handlers),
         "lora": {
             "load_request_fields": sorted(struct_fields(io_struct, "LoadLoRAAdapterReqInput")),
             "unload_request_fields": sorted(struct_fields(io_struct, "UnloadLoRAAdapterReqInput")),

@@ -200,6 +200,28 @@ class SGLangClient:
             body["load_format"] = load_format
         return await self._weight_update("/update_weights_from_distributed", body)
 
+    async def update_weights_from_tensor(self, serialized_named_tensors: list[str], *,
+                                         weight_version: str | int | None = None, load_format: str | None = None,
+                                         flush_cache: bool = True) -> WeightUpdateResponse:
+        """``POST /update_weights_from_tensor`` (tensors shared from this host:
+        :mod:`agentrl.inference.tensor_payload`); raises :class:`InferenceRequestError` when the service refuses."""
+        body: dict[str, Any] = {"serialized_named_tensors": serialized_named_tensors, "flush_cache": flush_cache}
+        if weight_version is not None:
+            body["weight_version"] = str(weight_version)
+        if load_format is not None:
+            body["load_format"] = load_format
+        return await self._weight_update("/update_weights_from_tensor", body)
+
+    async def begin_weight_update(self) -> WeightUpdateResponse:
+        """``POST /begin_weight_update``: open the weight-update session SGLang (0.5.23 on) wants around
+        ``/update_weights_from_distributed`` calls; raises :class:`InferenceRequestError` when the service refuses
+        (404: a service without sessions)."""
+        return await self._weight_update("/begin_weight_update", {})
+
+    async def end_weight_update(self) -> WeightUpdateResponse:
+        """``POST /end_weight_update``: close the session; raises :class:`InferenceRequestError` when refused."""
+        return await self._weight_update("/end_weight_update", {})
+
     async def destroy_weights_update_group(self, group_name: str = DEFAULT_GROUP) -> WeightUpdateResponse:
         """``POST /destroy_weights_update_group``; raises :class:`InferenceRequestError` when the service refuses."""
         return await self._weight_update("/destroy_weights_update_group", {"group_name": group_name})

@@ -15,7 +15,8 @@
   admission gate instead: running requests finish on the old weights, new ones wait, then the swap.
   :meth:`InferenceEngine.load_published` does the same for an engine joining a run under way.
 * ``init_weights_update_group`` / ``update_weights_from_distributed`` / ``destroy_weights_update_group``: SGLang's
-  in-memory update (a trainer broadcasts the tensors over a process group it shares with the engine; see
+  in-memory update inside a ``begin_weight_update`` ... ``end_weight_update`` session, as SGLang 0.5.23 requires
+  (a trainer broadcasts the tensors over a process group it shares with the engine; see
   :mod:`agentrl.inference.weight_updates`), swapped in the same way once the whole model has arrived.
 * ``load_lora_adapter`` / ``unload_lora_adapter`` (with ``enable_lora``, as SGLang's ``--enable-lora``) serve
   PEFT adapters next to the base weights; a request names one in ``lora_path``. Loading pauses generation for one
@@ -54,8 +55,10 @@ from agentrl.inference.batching import (
 )
 from agentrl.inference.lora_adapters import AdapterError, read_adapter
 from agentrl.inference.protocol import (
+    BeginWeightUpdateRequest,
     ChatCompletionRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
@@ -69,9 +72,11 @@ from agentrl.inference.protocol import (
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDiskResponse,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     WeightUpdateResponse,
 )
 from agentrl.inference.sampling import GREEDY_EPS
+from agentrl.inference.tensor_payload import deserialize, named_tensors
 from agentrl.inference.weight_sync import WeightSyncError
 from agentrl.inference.weight_updates import WeightUpdateGroups
 
@@ -193,6 +198,7 @@ class InferenceEngine:
         self.gate = AdmissionGate()
         self.released = False
         self._exclusive = asyncio.Lock()
+        self._session_open = False  # between /begin_weight_update and /end_weight_update
         self.weight_groups = WeightUpdateGroups(self.model, self.device, config.weight_update_timeout_s,
                                                 prepare=self.batcher.prepare)
 
@@ -524,6 +530,24 @@ class InferenceEngine:
                     request.master_port)
         return WeightUpdateResponse(success=True, message="Succeeded to initialize custom process group.")
 
+    async def begin_weight_update(self, request: BeginWeightUpdateRequest) -> WeightUpdateResponse:
+        """Open a weight-update session (SGLang's answers: one session at a time)."""
+        if request.selector == "draft":
+            return WeightUpdateResponse(success=False, message="selector 'draft': this engine has no draft model")
+        if self._session_open:
+            return WeightUpdateResponse(success=False, message=(
+                "a weight-update session is already open; call end_weight_update() first"))
+        self._session_open = True
+        return WeightUpdateResponse(success=True, message="Success")
+
+    async def end_weight_update(self, request: EndWeightUpdateRequest) -> WeightUpdateResponse:
+        """Close the weight-update session."""
+        if not self._session_open:
+            return WeightUpdateResponse(success=False, message=(
+                "no weight-update session is open; call begin_weight_update() first"))
+        self._session_open = False
+        return WeightUpdateResponse(success=True, message="Success")
+
     async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> WeightUpdateResponse:
         try:
             self.weight_groups.leave(request.group_name)
@@ -541,6 +565,9 @@ class InferenceEngine:
                 raise WeightSyncError("abort_all_requests is not supported: running requests always finish")
             if request.selector == "draft":
                 raise WeightSyncError("selector 'draft': this engine has no draft model")
+            if not self._session_open:
+                raise WeightSyncError("update_weights_from_distributed must run between begin_weight_update() and "
+                                      "end_weight_update()")
             new_version = self._next_version(request.weight_version)
             complete = await self.weight_groups.receive(request.group_name, request.names, request.dtypes,
                                                         request.shapes, request.load_format)
@@ -556,6 +583,40 @@ class InferenceEngine:
                    f"({paused} request(s) waited)")
         logger.info(message)
         return WeightUpdateResponse(success=True, message=message)
+
+    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResponse:
+        """Take tensors a process on this host shares (copied off its memory before answering); swap them in once
+        the whole model has arrived, as :meth:`update_weights_from_distributed`."""
+        started = time.perf_counter()
+        try:
+            if request.abort_all_requests:
+                raise WeightSyncError("abort_all_requests is not supported: running requests always finish")
+            if request.selector == "draft":
+                raise WeightSyncError("selector 'draft': this engine has no draft model")
+            if not self._session_open:
+                raise WeightSyncError("update_weights_from_tensor must run between begin_weight_update() and "
+                                      "end_weight_update()")
+            if len(request.serialized_named_tensors) != 1:
+                raise WeightSyncError(f"serialized_named_tensors has {len(request.serialized_named_tensors)} "
+                                      "entries: one per tensor-parallel rank, and this engine is one rank")
+            new_version = self._next_version(request.weight_version)
+            received = await asyncio.to_thread(self._shared_tensors, request)
+            complete = await self.weight_groups.receive_tensors(received)
+        except WeightSyncError as error:
+            self.weight_groups.tensors.discard()
+            return WeightUpdateResponse(success=False, message=str(error))
+        if complete is None:
+            return WeightUpdateResponse(success=True, message=(
+                f"received {len(received)} tensor(s); {len(self.weight_groups.tensors.staged)} of "
+                f"{len(self.weight_groups.names)} parameters staged: the new weights are served once all arrived"))
+        await self._swap(complete, new_version)
+        message = (f"Succeeded to update model weights: {len(self.weight_groups.names)} parameters from tensors as "
+                   f"weight_version {new_version} in {time.perf_counter() - started:.2f}s")
+        logger.info(message)
+        return WeightUpdateResponse(success=True, message=message)
+
+    def _shared_tensors(self, request: UpdateWeightsFromTensorRequest) -> list[tuple[str, torch.Tensor]]:
+        return named_tensors(deserialize(request.serialized_named_tensors[0]), request.load_format, self.device)
 
     async def load_published(self, path: str, version: int) -> None:
         """Serve the run's published weights at ``path`` as ``version`` (an engine joining a run under way);

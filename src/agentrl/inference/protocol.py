@@ -275,6 +275,35 @@ class UpdateWeightsFromDistributedRequest(_Request):
         return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
+class UpdateWeightsFromTensorRequest(_Request):
+    """Body of ``POST /update_weights_from_tensor`` (SGLang's ``UpdateWeightsFromTensorReqInput``): tensors a process
+    on the same host shares (:mod:`agentrl.inference.tensor_payload`), one base64 entry per tensor-parallel rank."""
+
+    serialized_named_tensors: list[str] = Field(min_length=1)
+    load_format: str | None = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class BeginWeightUpdateRequest(_Request):
+    """Body of ``POST /begin_weight_update`` (SGLang's ``BeginWeightUpdateReqInput``): open a weight-update session;
+    SGLang (0.5.23 on) refuses ``/update_weights_from_distributed`` and ``/update_weights_from_tensor`` outside one."""
+
+    selector: Literal["target", "draft", "all"] = "all"
+
+
+class EndWeightUpdateRequest(_Request):
+    """Body of ``POST /end_weight_update`` (SGLang's ``EndWeightUpdateReqInput``, no fields): close the session."""
+
+
 class DestroyWeightsUpdateGroupRequest(_Request):
     """Body of ``POST /destroy_weights_update_group``."""
 

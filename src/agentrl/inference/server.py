@@ -39,8 +39,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from agentrl.inference.batching import EngineStopped
 from agentrl.inference.engine import BadRequest, EngineConfig, InferenceEngine
 from agentrl.inference.protocol import (
+    BeginWeightUpdateRequest,
     ChatCompletionRequest,
     DestroyWeightsUpdateGroupRequest,
+    EndWeightUpdateRequest,
     GenerateRequest,
     GenerateResponse,
     InitWeightsUpdateGroupRequest,
@@ -50,6 +52,7 @@ from agentrl.inference.protocol import (
     UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
 )
 from agentrl.inference.registration import ServiceRegistration, check_database
 from agentrl.listen import listening_socket
@@ -191,6 +194,21 @@ def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: Serv
         if registration is not None and result.success:
             await registration.heartbeat()
         return _answer(result)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(request: UpdateWeightsFromTensorRequest) -> JSONResponse:
+        result = await engine.update_weights_from_tensor(request)
+        if registration is not None and result.success:
+            await registration.heartbeat()
+        return _answer(result)
+
+    @app.post("/begin_weight_update")
+    async def begin_weight_update(request: BeginWeightUpdateRequest) -> JSONResponse:
+        return _answer(await engine.begin_weight_update(request))
+
+    @app.post("/end_weight_update")
+    async def end_weight_update(request: EndWeightUpdateRequest) -> JSONResponse:
+        return _answer(await engine.end_weight_update(request))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: DestroyWeightsUpdateGroupRequest) -> JSONResponse:

@@ -1,4 +1,4 @@
-"""The engine's side of SGLang's distributed weight update: its groups and the staging of a new version.
+"""The engine's side of SGLang's in-memory weight updates: its groups and the staging of a new version.
 
 ``/init_weights_update_group`` joins a group (:func:`agentrl.inference.weight_sync.init_group`, as rank
 ``rank_offset``: one engine is one rank) and ``/destroy_weights_update_group`` leaves it. Each
@@ -12,6 +12,8 @@ answered, while the next bucket travels, so the last bucket leaves little to do 
 instead loads each call's tensors at once, so between two calls it serves a mix; with ours a trainer that sends
 part of the model leaves the rest staged until it sends it (a failed call, or destroying the group, discards the
 staging). Tied parameters (an ``lm_head`` tied to the embeddings) are one parameter: either name may be sent.
+``/update_weights_from_tensor`` (a sender on the same host, :mod:`agentrl.inference.tensor_payload`) stages the same
+way, in a staging of its own (:meth:`WeightUpdateGroups.receive_tensors`).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class _Group:
-    group: dist.ProcessGroup
+    group: dist.ProcessGroup | None  # None: the staging of /update_weights_from_tensor
     staged: set[str] = field(default_factory=set)  # parameter names received since the last swap
     preparing: asyncio.Task | None = None  # the chain of background preparations of the received buckets
     prepared: PreparedWeights | None = None
@@ -64,6 +66,7 @@ class WeightUpdateGroups:
         self.buffers = {key: tensor for key, tensor in model.state_dict().items() if key not in self.canonical}
         """persistent buffers (no update brings them: they keep their values)"""
         self.groups: dict[str, _Group] = {}
+        self.tensors = _Group(None)
 
     async def join(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                    backend: str) -> None:
@@ -102,6 +105,15 @@ class WeightUpdateGroups:
             member.discard()
             raise WeightSyncError(f"receiving {len(layout)} tensor(s) failed (the served weights are unchanged): "
                                   f"{error}") from error
+        return await self._stage(member, f"weight update group {group_name}", received)
+
+    async def receive_tensors(self, received: list[tuple[str, torch.Tensor]]) -> PreparedWeights | None:
+        """Stage tensors of ``/update_weights_from_tensor`` (already copied off the sender's memory); as
+        :meth:`receive`."""
+        return await self._stage(self.tensors, "tensor updates", received)
+
+    async def _stage(self, member: _Group, label: str, received: list[tuple[str, torch.Tensor]]
+                     ) -> PreparedWeights | None:
         try:
             checked = {self._checked(name, tensor): tensor for name, tensor in received}
         except WeightSyncError:
@@ -111,8 +123,7 @@ class WeightUpdateGroups:
         member.preparing = asyncio.create_task(self._prepare_after(member.preparing, member, checked))
         missing = self.names - member.staged
         if missing:
-            logger.info("weight update group %s: staged %d of %d parameters", group_name, len(member.staged),
-                        len(self.names))
+            logger.info("%s: staged %d of %d parameters", label, len(member.staged), len(self.names))
             return None
         try:
             await member.preparing
@@ -122,7 +133,7 @@ class WeightUpdateGroups:
             raise WeightSyncError(f"preparing the new weights failed (the served weights are unchanged): {error}"
                                   ) from error
         member.discard()
-        for other in self.groups.values():  # a half-sent version of another group (its trainer died) is older
+        for other in (*self.groups.values(), self.tensors):  # a half-sent version of another sender is older
             other.discard()
         return complete
 

@@ -178,17 +178,19 @@ class TrainConfig(BaseModel):
         "step's samples leave the samplers' admission count once they serve them); false: wait for the services "
         "after every publish")
     keep_published_weights: int = Field(2, ge=1, description="published weight directories to keep on disk")
-    weight_transport: Literal["auto", "distributed", "disk"] = Field(
+    weight_transport: Literal["auto", "distributed", "tensor", "disk"] = Field(
         "auto", description="how published weights reach the inference services: distributed (in memory over SGLang's "
         "weight-update group: flattened buckets broadcast from rank 0, gloo on CPU, NCCL on CUDA, nothing written per "
-        "step; a service that cannot join one gets files), disk (weights/<version> and /update_weights_from_disk), "
+        "step; a service that cannot join one gets files), tensor (services on this host map each bucket in place: "
+        "shared memory on CPU, CUDA IPC on GPU, /update_weights_from_tensor; others get files), disk "
+        "(weights/<version> and /update_weights_from_disk), "
         "auto (distributed from a CUDA trainer, disk from a CPU one: on one CPU host the page cache is faster than "
         "loopback TCP). A transfer that fails falls back to disk for that publish. LoRA adapters (--lora_publish "
         "adapter) and 4-bit bases always go through disk")
-    weight_bucket_mb: float = Field(256.0, gt=0.0, description="distributed: the most MiB of weights gathered and "
-                                    "broadcast at once (one dtype a bucket; a larger tensor goes alone)")
+    weight_bucket_mb: float = Field(256.0, gt=0.0, description="distributed, tensor: the most MiB of weights "
+                                    "gathered and sent at once (one dtype a bucket; a larger tensor goes alone)")
     weight_update_timeout_s: float = Field(
-        120.0, gt=0.0, description="distributed: the longest a group's rendezvous, a bucket's broadcast or a "
+        120.0, gt=0.0, description="distributed, tensor: the longest a group's rendezvous, a bucket's broadcast or a "
         "service's answer to it may take before that service gets the version through disk")
     weight_sync_address: str | None = Field(
         None, description="distributed: the address the services reach this trainer's rank 0 by (default: the "

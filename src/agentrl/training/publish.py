@@ -48,7 +48,7 @@ from agentrl.store.models import PolicyProbe
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
 from agentrl.training.policy_probe import check_service, trainer_logprobs
-from agentrl.training.weight_transport import SendResult, WeightGroups, parameter_buckets
+from agentrl.training.weight_transport import SendResult, TensorSender, WeightGroups, parameter_buckets
 from agentrl.training.weights import export_adapter, export_pretrained
 
 logger = logging.getLogger(__name__)
@@ -99,7 +99,7 @@ class WeightPublisher:
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, output_dir: Path, *, dtype: torch.dtype,
                  tokenizer: Any | None, keep: int = 2, retries: int = 3, adapter: bool = False,
-                 probe: ProbeSettings | None = None, transport: Literal["distributed", "disk"] = "disk",
+                 probe: ProbeSettings | None = None, transport: Literal["distributed", "tensor", "disk"] = "disk",
                  bucket_mb: float = 256.0,
                  timeout_s: float = 120.0, address: str | None = None):
         self.store, self.io, self.parallel = store, io, parallel
@@ -107,9 +107,12 @@ class WeightPublisher:
         self.dtype, self.tokenizer, self.keep, self.retries = dtype, tokenizer, keep, retries
         self.adapter, self.probe, self.transport = adapter, probe, transport
         self.bucket_bytes = int(bucket_mb * 2**20)
-        self.groups = WeightGroups(io, backend="nccl" if parallel.device.type == "cuda" else "gloo",
-                                   timeout_s=timeout_s, address=address) \
-            if transport != "disk" and parallel.is_main else None
+        self.groups: WeightGroups | TensorSender | None = None
+        if transport == "distributed" and parallel.is_main:
+            self.groups = WeightGroups(io, backend="nccl" if parallel.device.type == "cuda" else "gloo",
+                                       timeout_s=timeout_s, address=address)
+        elif transport == "tensor" and parallel.is_main:
+            self.groups = TensorSender(io, timeout_s=timeout_s)
 
     def publish(self, model: nn.Module, version: int) -> PublishResult:
         """Publish ``model`` as ``version`` and wait until it is served (every rank calls this; the result is

@@ -308,13 +308,15 @@ class Trainer:
         transport = cfg.weight_transport
         if transport == "auto":
             transport = "distributed" if self.parallel.device.type == "cuda" and not files_only else "disk"
-        elif files_only and transport == "distributed":
-            logger.warning("--weight_transport distributed: %s, so weights go through disk", files_only)
+        elif files_only and transport != "disk":
+            logger.warning("--weight_transport %s: %s, so weights go through disk", transport, files_only)
             transport = "disk"
         if cfg.enable_sampling and self.parallel.is_main:
             logger.info("weights reach the inference services %s", {
                 "distributed": "in memory (SGLang's weight-update group; through disk for a service that cannot "
                                "join one)",
+                "tensor": "in memory, shared with the services on this host (/update_weights_from_tensor; through "
+                          "disk for the others)",
                 "disk": "through disk (weights/<version>, /update_weights_from_disk)"}[transport])
         return transport
 

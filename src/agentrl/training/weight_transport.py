@@ -14,12 +14,20 @@ One group per service, not one for all: a service that dies or restarts breaks o
 cannot join (an SGLang without the endpoint, a failed rendezvous) gets its weights through disk; the reason is
 logged once.
 
-**A send** (:meth:`WeightGroups.send`): for each bucket, every service gets ``POST /update_weights_from_distributed``
-(SGLang's body, ``load_format: flattened_bucket``, the version) while rank 0 broadcasts the bucket in its group;
-a service's answer for a bucket comes before the next bucket goes. The engine stages buckets and swaps when the
-last one arrived (all or nothing); its answer to the last one (after the swap) is awaited by the publish's
-announcement. A broadcast or an answer that fails, or takes longer than ``timeout_s``, drops the service's group
-(the next publish makes a new one) and the service gets this version through disk.
+**A send** (:meth:`WeightGroups.send`): each service first gets ``POST /begin_weight_update`` (SGLang 0.5.23 refuses
+in-memory updates outside such a session; a service without the endpoint, 404, is not asked again), then for each
+bucket ``POST /update_weights_from_distributed`` (SGLang's body, ``load_format: flattened_bucket``, the version)
+while rank 0 broadcasts the bucket in its group; a service's answer for a bucket comes before the next bucket goes.
+The engine stages buckets and swaps when the last one arrived (all or nothing); its answer to the last one (after
+the swap), then ``POST /end_weight_update``, are awaited by the publish's announcement. A broadcast or an answer
+that fails, or takes longer than ``timeout_s``, drops the service's group (the next publish makes a new one; the
+service is asked to end its session) and the service gets this version through disk.
+
+**Tensors on this host** (:class:`TensorSender`, ``--weight_transport tensor``): no group and no copy through a
+socket. Each bucket is flattened into a send buffer the services can map (shared memory on the CPU, CUDA IPC on a
+GPU: :mod:`agentrl.inference.tensor_payload`) and every service on this host gets ``POST
+/update_weights_from_tensor`` naming it, inside the same session; all must answer (they copy it) before the next
+bucket overwrites the buffer. A service on another host, or without the endpoint, gets files.
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from agentrl.failpoints import failpoint
-from agentrl.inference import weight_sync
+from agentrl.inference import tensor_payload, weight_sync
 from agentrl.training import lora
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
@@ -116,6 +124,7 @@ def _free_port(address: str) -> int:
 class _Member:
     group: dist.ProcessGroup
     name: str
+    sessions: bool = True  # the service has /begin_weight_update (SGLang before 0.5.23 has not)
 
 
 @dataclass
@@ -135,7 +144,7 @@ class WeightGroups:
         self.members: dict[str, _Member] = {}
         self.refused: dict[str, str] = {}  # base URL -> why it could not join last time (logged once)
         self.unable: dict[str, str] = {}  # base URL -> why it never can (it has no such endpoint): not asked again
-        self._buffer: torch.Tensor | None = None
+        self._buffer = SendBuffer()
 
     async def join(self, base_url: str) -> str | None:
         """Make ``base_url``'s group unless it exists; the reason when the service cannot join (None: joined)."""
@@ -180,8 +189,10 @@ class WeightGroups:
         """Ask the service to destroy its end of a dropped group (it may be gone: then nothing is left to do)."""
         from agentrl.inference.client import InferenceServiceError, SGLangClient
 
-        with contextlib.suppress(InferenceServiceError, OSError):
-            async with SGLangClient(base_url, max_retries=0, admin_timeout_s=30) as client:
+        async with SGLangClient(base_url, max_retries=0, admin_timeout_s=30) as client:
+            with contextlib.suppress(InferenceServiceError, OSError):
+                await client.end_weight_update()  # a session the failed send left open (if any)
+            with contextlib.suppress(InferenceServiceError, OSError):
                 await client.destroy_weights_update_group(group_name)
 
     def send(self, buckets: Iterator[Bucket], urls: list[str], version: int) -> SendResult:
@@ -190,38 +201,30 @@ class WeightGroups:
         active = [url for url in urls if url in self.members]
         answers: dict[str, Future] = {}
         for index, bucket in enumerate(buckets):
-            flat, layout = weight_sync.flatten(bucket, self._buffer_for(bucket))
+            flat, layout = weight_sync.flatten(bucket, self._buffer.for_bucket(bucket))
             for url in list(active):
-                error = self._send_bucket(url, flat, layout, version, answers)
+                error = self._send_bucket(url, flat, layout, version, answers, begin=index == 0)
                 if error is not None:
                     active.remove(url)
                     result.failures[url] = error
                     self.drop(url)
             if index == 0:
                 failpoint("publish.distributed.after_first_bucket")
-        result.last = {url: answers[url] for url in active}
+        result.last = {url: self.io.submit(self._end(url, answers[url])) for url in active}
         return result
 
-    def _buffer_for(self, bucket: Bucket) -> torch.Tensor:
-        """The send buffer (kept for the run, grown to the largest bucket, on the bucket's device)."""
-        size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
-        device = bucket[0][1].device
-        if self._buffer is None or self._buffer.numel() < size or self._buffer.device != device:
-            self._buffer = None  # freed before the larger one is made
-            self._buffer = torch.empty(size, dtype=torch.uint8, device=device)
-        return self._buffer
-
     def _send_bucket(self, url: str, flat: torch.Tensor, layout: list[weight_sync.TensorSpec], version: int,
-                     answers: dict[str, Future]) -> str | None:
-        """One bucket to one service: its HTTP call and the broadcast; the error text if either fails. The
-        service's answer to the previous bucket is awaited first; the answer to this one is left in ``answers``."""
+                     answers: dict[str, Future], *, begin: bool) -> str | None:
+        """One bucket to one service: its HTTP call (after opening the session: ``begin``) and the broadcast; the
+        error text if either fails. The service's answer to the previous bucket is awaited first; the answer to this
+        one is left in ``answers``."""
         member = self.members[url]
         previous = answers.pop(url, None)
         if previous is not None:
             error = _answer_error(previous, self.timeout_s)
             if error is not None:
                 return error
-        call = self.io.submit(self._update(url, member.name, layout, version))
+        call = self.io.submit(self._update(url, member, layout, version, begin=begin))
         work = dist.broadcast(flat, src=0, group=member.group, async_op=True)
         deadline = time.monotonic() + self.timeout_s
         while not work.is_completed():
@@ -237,19 +240,160 @@ class WeightGroups:
         answers[url] = call
         return None
 
-    async def _update(self, url: str, group_name: str, layout: list[weight_sync.TensorSpec], version: int) -> None:
+    async def _update(self, url: str, member: _Member, layout: list[weight_sync.TensorSpec], version: int, *,
+                      begin: bool) -> None:
         from agentrl.inference.client import SGLangClient
 
         async with SGLangClient(url, max_retries=0, admin_timeout_s=self.timeout_s + 1800) as client:
+            if begin and member.sessions:
+                member.sessions = await _open_session(client)
             await client.update_weights_from_distributed(
                 [s.name for s in layout], [weight_sync.dtype_name(s.dtype) for s in layout],
-                [list(s.shape) for s in layout], group_name=group_name, weight_version=version,
+                [list(s.shape) for s in layout], group_name=member.name, weight_version=version,
                 load_format=weight_sync.BUCKET_FORMAT)
+
+    async def _end(self, url: str, last: Future) -> None:
+        """The service's answer to the last bucket (its swap), then the end of its session."""
+        from agentrl.inference.client import SGLangClient
+
+        await asyncio.wait_for(asyncio.wrap_future(last), self.timeout_s)
+        member = self.members.get(url)
+        if member is not None and member.sessions:
+            async with SGLangClient(url, max_retries=0, admin_timeout_s=self.timeout_s) as client:
+                await client.end_weight_update()
 
     def close(self) -> None:
         for url in list(self.members):
             self.drop(url)
-        self._buffer = None
+        self._buffer = SendBuffer()
+
+
+class SendBuffer:
+    """A publish's send buffer: kept for the run, grown to the largest bucket, on the bucket's device; ``shared``:
+    in memory another process on this host can map (:func:`agentrl.inference.tensor_payload.share_for_sending`)."""
+
+    def __init__(self, *, shared: bool = False):
+        self.shared = shared
+        self._buffer: torch.Tensor | None = None
+
+    def for_bucket(self, bucket: Bucket) -> torch.Tensor:
+        size = sum(tensor.numel() * tensor.element_size() for _, tensor in bucket)
+        device = bucket[0][1].device
+        if self._buffer is None or self._buffer.numel() < size or self._buffer.device != device:
+            self._buffer = None  # freed before the larger one is made
+            buffer = torch.empty(size, dtype=torch.uint8, device=device)
+            self._buffer = tensor_payload.share_for_sending(buffer) if self.shared else buffer
+        return self._buffer
+
+
+class TensorSender:
+    """Rank 0's in-memory publish to services on this host (``POST /update_weights_from_tensor``); the interface of
+    :class:`WeightGroups`."""
+
+    def __init__(self, io: LoopThread, *, timeout_s: float):
+        self.io, self.timeout_s = io, timeout_s
+        self.members: dict[str, bool] = {}  # base URL -> whether it has weight-update sessions
+        self.unable: dict[str, str] = {}  # base URL -> why it cannot take tensors (logged once, not asked again)
+        self._buffer = SendBuffer(shared=True)
+
+    async def join(self, base_url: str) -> str | None:
+        """Whether ``base_url`` can take tensors from this host; the reason when not (None: it can)."""
+        if base_url in self.unable:
+            return self.unable[base_url]
+        if not on_this_host(base_url):
+            return self._unable(base_url, "is on another host: tensors are shared only with services on this one")
+        self.members.setdefault(base_url, True)
+        return None
+
+    def _unable(self, base_url: str, reason: str) -> str:
+        logger.warning("inference service %s %s; it gets the weights from disk", base_url, reason)
+        self.members.pop(base_url, None)
+        self.unable[base_url] = reason
+        return reason
+
+    def drop(self, base_url: str) -> None:
+        """Forget a service (its transfer failed, or it is gone); it is asked to end its session."""
+        if self.members.pop(base_url, None):
+            self.io.submit(_end_quietly(base_url))
+
+    def send(self, buckets: Iterator[Bucket], urls: list[str], version: int) -> SendResult:
+        """Hand every bucket to the services ``urls`` (main thread; each joined): each answers a bucket before the
+        next one overwrites the buffer; ``last`` holds the ends of their sessions."""
+        from agentrl.inference.client import InferenceServiceError
+
+        result = SendResult()
+        active = [url for url in urls if url in self.members]
+        for index, bucket in enumerate(buckets):
+            flat, layout = weight_sync.flatten(bucket, self._buffer.for_bucket(bucket))
+            payload = tensor_payload.serialize_bucket(flat, layout)
+            calls = {url: self.io.submit(self._update(url, payload, version, begin=index == 0)) for url in active}
+            for url, call in calls.items():
+                error = _answer_error(call, self.timeout_s)
+                if error is None:
+                    continue
+                active.remove(url)
+                result.failures[url] = error
+                refusal = call.exception() if call.done() else None
+                if isinstance(refusal, InferenceServiceError) and refusal.status_code == 404:
+                    self._unable(url, "has no /update_weights_from_tensor")
+                self.drop(url)
+        result.last = {url: self.io.submit(self._end(url)) for url in active}
+        return result
+
+    async def _update(self, url: str, payload: str, version: int, *, begin: bool) -> None:
+        from agentrl.inference.client import SGLangClient
+
+        async with SGLangClient(url, max_retries=0, admin_timeout_s=self.timeout_s) as client:
+            if begin and self.members.get(url):
+                self.members[url] = await _open_session(client)
+            await client.update_weights_from_tensor([payload], weight_version=version,
+                                                    load_format=weight_sync.BUCKET_FORMAT)
+
+    async def _end(self, url: str) -> None:
+        from agentrl.inference.client import SGLangClient
+
+        if self.members.get(url):
+            async with SGLangClient(url, max_retries=0, admin_timeout_s=self.timeout_s) as client:
+                await client.end_weight_update()
+
+    def close(self) -> None:
+        for url in list(self.members):
+            self.drop(url)
+
+
+def on_this_host(base_url: str) -> bool:
+    """Whether ``base_url``'s host is this machine (loopback, or the address this machine reaches it by)."""
+    host = urlsplit(base_url).hostname or "127.0.0.1"
+    try:
+        address = socket.gethostbyname(host)
+    except OSError:
+        return False
+    return ipaddress.ip_address(address).is_loopback or address == local_address(base_url)
+
+
+async def _end_quietly(base_url: str) -> None:
+    from agentrl.inference.client import InferenceServiceError, SGLangClient
+
+    with contextlib.suppress(InferenceServiceError, OSError):
+        async with SGLangClient(base_url, max_retries=0, admin_timeout_s=30) as client:
+            await client.end_weight_update()
+
+
+async def _open_session(client) -> bool:
+    """``POST /begin_weight_update``; whether the service has sessions (False: 404, an SGLang before 0.5.23). A
+    session a failed publish left open is closed and opened again."""
+    from agentrl.inference.client import InferenceRequestError
+
+    try:
+        await client.begin_weight_update()
+    except InferenceRequestError as error:
+        if error.status_code == 404:
+            return False
+        if "already open" not in str(error):
+            raise
+        await client.end_weight_update()
+        await client.begin_weight_update()
+    return True
 
 
 def _in_daemon_thread(function, *args) -> Future:
