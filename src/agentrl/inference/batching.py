@@ -304,6 +304,7 @@ class PreparedWeights:
 
     values: dict[int, torch.Tensor] = field(default_factory=dict)
     packed: dict[PackedLinear, tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    copied: bool = False  # every value was copied into storage of the engine's own (prepare's ``copy``)
 
 
 class ContinuousBatcher:
@@ -325,6 +326,7 @@ class ContinuousBatcher:
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
         self._prompt_pass = threading.Lock()  # one prompt pass at a time: the adapters' routing is the model's
+        self._spare: dict[int, torch.Tensor] = {}  # CPU, after a copied swap: the storage the last version served
 
     def _cb_config(self) -> ContinuousBatchingConfig:
         config = self.config
@@ -462,14 +464,16 @@ class ContinuousBatcher:
                              f"{sorted(unexpected)[:3]}")
         self.swap(self.prepare(state_dict), version)
 
-    def prepare(self, tensors: dict[str, torch.Tensor], into: PreparedWeights | None = None) -> PreparedWeights:
+    def prepare(self, tensors: dict[str, torch.Tensor], into: PreparedWeights | None = None, *,
+                copy: bool = False) -> PreparedWeights:
         """Make some of the new weights ready to serve, generation still running (blocking): each state-dict key's
         tensor cast to its parameter's dtype and device (copied only when not contiguous and ``ALIGNMENT``-aligned,
-        as the allocator's are: kernels may round differently on other addresses), and the packed copies of the
-        layers whose weights are all there. Called once with the whole state dict, or bucket by bucket as they
-        arrive (``into``: what earlier calls prepared); :meth:`swap` serves the result."""
+        as the allocator's are: kernels may round differently on other addresses; always with ``copy``, for memory
+        the engine does not own, into the storage the previous version served where a copied swap left it), and
+        the packed copies of the layers whose weights are all there. Called once with the whole state dict, or
+        bucket by bucket as they arrive (``into``: what earlier calls prepared); :meth:`swap` serves the result."""
         targets = self.model.state_dict(keep_vars=True)
-        prepared = into if into is not None else PreparedWeights()
+        prepared = into if into is not None else PreparedWeights(copied=copy)
         with torch.no_grad():
             for key, tensor in tensors.items():
                 target = targets.get(key)
@@ -477,9 +481,13 @@ class ContinuousBatcher:
                     raise ValueError(f"the new weights do not match the model: unexpected {key}")
                 if tensor.shape != target.shape:
                     raise ValueError(f"{key}: shape {list(tensor.shape)} instead of {list(target.shape)}")
-                value = tensor.detach().to(dtype=target.dtype, device=target.device)
-                if not value.is_contiguous() or value.data_ptr() % ALIGNMENT:
-                    value = value.clone(memory_format=torch.contiguous_format)  # a view into a bucket
+                spare = self._spare.pop(id(target), None) if copy else None
+                if spare is not None and spare.shape == target.shape and spare.dtype == target.dtype:
+                    value = spare.copy_(tensor.detach())  # no new pages to fault in
+                else:
+                    value = tensor.detach().to(dtype=target.dtype, device=target.device, copy=copy)
+                    if not value.is_contiguous() or value.data_ptr() % ALIGNMENT:
+                        value = value.clone(memory_format=torch.contiguous_format)  # a view into a bucket
                 prepared.values[id(target)] = value
             for module in self.model.modules():
                 if not isinstance(module, PackedLinear) or module in prepared.packed:
@@ -503,7 +511,9 @@ class ContinuousBatcher:
         with torch.no_grad(), self._paused():
             for target in targets.values():
                 if isinstance(target, torch.nn.Parameter):
-                    target.data = prepared.values[id(target)]
+                    old, target.data = target.data, prepared.values[id(target)]
+                    if prepared.copied and old.device.type == "cpu" and old.data_ptr() != target.data_ptr():
+                        self._spare[id(target)] = old  # no request uses it after the swap
                 else:
                     target.copy_(prepared.values[id(target)])
             for module, (weight, bias) in prepared.packed.items():

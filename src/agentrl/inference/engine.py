@@ -616,7 +616,7 @@ class InferenceEngine:
         return WeightUpdateResponse(success=True, message=message)
 
     def _shared_tensors(self, request: UpdateWeightsFromTensorRequest) -> list[tuple[str, torch.Tensor]]:
-        return named_tensors(deserialize(request.serialized_named_tensors[0]), request.load_format, self.device)
+        return named_tensors(deserialize(request.serialized_named_tensors[0]), request.load_format)
 
     async def load_published(self, path: str, version: int) -> None:
         """Serve the run's published weights at ``path`` as ``version`` (an engine joining a run under way);

@@ -5,7 +5,8 @@ base64 over HTTP, one entry per tensor-parallel rank (the ``agentrl engine`` is 
 HTTP: a CUDA tensor travels as its CUDA IPC handle, a CPU tensor as the name of its shared-memory segment (torch's
 ``file_system`` sharing strategy, which :func:`share_for_sending` selects: the default ``file_descriptor`` strategy
 passes descriptors over a connection only related processes can open). The receiver maps the same memory, so the
-sender must keep the tensors unchanged until the call has answered, and the receiver copies what it keeps.
+sender must keep the tensors unchanged until the call has answered, and the receiver copies what it keeps
+(:func:`named_tensors` returns views of the sender's memory).
 
 Forms (``load_format``): none or ``"direct"``, a list of ``(name, tensor)``; ``"flattened_bucket"``,
 ``{"flattened_tensor": uint8 tensor, "metadata": [...]}`` whose entries have SGLang's ``FlattenedTensorMetadata``
@@ -122,9 +123,8 @@ def _load(data: bytes) -> Any:
                               f"{error}); the sender must be on this host and keep them until the answer") from error
 
 
-def named_tensors(payload: Any, load_format: str | None, device: torch.device | str
-                  ) -> list[tuple[str, torch.Tensor]]:
-    """The payload's tensors as ``(name, tensor)``, copied onto ``device`` (the sender's memory is not kept)."""
+def named_tensors(payload: Any, load_format: str | None) -> list[tuple[str, torch.Tensor]]:
+    """The payload's tensors as ``(name, tensor)``: views of the sender's memory, to be copied before answering."""
     if load_format == BUCKET_FORMAT:
         if not isinstance(payload, dict) or not isinstance(payload.get("flattened_tensor"), torch.Tensor):
             raise WeightSyncError("a flattened_bucket payload is a dict with flattened_tensor and metadata")
@@ -133,7 +133,7 @@ def named_tensors(payload: Any, load_format: str | None, device: torch.device | 
         for meta in payload.get("metadata") or []:
             try:
                 span = flat[meta.start_idx:meta.end_idx].view(meta.dtype).reshape(tuple(meta.shape))
-                out.append((str(meta.name), span.to(device, copy=True)))  # each its own, aligned allocation
+                out.append((str(meta.name), span))
             except (AttributeError, RuntimeError, TypeError) as error:
                 raise WeightSyncError(f"flattened_bucket metadata {meta!r} does not fit the bucket: {error}"
                                       ) from error
@@ -149,5 +149,5 @@ def named_tensors(payload: Any, load_format: str | None, device: torch.device | 
             tensor = _load(bytes(tensor.values[0]))  # SGLang's LocalSerializedTensor: one entry per rank
         if not isinstance(tensor, torch.Tensor):
             raise WeightSyncError(f"{name}: {type(tensor).__name__} instead of a tensor")
-        out.append((str(name), tensor.to(device, copy=True)))
+        out.append((str(name), tensor))
     return out

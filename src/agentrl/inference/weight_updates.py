@@ -47,8 +47,8 @@ class _Group:
         self.staged, self.preparing, self.prepared = set(), None, None
 
 
-Prepare = Callable[[dict[str, torch.Tensor], PreparedWeights | None], PreparedWeights]
-"""``prepare(tensors, into)``: make received tensors ready to serve (:meth:`ContinuousBatcher.prepare`)."""
+Prepare = Callable[..., PreparedWeights]
+"""``prepare(tensors, into, copy=...)``: make received tensors ready to serve (:meth:`ContinuousBatcher.prepare`)."""
 
 
 class WeightUpdateGroups:
@@ -108,19 +108,26 @@ class WeightUpdateGroups:
         return await self._stage(member, f"weight update group {group_name}", received)
 
     async def receive_tensors(self, received: list[tuple[str, torch.Tensor]]) -> PreparedWeights | None:
-        """Stage tensors of ``/update_weights_from_tensor`` (already copied off the sender's memory); as
-        :meth:`receive`."""
-        return await self._stage(self.tensors, "tensor updates", received)
+        """Stage tensors of ``/update_weights_from_tensor`` (views of the sender's memory: copied before this
+        returns); as :meth:`receive`."""
+        return await self._stage(self.tensors, "tensor updates", received, copy=True)
 
-    async def _stage(self, member: _Group, label: str, received: list[tuple[str, torch.Tensor]]
-                     ) -> PreparedWeights | None:
+    async def _stage(self, member: _Group, label: str, received: list[tuple[str, torch.Tensor]], *,
+                     copy: bool = False) -> PreparedWeights | None:
         try:
             checked = {self._checked(name, tensor): tensor for name, tensor in received}
         except WeightSyncError:
             member.discard()
             raise
         member.staged |= checked.keys()
-        member.preparing = asyncio.create_task(self._prepare_after(member.preparing, member, checked))
+        member.preparing = asyncio.create_task(self._prepare_after(member.preparing, member, checked, copy))
+        if copy:  # the sender reuses its memory once answered
+            try:
+                await member.preparing
+            except Exception as error:
+                member.discard()
+                raise WeightSyncError(f"copying the tensors failed (the served weights are unchanged): {error}"
+                                      ) from error
         missing = self.names - member.staged
         if missing:
             logger.info("%s: staged %d of %d parameters", label, len(member.staged), len(self.names))
@@ -138,10 +145,10 @@ class WeightUpdateGroups:
         return complete
 
     async def _prepare_after(self, previous: asyncio.Task | None, member: _Group,
-                             tensors: dict[str, torch.Tensor]) -> None:
+                             tensors: dict[str, torch.Tensor], copy: bool) -> None:
         if previous is not None:
             await previous
-        member.prepared = await asyncio.to_thread(self.prepare, tensors, member.prepared)
+        member.prepared = await asyncio.to_thread(self.prepare, tensors, member.prepared, copy=copy)
 
     def staged(self, group_name: str) -> int:
         member = self.groups.get(group_name)
