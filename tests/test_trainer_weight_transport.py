@@ -1,7 +1,7 @@
 """The trainer's in-memory publishing (``--weight_transport``) against a real ``agentrl engine`` and a stand-in for an
 SGLang without the weight-update group (``--weight_transport distributed``): buckets of a few MiB broadcast over a
 group per service, or shared in place with a service on this host (``tensor``), nothing written per step; a
-service that cannot join gets the files; ``auto`` from a CPU trainer goes through disk; a transfer that breaks on
+service that cannot join gets the files; ``auto`` from a CPU trainer shares memory; a transfer that breaks on
 either side mid-bucket leaves the engine serving its previous version, and the trainer falls back to disk for that
 publish (engine side) or, killed, leaves nothing half-served (trainer side)."""
 
@@ -112,22 +112,51 @@ def test_tensors_shared_on_this_host_reach_the_engine_and_the_files_an_sglang_wi
     assert logprobs == from_disk  # bit-identical to the same weights loaded from disk
 
 
-def test_auto_on_a_cpu_trainer_publishes_through_disk(db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """``--weight_transport auto`` (the default) from a CPU trainer: files (on one CPU host the page cache beats
-    loopback TCP, measured in the main job); the log says how the weights travel."""
+def test_auto_on_a_cpu_trainer_shares_memory_with_an_engine_on_its_host(db_uri: str, tiny_model_dir: Path,
+                                                                        tmp_path: Path) -> None:
+    """``--weight_transport auto`` (the default) from a CPU trainer: shared memory with the engines on its host (on
+    one CPU host faster than the page cache: measured in the main job); nothing is written per step; the log says
+    how the weights travel."""
     engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
     try:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=1)))
         out = tmp_path / "out"
         result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps", "1",
-                                          "--save_steps", "0"))
+                                          "--save_steps", "0"), timeout_s=120)
         assert result.returncode == 0, result.stdout
         version, _ = _served(engine.url)
     finally:
         engine.stop()
-    assert "weights reach the inference services through disk" in result.stdout
-    assert "published weights version 1 to 1 of 1 inference services (0 in memory, 1 from" in result.stdout
-    assert version == "1" and (out / "weights" / "1" / "config.json").is_file()
+    assert "weights reach the inference services in memory, shared with the services on this host" in result.stdout
+    assert "published weights version 1 to 1 of 1 inference services (1 in memory)" in result.stdout
+    assert version == "1" and not (out / "weights" / "1").exists()
+
+
+def test_a_full_shared_memory_sends_the_version_through_disk(tmp_path: Path, monkeypatch) -> None:
+    """A container's small ``/dev/shm`` (Docker's default is 64 MiB) cannot hold a bucket: the services get the
+    version through disk and the log says why. The allocation failure is simulated (a test cannot shrink this
+    machine's ``/dev/shm``); the error is torch's own message for it."""
+    from agentrl.inference import tensor_payload
+    from agentrl.training import weight_transport
+    from agentrl.training.aio import LoopThread
+
+    def full(buffer: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("unable to write to file </torch_1_2_3>: No space left on device (28)")
+
+    monkeypatch.setattr(tensor_payload, "share_for_sending", full)
+    io = LoopThread("test-io")
+    sender = weight_transport.TensorSender(io, timeout_s=10)
+    try:
+        assert io.run(sender.join("http://127.0.0.1:1")) is None
+        buckets = [[("a", torch.ones(4))], [("b", torch.ones(2))]]
+        taken = []
+        result = sender.send((taken.append(b) or b for b in buckets), ["http://127.0.0.1:1"], 3)
+    finally:
+        sender.close()
+        io.close()
+    assert len(taken) == 2  # every bucket taken (the other ranks' gathers go on)
+    assert "No space left on device" in result.failures["http://127.0.0.1:1"] and not result.last
+    assert "/dev/shm may be too small" in result.failures["http://127.0.0.1:1"]
 
 
 def test_an_engine_failing_mid_transfer_keeps_its_weights_and_gets_the_version_from_disk(

@@ -482,7 +482,8 @@ class ContinuousBatcher:
                 if tensor.shape != target.shape:
                     raise ValueError(f"{key}: shape {list(tensor.shape)} instead of {list(target.shape)}")
                 spare = self._spare.pop(id(target), None) if copy else None
-                if spare is not None and spare.shape == target.shape and spare.dtype == target.dtype:
+                if (spare is not None and spare.shape == target.shape and spare.dtype == target.dtype
+                        and spare.is_contiguous() and not spare.data_ptr() % ALIGNMENT):
                     value = spare.copy_(tensor.detach())  # no new pages to fault in
                 else:
                     value = tensor.detach().to(dtype=target.dtype, device=target.device, copy=copy)

@@ -184,9 +184,9 @@ class TrainConfig(BaseModel):
         "step; a service that cannot join one gets files), tensor (services on this host map each bucket in place: "
         "shared memory on CPU, CUDA IPC on GPU, /update_weights_from_tensor; others get files), disk "
         "(weights/<version> and /update_weights_from_disk), "
-        "auto (distributed from a CUDA trainer, disk from a CPU one: on one CPU host the page cache is faster than "
-        "loopback TCP). A transfer that fails falls back to disk for that publish. LoRA adapters (--lora_publish "
-        "adapter) and 4-bit bases always go through disk")
+        "auto (distributed from a CUDA trainer, tensor from a CPU one: on one CPU host shared memory is faster than "
+        "the page cache, which is faster than loopback TCP). A transfer that fails falls back to disk for that "
+        "publish. LoRA adapters (--lora_publish adapter) and 4-bit bases always go through disk")
     weight_bucket_mb: float = Field(256.0, gt=0.0, description="distributed, tensor: the most MiB of weights "
                                     "gathered and sent at once (one dtype a bucket; a larger tensor goes alone)")
     weight_update_timeout_s: float = Field(

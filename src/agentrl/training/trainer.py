@@ -299,15 +299,15 @@ class Trainer:
                                    temperature=cfg.temperature if self.policy_gradient else None)
 
     def _weight_transport(self) -> str:
-        """``--weight_transport`` resolved: ``auto`` is in memory from a CUDA trainer and through disk from a CPU one
-        (on one CPU host the page cache beats loopback TCP: docs/training.md); files only for what only files carry
-        (adapters, merges into a 4-bit base's weights)."""
+        """``--weight_transport`` resolved: ``auto`` is a weight-update group from a CUDA trainer and shared memory
+        from a CPU one (on one CPU host loopback TCP is slower than the page cache, shared memory faster:
+        docs/training.md); files only for what only files carry (adapters, merges into a 4-bit base's weights)."""
         cfg = self.cfg
         files_only = ("LoRA adapters are published as files" if cfg.use_peft and cfg.lora_publish == "adapter" else
                       "a 4-bit base's adapters are merged from the base's files" if cfg.load_in_4bit else None)
         transport = cfg.weight_transport
         if transport == "auto":
-            transport = "distributed" if self.parallel.device.type == "cuda" and not files_only else "disk"
+            transport = "disk" if files_only else "distributed" if self.parallel.device.type == "cuda" else "tensor"
         elif files_only and transport != "disk":
             logger.warning("--weight_transport %s: %s, so weights go through disk", transport, files_only)
             transport = "disk"

@@ -324,7 +324,20 @@ class TensorSender:
         result = SendResult()
         active = [url for url in urls if url in self.members]
         for index, bucket in enumerate(buckets):
-            flat, layout = weight_sync.flatten(bucket, self._buffer.for_bucket(bucket))
+            if not active:
+                continue  # the other ranks' gathers go on: every bucket is still taken
+            try:
+                buffer = self._buffer.for_bucket(bucket)
+            except RuntimeError as error:  # shared memory full (a container's /dev/shm: --shm-size)
+                size = sum(t.numel() * t.element_size() for _, t in bucket) / 2**20
+                reason = f"cannot share a {size:.0f} MiB bucket ({error}); /dev/shm may be too small"
+                logger.warning("publishing weights version %d: %s", version, reason)
+                result.failures.update(dict.fromkeys(active, reason))
+                for url in active:
+                    self.drop(url)
+                active = []
+                continue
+            flat, layout = weight_sync.flatten(bucket, buffer)
             payload = tensor_payload.serialize_bucket(flat, layout)
             calls = {url: self.io.submit(self._update(url, payload, version, begin=index == 0)) for url in active}
             for url, call in calls.items():
