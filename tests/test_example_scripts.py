@@ -27,8 +27,8 @@ def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_exa
     assert f"agentrl db start --data_dir {db_dir} && agentrl dashboard --db_connection_string" in out
     assert (run_dir / "output" / "final" / "config.json").is_file()
     assert (run_dir / "output" / "checkpoint-1").is_dir()
-    # the engine's copies of the published policy are removed once nothing loads them; the summary sizes the rest
-    assert not (run_dir / "output" / "weights").exists() and "removed the published weights (" in out
+    # the weights reached the engine through shared memory (a CPU trainer's default): nothing was written per step
+    assert not (run_dir / "output" / "weights").exists() and "removed the published weights (" not in out
     assert f"{run_dir / 'output'}/checkpoint-*   (" in out and "--resume_from_checkpoint" in out
     assert (run_dir / "warmup" / "final" / "config.json").is_file()
     demo = json.loads((run_dir / "warmup" / "demos.jsonl").read_text())

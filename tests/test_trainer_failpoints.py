@@ -131,9 +131,10 @@ def test_a_directory_is_never_half_replaced(tmp_path: Path, monkeypatch: pytest.
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-1", "checkpoint-2"]
 
 
-def _ready_records(db_uri: str, samples: Sequence[DBRecordData]) -> None:
-    """The samples queued with their Records ``ready``, as a group stage leaves them."""
-    asyncio.run(enqueue(db_uri, samples))
+def _ready_records(db_uri: str, samples: Sequence[DBRecordData], *, branches: Sequence[DBRecordData] = ()) -> None:
+    """The samples (and more ``branches`` of their Records, in the same insert) queued with their Records
+    ``ready``, as a group stage leaves them."""
+    asyncio.run(enqueue(db_uri, [*branches, *samples]))
     client = sync_client(db_uri)
     try:
         client.get_default_database().Record.insert_many([Record(
@@ -199,8 +200,7 @@ def test_a_record_whose_branches_straddle_the_staleness_bound_ends_trained(db_ur
         fresh = make_samples(tiny_model_dir, 1, prefix="late", weight_version=1)
         stale = make_samples(tiny_model_dir, 1, prefix="late", weight_version=0, seed=1)[0]
         branch = stale.model_copy(update={"id": f"{fresh[0].record_id}#b1", "record_id": fresh[0].record_id})
-        _ready_records(db_uri, fresh)
-        asyncio.run(enqueue(db_uri, [branch]))
+        _ready_records(db_uri, fresh, branches=[branch])  # one insert: the trainer claims the stale one first
         output, _ = trainer.communicate(timeout=120)
         assert trainer.returncode == 0, output
         samples = {d["_id"]: d["status"] for d in db.DBRecordData.find()}
