@@ -18,6 +18,7 @@ import json
 import os
 import pickle
 import socket
+import sys
 import threading
 import types
 from collections.abc import Iterator
@@ -240,18 +241,36 @@ def shared(named: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tenso
     return [(name, tensor_payload.share_for_sending(tensor.detach().clone())) for name, tensor in named]
 
 
+def sglang_class(module: str, name: str, monkeypatch: pytest.MonkeyPatch) -> type:
+    """A class pickled under SGLang's name (``module.name``), as a trainer with SGLang installed sends it."""
+    cls = type(name, (), {"__init__": lambda self, **fields: self.__dict__.update(fields)})
+    cls.__module__ = module
+    parts = module.split(".")
+    for depth in range(1, len(parts) + 1):  # pickle imports the module: its packages must be there too
+        monkeypatch.setitem(sys.modules, ".".join(parts[:depth]),
+                            sys.modules.get(".".join(parts[:depth])) or types.ModuleType(".".join(parts[:depth])))
+    setattr(sys.modules[module], name, cls)
+    return cls
+
+
 def test_a_trainer_on_this_host_hands_over_shared_tensors_direct_and_bucketed(
-        engine: str, tiny_model_dir: Path, tiny_model_b_dir: Path) -> None:
-    """``/update_weights_from_tensor`` with SGLang's payloads: a list of ``(name, tensor)``, and a flattened bucket
-    whose metadata has SGLang's attributes; the engine copies the tensors, and serves what a disk load serves."""
+        engine: str, tiny_model_dir: Path, tiny_model_b_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``/update_weights_from_tensor`` with SGLang's payloads, its own classes in them: a list of ``(name,
+    tensor)`` (some wrapped in ``LocalSerializedTensor``, one pickle per rank, as verl sends them) and a flattened
+    bucket with ``FlattenedTensorMetadata``; the engine copies the tensors, and serves what a disk load serves."""
+    local = sglang_class("sglang.srt.model_executor.model_runner_components.weight_updater", "LocalSerializedTensor",
+                         monkeypatch)
+    meta = sglang_class("sglang.srt.weight_sync.tensor_bucket", "FlattenedTensorMetadata", monkeypatch)
     httpx.post(engine + "/update_weights_from_disk", json={"model_path": str(tiny_model_dir),
                                                            "weight_version": "50"}, timeout=120)
     base = logprobs(engine)
     new = shared(parameters(tiny_model_b_dir))
+    wrapped = [(name, local(values=[base64.b64decode(sglang_serialized(tensor))]) if i % 2 else tensor)
+               for i, (name, tensor) in enumerate(new)]
     assert set(CONTRACT["tensor_request"]) >= {"serialized_named_tensors", "load_format", "weight_version"}
     with session(engine):
         direct = httpx.post(engine + "/update_weights_from_tensor", json={
-            "serialized_named_tensors": [sglang_serialized(new)], "weight_version": "51"}, timeout=120)
+            "serialized_named_tensors": [sglang_serialized(wrapped)], "weight_version": "51"}, timeout=120)
     assert direct.status_code == 200 and direct.json()["success"], direct.text
     from_tensors = logprobs(engine)
     assert from_tensors[1] == "51" and from_tensors[0] != base[0]
@@ -264,8 +283,8 @@ def test_a_trainer_on_this_host_hands_over_shared_tensors_direct_and_bucketed(
     metadata, offset = [], 0
     for name, tensor in old:
         size = tensor.numel() * tensor.element_size()
-        metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
-                                              end_idx=offset + size, numel=size))
+        metadata.append(meta(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=offset,
+                             end_idx=offset + size, numel=size))
         offset += size
     with session(engine):
         bucket = httpx.post(engine + "/update_weights_from_tensor", json={

@@ -8,8 +8,11 @@ publish (engine side) or, killed, leaves nothing half-served (trainer side)."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from agentrl.failpoints import ENV, EXIT_CODE
@@ -60,8 +63,12 @@ def _run(db_uri: str) -> dict:
         client.close()
 
 
-def test_in_memory_publishing_reaches_engines_and_the_files_reach_an_sglang_without_groups(
-        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("transport", "refusal"), [
+    ("distributed", "cannot join a weight-update group"),  # the stand-in has no /init_weights_update_group
+    ("tensor", "has no /update_weights_from_tensor"),  # nor /update_weights_from_tensor (404)
+])
+def test_in_memory_publishing_reaches_engines_and_the_files_reach_an_sglang_without_the_endpoint(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path, transport: str, refusal: str) -> None:
     engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
     try:
         with StandInProcess(reply_ids=[5, 6, 2]) as standin:
@@ -69,34 +76,7 @@ def test_in_memory_publishing_reaches_engines_and_the_files_reach_an_sglang_with
             out = tmp_path / "out"
             result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps",
                                               "2", "--save_steps", "0", "--max_staleness", "none",
-                                              "--policy_probe_max_diff", "0", *IN_MEMORY))
-            assert result.returncode == 0, result.stdout
-            loads = standin.requests("/update_weights_from_disk")
-        version, logprobs = _served(engine.url)
-        from_disk = _logprobs_of(out / "weights" / "2", engine.url)
-    finally:
-        engine.stop()
-    # the stand-in has no /init_weights_update_group: it gets the files, said once
-    assert result.stdout.count(f"inference service {standin.url} cannot join a weight-update group") == 1
-    assert "published weights version 2 to 2 of 2 inference services (1 in memory, 1 from" in result.stdout
-    assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]
-    assert [Path(r["body"]["model_path"]).name for r in loads] == ["1", "2"]
-    assert version == "2" and _metrics(db_uri)[2]["publish_failures"] == 0
-    assert logprobs == from_disk  # bit-identical to the same weights loaded from disk
-
-
-def test_tensors_shared_on_this_host_reach_the_engine_and_the_files_an_sglang_without_the_endpoint(
-        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
-    """``--weight_transport tensor``: the engine maps each bucket from the trainer's shared memory
-    (``/update_weights_from_tensor`` in a session); the stand-in (no such endpoint, 404) gets files from then on."""
-    engine = start_engine(tiny_model_dir, "--db_connection_string", db_uri, "--heartbeat_interval_s", "1")
-    try:
-        with StandInProcess(reply_ids=[5, 6, 2]) as standin:
-            asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=2), services=[standin.url]))
-            out = tmp_path / "out"
-            result = run_trainer(trainer_args(db_uri, tiny_model_dir, out, "--train_batch_size", "4", "--max_steps",
-                                              "2", "--save_steps", "0", "--max_staleness", "none",
-                                              "--policy_probe_max_diff", "0", "--weight_transport", "tensor",
+                                              "--policy_probe_max_diff", "0", "--weight_transport", transport,
                                               "--weight_bucket_mb", "1"), timeout_s=120)
             assert result.returncode == 0, result.stdout
             loads = standin.requests("/update_weights_from_disk")
@@ -104,10 +84,11 @@ def test_tensors_shared_on_this_host_reach_the_engine_and_the_files_an_sglang_wi
         from_disk = _logprobs_of(out / "weights" / "2", engine.url)
     finally:
         engine.stop()
-    assert "weights reach the inference services in memory, shared with the services on this host" in result.stdout
-    assert result.stdout.count(f"inference service {standin.url} has no /update_weights_from_tensor") == 1
+    # the stand-in gets the files, said once
+    assert result.stdout.count(f"inference service {standin.url} {refusal}") == 1
     assert "published weights version 2 to 2 of 2 inference services (1 in memory, 1 from" in result.stdout
     assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]
+    assert [Path(r["body"]["model_path"]).name for r in loads] == ["1", "2"]
     assert version == "2" and _metrics(db_uri)[2]["publish_failures"] == 0
     assert logprobs == from_disk  # bit-identical to the same weights loaded from disk
 
@@ -130,6 +111,30 @@ def test_auto_on_a_cpu_trainer_shares_memory_with_an_engine_on_its_host(db_uri: 
     assert "weights reach the inference services in memory, shared with the services on this host" in result.stdout
     assert "published weights version 1 to 1 of 1 inference services (1 in memory)" in result.stdout
     assert version == "1" and not (out / "weights" / "1").exists()
+
+
+def test_a_service_that_never_answers_a_shared_bucket_gets_the_version_from_disk(tmp_path: Path) -> None:
+    """A peer on this host that accepts the connection and never answers: the send ends at
+    ``--weight_update_timeout_s`` (1 s here) with an error naming the wait, not never."""
+    from agentrl.training import weight_transport
+    from agentrl.training.aio import LoopThread
+
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        io = LoopThread("test-io")
+        sender = weight_transport.TensorSender(io, timeout_s=1)
+        try:
+            assert io.run(sender.join(url)) is None
+            started = time.monotonic()
+            result = sender.send(iter([[("a", torch.ones(4))], [("b", torch.ones(2))]]), [url], 3)
+            waited = time.monotonic() - started
+        finally:
+            sender.close()
+            io.close()
+    assert result.failures[url] == "the service did not answer within 1 s" and not result.last
+    assert waited < 10
 
 
 def test_a_full_shared_memory_sends_the_version_through_disk(tmp_path: Path, monkeypatch) -> None:

@@ -76,7 +76,6 @@ from agentrl.inference.protocol import (
     WeightUpdateResponse,
 )
 from agentrl.inference.sampling import GREEDY_EPS
-from agentrl.inference.tensor_payload import deserialize, named_tensors
 from agentrl.inference.weight_sync import WeightSyncError
 from agentrl.inference.weight_updates import WeightUpdateGroups
 
@@ -167,6 +166,11 @@ class _Run(NamedTuple):
     version: str
     spans: list[tuple[str, int]]
     prompt_logprobs: list[float]
+
+    def several_versions(self) -> list[list] | None:
+        """The spans as ``[version, tokens]`` when the output spans several versions (SGLang's responses have no
+        such key: None otherwise)."""
+        return [list(span) for span in self.spans] if len(self.spans) > 1 else None
 
 
 class InferenceEngine:
@@ -294,7 +298,7 @@ class InferenceEngine:
         meta = MetaInfo(
             id=request.rid or uuid.uuid4().hex, finish_reason=run.finish, prompt_tokens=len(input_ids),
             completion_tokens=len(run.output_ids), cached_tokens=0, weight_version=run.version,
-            weight_version_spans=[list(span) for span in run.spans] if len(run.spans) > 1 else None,
+            weight_version_spans=run.several_versions(),
             e2e_latency=time.perf_counter() - started)
         if start is not None:
             def entry(logprob: float | None, token: int) -> tuple[float | None, int, str | None]:
@@ -454,7 +458,7 @@ class InferenceEngine:
             "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(output_ids),
                       "total_tokens": len(input_ids) + len(output_ids)},
             "metadata": {"weight_version": version} | (
-                {"weight_version_spans": [list(span) for span in run.spans]} if len(run.spans) > 1 else {}),
+                {"weight_version_spans": run.several_versions()} if len(run.spans) > 1 else {}),
         }
 
     # ------------------------------------------------------------------------------------------ weight updates
@@ -561,62 +565,56 @@ class InferenceEngine:
         (:mod:`agentrl.inference.weight_updates`: all or nothing)."""
         started = time.perf_counter()
         try:
-            if request.abort_all_requests:
-                raise WeightSyncError("abort_all_requests is not supported: running requests always finish")
-            if request.selector == "draft":
-                raise WeightSyncError("selector 'draft': this engine has no draft model")
-            if not self._session_open:
-                raise WeightSyncError("update_weights_from_distributed must run between begin_weight_update() and "
-                                      "end_weight_update()")
-            new_version = self._next_version(request.weight_version)
+            new_version = self._in_memory_version(request, "update_weights_from_distributed")
             complete = await self.weight_groups.receive(request.group_name, request.names, request.dtypes,
                                                         request.shapes, request.load_format)
         except WeightSyncError as error:
             return WeightUpdateResponse(success=False, message=str(error))
-        if complete is None:
-            return WeightUpdateResponse(success=True, message=(
-                f"received {len(request.names)} tensor(s); {self.weight_groups.staged(request.group_name)} of "
-                f"{len(self.weight_groups.names)} parameters staged: the new weights are served once all arrived"))
-        paused = await self._swap(complete, new_version)
-        message = (f"Succeeded to update model weights: {len(self.weight_groups.names)} parameters from group "
-                   f"{request.group_name} as weight_version {new_version} in {time.perf_counter() - started:.2f}s "
-                   f"({paused} request(s) waited)")
-        logger.info(message)
-        return WeightUpdateResponse(success=True, message=message)
+        return await self._serve_when_complete(complete, len(request.names), request.group_name, new_version,
+                                               started)
 
     async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResponse:
         """Take tensors a process on this host shares (copied off its memory before answering); swap them in once
         the whole model has arrived, as :meth:`update_weights_from_distributed`."""
         started = time.perf_counter()
         try:
-            if request.abort_all_requests:
-                raise WeightSyncError("abort_all_requests is not supported: running requests always finish")
-            if request.selector == "draft":
-                raise WeightSyncError("selector 'draft': this engine has no draft model")
-            if not self._session_open:
-                raise WeightSyncError("update_weights_from_tensor must run between begin_weight_update() and "
-                                      "end_weight_update()")
+            new_version = self._in_memory_version(request, "update_weights_from_tensor")
             if len(request.serialized_named_tensors) != 1:
                 raise WeightSyncError(f"serialized_named_tensors has {len(request.serialized_named_tensors)} "
                                       "entries: one per tensor-parallel rank, and this engine is one rank")
-            new_version = self._next_version(request.weight_version)
-            received = await asyncio.to_thread(self._shared_tensors, request)
-            complete = await self.weight_groups.receive_tensors(received)
+            received, complete = await self.weight_groups.receive_tensors(request.serialized_named_tensors[0],
+                                                                          request.load_format)
         except WeightSyncError as error:
-            self.weight_groups.tensors.discard()
             return WeightUpdateResponse(success=False, message=str(error))
+        return await self._serve_when_complete(complete, received, None, new_version, started)
+
+    def _in_memory_version(self, request: UpdateWeightsFromDistributedRequest | UpdateWeightsFromTensorRequest,
+                           endpoint: str) -> str:
+        """The version an in-memory update serves, once the request is one this engine takes (SGLang's session
+        included); :class:`WeightSyncError` otherwise."""
+        if request.abort_all_requests:
+            raise WeightSyncError("abort_all_requests is not supported: running requests are never aborted")
+        if request.selector == "draft":
+            raise WeightSyncError("selector 'draft': this engine has no draft model")
+        if not self._session_open:
+            raise WeightSyncError(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
+        return self._next_version(request.weight_version)
+
+    async def _serve_when_complete(self, complete: PreparedWeights | None, received: int, group_name: str | None,
+                                   new_version: str, started: float) -> WeightUpdateResponse:
+        """Swap ``complete`` in (the whole model arrived) or say how much of it is staged (``group_name`` None:
+        the tensor updates')."""
+        parameters = len(self.weight_groups.names)
         if complete is None:
             return WeightUpdateResponse(success=True, message=(
-                f"received {len(received)} tensor(s); {len(self.weight_groups.tensors.staged)} of "
-                f"{len(self.weight_groups.names)} parameters staged: the new weights are served once all arrived"))
-        await self._swap(complete, new_version)
-        message = (f"Succeeded to update model weights: {len(self.weight_groups.names)} parameters from tensors as "
-                   f"weight_version {new_version} in {time.perf_counter() - started:.2f}s")
+                f"received {received} tensor(s); {self.weight_groups.staged(group_name)} of {parameters} parameters "
+                "staged: the new weights are served once all arrived"))
+        paused = await self._swap(complete, new_version)
+        source = "tensors" if group_name is None else f"group {group_name}"
+        message = (f"Succeeded to update model weights: {parameters} parameters from {source} as weight_version "
+                   f"{new_version} in {time.perf_counter() - started:.2f}s ({paused} request(s) waited)")
         logger.info(message)
         return WeightUpdateResponse(success=True, message=message)
-
-    def _shared_tensors(self, request: UpdateWeightsFromTensorRequest) -> list[tuple[str, torch.Tensor]]:
-        return named_tensors(deserialize(request.serialized_named_tensors[0]), request.load_format)
 
     async def load_published(self, path: str, version: int) -> None:
         """Serve the run's published weights at ``path`` as ``version`` (an engine joining a run under way);

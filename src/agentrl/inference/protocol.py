@@ -254,7 +254,23 @@ class InitWeightsUpdateGroupRequest(_Request):
         return self
 
 
-class UpdateWeightsFromDistributedRequest(_Request):
+class _InMemoryUpdate(_Request):
+    """The fields SGLang's in-memory updates share."""
+
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    load_format: str | None = None
+    selector: Literal["target", "draft", "all"] = "all"
+    torch_empty_cache: bool = False
+
+    @field_validator("weight_version", mode="before")
+    @classmethod
+    def _version_as_text(cls, value: Any) -> Any:
+        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
+
+
+class UpdateWeightsFromDistributedRequest(_InMemoryUpdate):
     """Body of ``POST /update_weights_from_distributed`` (SGLang's ``UpdateWeightsFromDistributedReqInput``):
     the tensors rank 0 broadcasts, in this order (``load_format: "flattened_bucket"``: as one ``uint8`` bucket)."""
 
@@ -262,35 +278,13 @@ class UpdateWeightsFromDistributedRequest(_Request):
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
     group_name: str = "weight_update_group"
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    load_format: str | None = None
-    selector: Literal["target", "draft", "all"] = "all"
-    torch_empty_cache: bool = False
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version_as_text(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-class UpdateWeightsFromTensorRequest(_Request):
+class UpdateWeightsFromTensorRequest(_InMemoryUpdate):
     """Body of ``POST /update_weights_from_tensor`` (SGLang's ``UpdateWeightsFromTensorReqInput``): tensors a process
     on the same host shares (:mod:`agentrl.inference.tensor_payload`), one base64 entry per tensor-parallel rank."""
 
     serialized_named_tensors: list[str] = Field(min_length=1)
-    load_format: str | None = None
-    flush_cache: bool = True
-    abort_all_requests: bool = False
-    weight_version: str | None = None
-    selector: Literal["target", "draft", "all"] = "all"
-    torch_empty_cache: bool = False
-
-    @field_validator("weight_version", mode="before")
-    @classmethod
-    def _version_as_text(cls, value: Any) -> Any:
-        return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
 class BeginWeightUpdateRequest(_Request):

@@ -176,12 +176,15 @@ def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: Serv
     """Weight updates from disk and over a weight-update group, and LoRA adapters (``{success, ...}`` with 200 or
     400)."""
 
-    @app.post("/update_weights_from_disk")
-    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        result = await engine.update_weights_from_disk(request)
-        if registration is not None and result.success:
+    async def updated(result: BaseModel) -> JSONResponse:
+        """The answer to a weight update; a successful one is heartbeated at once (the registry's version)."""
+        if registration is not None and result.success:  # type: ignore[attr-defined]
             await registration.heartbeat()
         return _answer(result)
+
+    @app.post("/update_weights_from_disk")
+    async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
+        return await updated(await engine.update_weights_from_disk(request))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest) -> JSONResponse:
@@ -190,17 +193,11 @@ def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: Serv
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: UpdateWeightsFromDistributedRequest) -> JSONResponse:
-        result = await engine.update_weights_from_distributed(request)
-        if registration is not None and result.success:
-            await registration.heartbeat()
-        return _answer(result)
+        return await updated(await engine.update_weights_from_distributed(request))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: UpdateWeightsFromTensorRequest) -> JSONResponse:
-        result = await engine.update_weights_from_tensor(request)
-        if registration is not None and result.success:
-            await registration.heartbeat()
-        return _answer(result)
+        return await updated(await engine.update_weights_from_tensor(request))
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: BeginWeightUpdateRequest) -> JSONResponse:

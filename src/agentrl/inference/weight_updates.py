@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from agentrl.failpoints import failpoint
-from agentrl.inference import weight_sync
+from agentrl.inference import tensor_payload, weight_sync
 from agentrl.inference.batching import PreparedWeights
 from agentrl.inference.weight_sync import WeightSyncError
 
@@ -107,10 +107,17 @@ class WeightUpdateGroups:
                                   f"{error}") from error
         return await self._stage(member, f"weight update group {group_name}", received)
 
-    async def receive_tensors(self, received: list[tuple[str, torch.Tensor]]) -> PreparedWeights | None:
-        """Stage tensors of ``/update_weights_from_tensor`` (views of the sender's memory: copied before this
-        returns); as :meth:`receive`."""
-        return await self._stage(self.tensors, "tensor updates", received, copy=True)
+    async def receive_tensors(self, entry: str, load_format: str | None) -> tuple[int, PreparedWeights | None]:
+        """Stage the tensors of a ``/update_weights_from_tensor`` payload entry (views of the sender's memory,
+        copied before this returns); how many arrived, and the whole new version as :meth:`receive` returns it.
+        :class:`WeightSyncError` (staging discarded) when they cannot be read or do not fit the model."""
+        try:
+            received = await asyncio.to_thread(
+                lambda: tensor_payload.named_tensors(tensor_payload.deserialize(entry), load_format))
+        except WeightSyncError:
+            self.tensors.discard()
+            raise
+        return len(received), await self._stage(self.tensors, "tensor updates", received, copy=True)
 
     async def _stage(self, member: _Group, label: str, received: list[tuple[str, torch.Tensor]], *,
                      copy: bool = False) -> PreparedWeights | None:
@@ -150,8 +157,9 @@ class WeightUpdateGroups:
             await previous
         member.prepared = await asyncio.to_thread(self.prepare, tensors, member.prepared, copy=copy)
 
-    def staged(self, group_name: str) -> int:
-        member = self.groups.get(group_name)
+    def staged(self, group_name: str | None) -> int:
+        """Parameters a group (None: the tensor updates) staged since the last swap."""
+        member = self.tensors if group_name is None else self.groups.get(group_name)
         return len(member.staged) if member else 0
 
     def _checked(self, name: str, tensor: torch.Tensor) -> str:

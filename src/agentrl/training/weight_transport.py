@@ -189,9 +189,8 @@ class WeightGroups:
         """Ask the service to destroy its end of a dropped group (it may be gone: then nothing is left to do)."""
         from agentrl.inference.client import InferenceServiceError, SGLangClient
 
+        await _end_session(base_url, 30, quiet=True)  # a session the failed send left open (if any)
         async with SGLangClient(base_url, max_retries=0, admin_timeout_s=30) as client:
-            with contextlib.suppress(InferenceServiceError, OSError):
-                await client.end_weight_update()  # a session the failed send left open (if any)
             with contextlib.suppress(InferenceServiceError, OSError):
                 await client.destroy_weights_update_group(group_name)
 
@@ -254,13 +253,10 @@ class WeightGroups:
 
     async def _end(self, url: str, last: Future) -> None:
         """The service's answer to the last bucket (its swap), then the end of its session."""
-        from agentrl.inference.client import SGLangClient
-
         await asyncio.wait_for(asyncio.wrap_future(last), self.timeout_s)
         member = self.members.get(url)
         if member is not None and member.sessions:
-            async with SGLangClient(url, max_retries=0, admin_timeout_s=self.timeout_s) as client:
-                await client.end_weight_update()
+            await _end_session(url, self.timeout_s)
 
     def close(self) -> None:
         for url in list(self.members):
@@ -314,7 +310,7 @@ class TensorSender:
     def drop(self, base_url: str) -> None:
         """Forget a service (its transfer failed, or it is gone); it is asked to end its session."""
         if self.members.pop(base_url, None):
-            self.io.submit(_end_quietly(base_url))
+            self.io.submit(_end_session(base_url, 30, quiet=True))
 
     def send(self, buckets: Iterator[Bucket], urls: list[str], version: int) -> SendResult:
         """Hand every bucket to the services ``urls`` (main thread; each joined): each answers a bucket before the
@@ -353,6 +349,11 @@ class TensorSender:
         result.last = {url: self.io.submit(self._end(url)) for url in active}
         return result
 
+    async def _end(self, url: str) -> None:
+        """The end of the service's session (its swap came with its answer to the last bucket)."""
+        if self.members.get(url):
+            await _end_session(url, self.timeout_s)
+
     async def _update(self, url: str, payload: str, version: int, *, begin: bool) -> None:
         from agentrl.inference.client import SGLangClient
 
@@ -361,13 +362,6 @@ class TensorSender:
                 self.members[url] = await _open_session(client)
             await client.update_weights_from_tensor([payload], weight_version=version,
                                                     load_format=weight_sync.BUCKET_FORMAT)
-
-    async def _end(self, url: str) -> None:
-        from agentrl.inference.client import SGLangClient
-
-        if self.members.get(url):
-            async with SGLangClient(url, max_retries=0, admin_timeout_s=self.timeout_s) as client:
-                await client.end_weight_update()
 
     def close(self) -> None:
         for url in list(self.members):
@@ -384,12 +378,16 @@ def on_this_host(base_url: str) -> bool:
     return ipaddress.ip_address(address).is_loopback or address == local_address(base_url)
 
 
-async def _end_quietly(base_url: str) -> None:
+async def _end_session(base_url: str, timeout_s: float, *, quiet: bool = False) -> None:
+    """``POST /end_weight_update`` (``quiet``: after a failure, the service may be gone or hold no session)."""
     from agentrl.inference.client import InferenceServiceError, SGLangClient
 
-    with contextlib.suppress(InferenceServiceError, OSError):
-        async with SGLangClient(base_url, max_retries=0, admin_timeout_s=30) as client:
+    try:
+        async with SGLangClient(base_url, max_retries=0, admin_timeout_s=timeout_s) as client:
             await client.end_weight_update()
+    except (InferenceServiceError, OSError):
+        if not quiet:
+            raise
 
 
 async def _open_session(client) -> bool:
