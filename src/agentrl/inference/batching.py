@@ -465,13 +465,14 @@ class ContinuousBatcher:
         self.swap(self.prepare(state_dict), version)
 
     def prepare(self, tensors: dict[str, torch.Tensor], into: PreparedWeights | None = None, *,
-                copy: bool = False) -> PreparedWeights:
+                copy: bool = False, pack: bool = True) -> PreparedWeights:
         """Make some of the new weights ready to serve, generation still running (blocking): each state-dict key's
         tensor cast to its parameter's dtype and device (copied only when not contiguous and ``ALIGNMENT``-aligned,
         as the allocator's are: kernels may round differently on other addresses; always with ``copy``, for memory
         the engine does not own, into the storage the previous version served where a copied swap left it), and
-        the packed copies of the layers whose weights are all there. Called once with the whole state dict, or
-        bucket by bucket as they arrive (``into``: what earlier calls prepared); :meth:`swap` serves the result."""
+        the packed copies of the layers whose weights are all there (not with ``pack=False``: a later call packs
+        them, ``tensors`` may be empty). Called once with the whole state dict, or bucket by bucket as they arrive
+        (``into``: what earlier calls prepared); :meth:`swap` serves the result."""
         targets = self.model.state_dict(keep_vars=True)
         prepared = into if into is not None else PreparedWeights(copied=copy)
         with torch.no_grad():
@@ -490,7 +491,7 @@ class ContinuousBatcher:
                     if not value.is_contiguous() or value.data_ptr() % ALIGNMENT:
                         value = value.clone(memory_format=torch.contiguous_format)  # a view into a bucket
                 prepared.values[id(target)] = value
-            for module in self.model.modules():
+            for module in self.model.modules() if pack else ():
                 if not isinstance(module, PackedLinear) or module in prepared.packed:
                     continue
                 weight = prepared.values.get(id(module.weight))

@@ -13,7 +13,8 @@ instead loads each call's tensors at once, so between two calls it serves a mix;
 part of the model leaves the rest staged until it sends it (a failed call, or destroying the group, discards the
 staging). Tied parameters (an ``lm_head`` tied to the embeddings) are one parameter: either name may be sent.
 ``/update_weights_from_tensor`` (a sender on the same host, :mod:`agentrl.inference.tensor_payload`) stages the same
-way, in a staging of its own (:meth:`WeightUpdateGroups.receive_tensors`).
+way, in a staging of its own (:meth:`WeightUpdateGroups.receive_tensors`), except that each call's tensors are
+copied before it answers (the sender reuses its memory for the next bucket; the packing follows in the background).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class _Group:
 
 
 Prepare = Callable[..., PreparedWeights]
-"""``prepare(tensors, into, copy=...)``: make received tensors ready to serve (:meth:`ContinuousBatcher.prepare`)."""
+"""``prepare(tensors, into, copy=..., pack=...)``: make received tensors ready to serve
+(:meth:`ContinuousBatcher.prepare`)."""
 
 
 class WeightUpdateGroups:
@@ -67,6 +69,7 @@ class WeightUpdateGroups:
         """persistent buffers (no update brings them: they keep their values)"""
         self.groups: dict[str, _Group] = {}
         self.tensors = _Group(None)
+        self._mapped: set[torch.UntypedStorage] = set()  # the shared memory of the last tensor update
 
     async def join(self, master_address: str, master_port: int, rank: int, world_size: int, group_name: str,
                    backend: str) -> None:
@@ -117,6 +120,8 @@ class WeightUpdateGroups:
         except WeightSyncError:
             self.tensors.discard()
             raise
+        # keeping the sender's memory mapped lets the next call find it in torch's cache (no pages to fault in)
+        self._mapped = {tensor.untyped_storage() for _, tensor in received if tensor.device.type == "cpu"}
         return len(received), await self._stage(self.tensors, "tensor updates", received, copy=True)
 
     async def _stage(self, member: _Group, label: str, received: list[tuple[str, torch.Tensor]], *,
@@ -127,14 +132,16 @@ class WeightUpdateGroups:
             member.discard()
             raise
         member.staged |= checked.keys()
-        member.preparing = asyncio.create_task(self._prepare_after(member.preparing, member, checked, copy))
-        if copy:  # the sender reuses its memory once answered
+        if copy:  # the sender reuses its memory once answered: copied now, packed in the background
             try:
-                await member.preparing
+                member.prepared = await asyncio.to_thread(self.prepare, checked, member.prepared, copy=True,
+                                                          pack=False)
             except Exception as error:
                 member.discard()
                 raise WeightSyncError(f"copying the tensors failed (the served weights are unchanged): {error}"
                                       ) from error
+            checked = {}
+        member.preparing = asyncio.create_task(self._prepare_after(member.preparing, member, checked))
         missing = self.names - member.staged
         if missing:
             logger.info("%s: staged %d of %d parameters", label, len(member.staged), len(self.names))
@@ -152,10 +159,10 @@ class WeightUpdateGroups:
         return complete
 
     async def _prepare_after(self, previous: asyncio.Task | None, member: _Group,
-                             tensors: dict[str, torch.Tensor], copy: bool) -> None:
+                             tensors: dict[str, torch.Tensor]) -> None:
         if previous is not None:
             await previous
-        member.prepared = await asyncio.to_thread(self.prepare, tensors, member.prepared, copy=copy)
+        member.prepared = await asyncio.to_thread(self.prepare, tensors, member.prepared)
 
     def staged(self, group_name: str | None) -> int:
         """Parameters a group (None: the tensor updates) staged since the last swap."""
