@@ -26,6 +26,20 @@ def default_engine(launch_engine: Callable[..., EngineProcess]) -> Iterator[Engi
         assert process.stop() == 0, process.output
 
 
+async def test_the_same_greedy_request_gets_the_same_answer_from_the_first_on(default_engine: EngineProcess) -> None:
+    # Before: the second and later "Say hello." requests (33 tokens: one page from the prefix cache, the last token
+    # computed alone) answered otherwise than the first from their 7th token, logprobs 0.01-0.1 nats apart.
+    tokenizer = AutoTokenizer.from_pretrained(default_model_path())
+    input_ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hello."}], add_generation_prompt=True,
+                                              tokenize=False)
+    input_ids = tokenizer.encode(input_ids, add_special_tokens=False)
+    async with SGLangClient(default_engine.url) as client:
+        await client.flush_cache()  # the first request computes its whole prompt, the others find it cached
+        results = [await client.generate(input_ids, {"max_new_tokens": 8, "temperature": 0}) for _ in range(3)]
+    assert [r.output_ids for r in results] == [results[0].output_ids] * 3
+    assert [r.output_token_logprobs for r in results] == [results[0].output_token_logprobs] * 3
+
+
 async def test_openai_client_gets_an_answer(default_engine: EngineProcess) -> None:
     client = openai.AsyncOpenAI(base_url=f"{default_engine.url}/v1", api_key="EMPTY", max_retries=0)
     try:

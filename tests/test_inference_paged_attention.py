@@ -83,15 +83,53 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
         second = await generate(batcher, [shared, prompt(6, 5)], max_new_tokens=12)
     finally:
         batcher.stop()
+    engine_calls = list(sdpa_calls)  # not the reference's below
     for ids, output in zip([*prompts, shared, prompt(6, 5)], [*first, *second], strict=True):
         mismatch = logprob_mismatch(reference, ids, output.generated_tokens, output.logprobs)
         assert mismatch["num_tokens"] == 12 and mismatch["max_abs_diff"] <= 1e-4, mismatch
-    cached_prefill = [c for c in sdpa_calls if c["mask"] and c["query"][2] > 1 and c["key"][2] > c["query"][2]]
-    assert len({c["key"][2] for c in cached_prefill}) >= 3 and 57 in {c["key"][2] for c in cached_prefill}
-    assert any(c["is_causal"] for c in sdpa_calls)  # prompts with nothing cached
-    decode = [c for c in sdpa_calls if c["query"][0] > 1]  # requests decoding together
+    prefill = [c for c in engine_calls if c["query"][0] == 1 and c["query"][1] == model.config.num_attention_heads]
+    assert all(c["mask"] and c["query"][2] % paged_attention.PREFILL_QUERY_MULTIPLE == 0 for c in prefill)
+    assert len({c["key"][2] for c in prefill}) >= 3 and 57 in {c["key"][2] for c in prefill}
+    assert not any(c["is_causal"] for c in engine_calls)  # explicit masks: the same kernels cached or not
+    decode = [c for c in engine_calls if c["query"][0] > 1]  # requests decoding together
     assert decode and all(c["key"][2] % bucket == 0 for c in decode)
     assert bucket > 1 or any(c["key"][2] % 16 for c in decode)  # unpadded, the lengths are not all multiples
+
+
+@pytest.mark.parametrize("bf16_matmuls", [False, True])
+async def test_a_prompt_from_the_prefix_cache_gets_the_bits_it_gets_computed_whole(
+        tiny_model_dir: Path, bf16_matmuls: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Before: a prompt whose last 1-3 tokens followed cached pages took other kernels (its last token even joined
+    # the decode group), and the embedded model's second identical greedy request differed from its 7th token.
+    if bf16_matmuls and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 matrix instructions")
+    cached: list[bool] = []  # per prefill, whether its first keys came from the prefix cache
+    from_batch = paged_attention.StepLayout.from_batch.__func__
+
+    def spy(cls, batch: dict, *args) -> paged_attention.StepLayout:
+        layout = from_batch(cls, batch, *args)
+        cached.extend(p.slots is not None for p in layout.prefills)
+        return layout
+
+    monkeypatch.setattr(paged_attention.StepLayout, "from_batch", classmethod(spy))
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048, page_size=16,
+                                                      bf16_matmuls=bf16_matmuls))
+    batcher.start()
+    try:
+        for length in (17, 18, 19, 20, 35, 47):  # 1, 2, 3, 4, 3 and 15 tokens after whole cached pages
+            ids = prompt(length, length)
+            runs = []
+            for fresh in (True, False, True):
+                if fresh:
+                    batcher.reset_prefix_cache()
+                cached.clear()
+                runs.append((await generate(batcher, [ids], max_new_tokens=12))[0])
+                assert cached[0] is not fresh, (length, fresh, cached)
+            assert all(run.generated_tokens == runs[0].generated_tokens for run in runs), length
+            assert all(run.logprobs == runs[0].logprobs for run in runs), (length, [r.logprobs for r in runs])
+    finally:
+        batcher.stop()
 
 
 @pytest.mark.parametrize(("model_type", "overrides", "served"), [

@@ -241,7 +241,8 @@ class _SGLangSamplingRunner(ModelRunner):
             self.adapters.route([(r.state.request_id, r.query_length)
                                  for r in self.inputs_and_outputs.requests_in_batch])
         if model.config._attn_implementation == paged_attention.PAGED_ATTENTION:
-            with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data)):
+            decoding = [bool(r.state.generated_tokens) for r in self.inputs_and_outputs.requests_in_batch]
+            with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data, decoding)):
                 logits = model(**batch_data).logits
         else:
             logits = model(**batch_data).logits

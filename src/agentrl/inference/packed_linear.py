@@ -4,8 +4,12 @@ An ``nn.Linear`` on CPU multiplies with a plain-layout weight; oneDNN's matmul o
 blocked layout (``torch.ops.mkldnn._reorder_linear_weight``, what ``torch.compile``'s CPU backend does with frozen
 weights) is faster for the few rows of a decode step. Measured on a 2-core AVX-512 (bf16) CPU, one thread, the
 embedded model's shapes: bf16 bit-identical and about 2x faster for one row, 1.2-1.7x for 16 (the LM head most);
-fp32 equal to float rounding, 1.2-2.5x faster from 4 rows on but slower for one or two, so fp32 layers use the
-packed weight from :data:`FP32_MIN_ROWS` rows on. :func:`pack_linears` turns every ``nn.Linear`` of a CPU model
+fp32 equal to float rounding, 1.2-2.5x faster from 4 rows on, slower for one or two rows except the LM head
+(2x faster). Every row count multiplies with the packed weight, a single row as two: a row's result is then the
+same bits whatever other rows share the call, where the plain fp32 GEMM takes another kernel under 4 rows and
+oneDNN's one-row kernel sums in another order for some shapes (bf16, 1536 inputs) (an engine step's rows come
+from several requests, and a prompt served from the prefix cache computes only its last rows: the answer to a
+request must not depend on either). :func:`pack_linears` turns every ``nn.Linear`` of a CPU model
 into a :class:`PackedLinear` (still an ``nn.Linear``: the same parameters, state dict and forward hooks) holding
 the reordered copy of its weight.
 
@@ -24,9 +28,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-
-FP32_MIN_ROWS = 4
-"""Rows (tokens) from which an fp32 layer multiplies with its packed weight."""
 
 
 def packing_supported(model: nn.Module) -> bool:
@@ -56,11 +57,12 @@ class PackedLinear(nn.Linear):
         return packed, None if bias is None else bias.detach().to(self.matmul_dtype)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
+        rows = input.reshape(-1, self.in_features)
+        if rows.shape[0] == 1:  # oneDNN's one-row kernel sums in another order for some shapes: two rows, one kept
+            return self.forward(rows.expand(2, -1))[:1].reshape(*input.shape[:-1], self.out_features)
         if self.matmul_dtype != self.weight.dtype:
             return torch.ops.mkldnn._linear_pointwise(input.to(self.matmul_dtype), self.packed, self.packed_bias,
                                                       "none", [], "").to(input.dtype)
-        if self.weight.dtype == torch.float32 and input.numel() < FP32_MIN_ROWS * self.in_features:
-            return super().forward(input)
         return torch.ops.mkldnn._linear_pointwise(input, self.packed, self.bias, "none", [], "")
 
 

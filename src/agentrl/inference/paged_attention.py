@@ -14,15 +14,25 @@ runner with the step's :class:`StepLayout`), each layer writes its new keys and 
   values are gathered into a padded ``[requests, kv_heads, longest, head_dim]`` view with a padding mask
   ``[requests, 1, 1, longest]``, and the query heads that share a key/value head are laid out as that head's
   query positions (no ``repeat_kv`` copy);
-* prefill requests (a prompt or a chunk of one) attend one by one: causal over their own new keys, or, when part
-  of the prompt is already cached (prefix sharing, chunked prefill), through a causal mask aligned to the end.
+* prefill requests (a prompt or a chunk of one) attend one by one, over their own new keys or, when part of the
+  prompt is already cached (prefix sharing, chunked prefill), over the cached keys and the new ones, through a
+  causal mask aligned to the end.
+
+**The same numbers whatever is cached.** A token's attention output must not depend on how many other tokens share
+its call: otherwise a prompt served from the prefix cache (its last few tokens computed alone) gets other logits
+than the same prompt computed whole, and in ``bf16_matmuls`` mode such float-rounding differences grow through the
+layers into a different greedy token (measured: the second identical "Say hello." request differed from the first
+from its 7th token). CPU SDPA computes query rows in blocks and takes another GEMM kernel for a block of fewer than
+4 rows (or a call of 1 or 3), so each prefill's queries are padded to a multiple of :data:`PREFILL_QUERY_MULTIPLE`
+rows (repeats of its last row, dropped after) and always given an explicit mask: a row's output is then the same
+bits for any split of the prompt (``tests/test_inference_paged_attention.py``).
 
 Outside such a step (e.g. the engine's prompt-logprob pass) it is exactly transformers' ``sdpa``, masks included.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -37,6 +47,10 @@ PAGED_ATTENTION = "agentrl_paged_sdpa"
 """The attention implementation name (``model.set_attn_implementation``)."""
 
 _FULL_ATTENTION = "full_attention"
+
+PREFILL_QUERY_MULTIPLE = 32
+"""A prefill's query rows are padded to a multiple of this (see the module doc): every block CPU SDPA splits them
+into (32, 64 or 256 rows) is then full-sized."""
 
 DECODE_KEY_BUCKET = {"cuda": 64}
 """Per device type, the multiple the decode group's padded key length is rounded up to (1 where absent). On CUDA
@@ -60,8 +74,9 @@ class _Prefill:
     """One request that processes several tokens (or its first): attended alone."""
 
     rows: slice  # its query rows in the step's packed tokens
+    queries: torch.Tensor  # [padded] indices into its rows: each once, then the last repeated
     slots: torch.Tensor | None  # cache slots of all its keys; None: its keys are this step's (nothing cached)
-    mask: torch.Tensor | None  # [1, 1, new, all] causal mask aligned to the end; None: plain causal
+    mask: torch.Tensor  # [1, 1, padded, all] causal mask aligned to the end (padding rows repeat the last)
 
 
 @dataclass(frozen=True)
@@ -74,27 +89,28 @@ class StepLayout:
     prefills: tuple[_Prefill, ...]
 
     @classmethod
-    def from_batch(cls, batch: dict) -> StepLayout:
-        """The layout of a batch made by transformers' ``ContinuousBatchingIOs.get_model_kwargs``."""
+    def from_batch(cls, batch: dict, decoding: Sequence[bool]) -> StepLayout:
+        """The layout of a batch made by transformers' ``ContinuousBatchingIOs.get_model_kwargs``; ``decoding``:
+        per request of the batch, whether it decodes (a prompt whose only uncomputed token is its last, the rest
+        served from the prefix cache, is still a prefill: its numbers must not depend on the cache)."""
         cu_q = batch["cu_seq_lens_q"].tolist()
         cu_k = batch["cu_seq_lens_k"][_FULL_ATTENTION].tolist()
         read_slots, write_slots = batch["read_index"][0], batch["write_index"][0]
         reads_cache = read_slots.numel() > 0  # else no request has cached tokens: keys are the step's own
-        decoding = 0  # the scheduler puts decoding requests first: they form the decode group
+        decoding_requests = 0  # the scheduler puts decoding requests first: they form the decode group
         prefills = []
         for i in range(len(cu_q) - 1):
             new, total = cu_q[i + 1] - cu_q[i], cu_k[i + 1] - cu_k[i]
-            if new == 1 and reads_cache and decoding == i:
-                decoding += 1
+            if new == 1 and reads_cache and decoding[i] and decoding_requests == i:
+                decoding_requests += 1
                 continue
             past = total - new
             slots = read_slots[cu_k[i]:cu_k[i + 1]] if past > 0 else None
-            mask = None
-            if past > 0:
-                keys = torch.arange(total, device=read_slots.device)
-                mask = (keys[None, :] <= keys[past:, None])[None, None]
-            prefills.append(_Prefill(rows=slice(cu_q[i], cu_q[i + 1]), slots=slots, mask=mask))
-        decode = _decode_group(cu_k[:decoding + 1], read_slots) if decoding else None
+            padded = -(-new // PREFILL_QUERY_MULTIPLE) * PREFILL_QUERY_MULTIPLE
+            queries = torch.arange(padded, device=read_slots.device).clamp(max=new - 1)
+            mask = (torch.arange(total, device=read_slots.device)[None, :] <= queries[:, None] + past)[None, None]
+            prefills.append(_Prefill(rows=slice(cu_q[i], cu_q[i + 1]), queries=queries, slots=slots, mask=mask))
+        decode = _decode_group(cu_k[:decoding_requests + 1], read_slots) if decoding_requests else None
         return cls(tokens=cu_q[-1], write_slots=write_slots[:cu_q[-1]], decode=decode, prefills=tuple(prefills))
 
     def attend(self, layer_idx: int, cache: PagedAttentionCache, query: torch.Tensor, key: torch.Tensor,
@@ -118,15 +134,15 @@ class StepLayout:
             attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
             out[group.rows] = attended.reshape(requests, heads, dim)
         for prefill in self.prefills:
-            q = query[:, :, prefill.rows]
+            q = query[:, :, prefill.rows].index_select(2, prefill.queries)
             if prefill.slots is None:
                 k, v = key[:, :, prefill.rows], value[:, :, prefill.rows]
             else:
                 k = k_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
                 v = v_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
             attended = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scaling, enable_gqa=True)
-            out[prefill.rows] = attended[0].transpose(0, 1)
+                q, k, v, attn_mask=prefill.mask, scale=scaling, enable_gqa=True)
+            out[prefill.rows] = attended[0, :, :prefill.rows.stop - prefill.rows.start].transpose(0, 1)
         return out.unsqueeze(0)
 
 
