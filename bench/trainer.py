@@ -48,6 +48,12 @@ said in the output and in the JSON (``[long_]gradient_checkpointing``).
 keys of the other shapes start with their name (``long_``...). ``--prefix_only`` skips the trainer-vs-loop part;
 ``--profile`` adds, per shape, ``torch.profiler``'s operators of one shared forward + backward with the largest self
 CPU time (and their device time on CUDA): where a launch-bound pass spends its time.
+
+The LM head alone (``--head_tokens``, default 16,384; 0 skips it): forward + backward of the trainer's chunked head
+(``agentrl.training.logprobs.head_logprobs``) on the model's final hidden states for random tokens, in fp32 and with
+the product in bf16 and fp32 output (what bf16 mode runs on CUDA; on the CPU the product is emulated from fp32
+copies, so its speed there says nothing): tokens/s, peak memory on CUDA, ``head_speedup`` (compute dtype over fp32)
+and ``head_mean_abs_diff`` (nats between the two heads' logprobs).
 """
 
 from __future__ import annotations
@@ -211,6 +217,7 @@ def main() -> int:
     parser.add_argument("--profile", action="store_true",
                         help="per prefix shape, the operators of one shared pass with the most self CPU time")
     parser.add_argument("--prefix_repeats", type=int, default=2, help="measured forward+backward passes per figure")
+    parser.add_argument("--head_tokens", type=int, default=16384, help="tokens of the LM-head measurement (0: skip)")
     parser.add_argument("--json", default=None, metavar="FILE", help="also write the figures to FILE")
     parser.add_argument("--dry_run", action="store_true", help="check the arguments and the model, measure nothing")
     args = parser.parse_args()
@@ -241,6 +248,8 @@ def main() -> int:
         figures = {} if args.prefix_only else measure(args, model_path, device, bf16)
         if args.prefix_shapes:
             figures.update(measure_prefix(args, model_path, device))
+        if args.head_tokens:
+            figures.update(measure_head(model_path, device, args.head_tokens))
     if args.json:
         Path(args.json).write_text(json.dumps(figures, indent=2) + "\n")
     return 0
@@ -295,6 +304,53 @@ def measure(args: argparse.Namespace, model_path: Path, device: torch.device, bf
     elif device.type == "cuda":
         print("MFU: unknown peak FLOP/s for this GPU")
     return figures
+
+
+def measure_head(model_path: Path, device: torch.device, tokens: int, repeats: int = 3) -> dict:
+    """The LM head alone, fp32 against the compute dtype (bf16 product, fp32 output): print and return the figures."""
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.training.logprobs import head_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).to(device).eval()
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (tokens // 1024, 1024), generator=generator).to(device)
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16):
+        hidden = torch.cat([model.model(input_ids=row[None]).last_hidden_state[0] for row in ids]).bfloat16()
+    head = model.get_output_embeddings()
+    weight = head.weight.detach().clone().requires_grad_()
+    targets = ids.reshape(-1)
+    del model
+    results: dict[str, dict[str, float]] = {}
+    picked = {}
+    for label, dtype in (("fp32", None), ("compute_dtype", torch.bfloat16)):
+        seconds = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            states = hidden.detach().clone().requires_grad_()
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            synchronize(device)
+            started = time.perf_counter()
+            out = head_logprobs(states[None], weight, None, targets[None], 1.0, matmul_dtype=dtype)
+            out.sum().backward()
+            synchronize(device)
+            seconds.append(time.perf_counter() - started)
+            weight.grad = None
+        picked[label] = out.detach()[0]
+        results[label] = {"tokens_per_s": tokens / statistics.median(seconds[1:]),
+                          "peak_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda"
+                          else float("nan")}
+    speedup = results["compute_dtype"]["tokens_per_s"] / results["fp32"]["tokens_per_s"]
+    diff = float((picked["compute_dtype"] - picked["fp32"]).abs().mean())
+    note = "" if device.type == "cuda" else " (CPU: the bf16 product is emulated in fp32, its speed means nothing)"
+    print(f"\nLM head alone, {tokens:,} tokens, vocabulary {weight.shape[0]:,}, forward + backward{note}")
+    print("| head | tokens/s | peak GiB |")
+    print("|---|---:|---:|")
+    for label, figures in results.items():
+        print(f"| {label} | {figures['tokens_per_s']:,.0f} | {figures['peak_gib']:.2f} |")
+    print(f"head_speedup {speedup:.2f}, head_mean_abs_diff {diff:.2e} nats")
+    return {"head_tokens": tokens, "head": results, "head_speedup": speedup, "head_mean_abs_diff": diff,
+            "head_product_emulated": device.type != "cuda"}
 
 
 def prefix_group(shape: dict[str, int], seed: int) -> list[MergedSample]:

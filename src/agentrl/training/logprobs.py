@@ -5,11 +5,17 @@
 ``MicroBatch`` labels, so the result goes straight into the loss with ``old_logprobs`` of the same shape.
 
 Precision: the trainer's logprobs are compared with the inference engine's (importance ratios), so they come from
-fp32 logits in every precision mode. ``model_token_logprobs`` computes the LM head itself, in fp32 (fp64 for an
-fp64 model) with autocast off, from the final hidden states — bf16 logits would be off by up to ~2⁻⁹ of their
-magnitude (~0.05 nats for a logit of 20) before any upcast. The fp32 ``[tokens, vocab]`` logits are made in chunks
-of at most ``LOGIT_CHUNK_BYTES``; with gradients each chunk is recomputed in the backward pass (activation
-checkpointing), so at most one chunk of fp32 logits is alive at a time.
+fp32 logits in every precision mode. ``model_token_logprobs`` computes the LM head itself, from the final hidden
+states — bf16 logits would be off by up to ~2⁻⁹ of their magnitude (~0.05 nats for a logit of 20) before any
+upcast. What fp32 is needed for is the logits, not the inputs: in bf16 mode on CUDA (the hidden states in bf16, or
+autocast to bf16) the head multiplies bf16 hidden states by the bf16-rounded weight in the matrix units, which
+accumulate in fp32, and asks for fp32 output (``torch.mm(..., out_dtype=torch.float32)``: ~15× the throughput of an
+fp32 matmul on Hopper, the head being a quarter of a small model's matmul FLOPs), as prime-rl's ``FusedOutputLinear``
+does; :func:`head_matmul_dtype` decides. The CPU has no such product (a bf16 matmul there rounds its output to bf16),
+so there, and in fp32 mode, the head multiplies in fp32 (fp64 for an fp64 model) with autocast off, exact as
+before. Either way the log-sum-exp and the picked logprob are fp32, the ``[tokens, vocab]`` logits are made in
+chunks of at most ``LOGIT_CHUNK_BYTES`` and recomputed per chunk in the backward pass, so at most one chunk of fp32
+logits is alive at a time.
 
 Shared prefixes: ``layout_logprobs`` forwards a micro-batch's prefix forest in one model call, each tree packed into
 one row at collate time (``agentrl.training.prefix_tree.forward_layout``): a node's tokens follow its ancestors',
@@ -171,7 +177,8 @@ def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, where: torch.Tenso
         raise ValueError(f"the LM head is a {type(head).__name__}, not a Linear layer")
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
-        return head_logprobs(hidden, head.weight, head.bias, target_ids, temperature, chunk_bytes, where)
+        return head_logprobs(hidden, head.weight, head.bias, target_ids, temperature, chunk_bytes, where,
+                             matmul_dtype=head_matmul_dtype(hidden))
 
     head.forward = forward
     try:
@@ -180,12 +187,24 @@ def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, where: torch.Tenso
         del head.forward
 
 
+def head_matmul_dtype(hidden: torch.Tensor) -> torch.dtype | None:
+    """The dtype the LM head multiplies in with fp32 output (see the module doc): the model's compute dtype (its
+    autocast dtype, else the hidden states' dtype) when it is bf16 or fp16 and the device has a matmul with fp32
+    output for it (CUDA); None: fp32 (or wider) inputs."""
+    device = hidden.device.type
+    if device != "cuda":
+        return None
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
+    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+
+
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target_ids: torch.Tensor,
-                  temperature: float, chunk_bytes: int = LOGIT_CHUNK_BYTES, where: torch.Tensor | None = None
-                  ) -> torch.Tensor:
+                  temperature: float, chunk_bytes: int = LOGIT_CHUNK_BYTES, where: torch.Tensor | None = None, *,
+                  matmul_dtype: torch.dtype | None = None) -> torch.Tensor:
     """Logprobs ``[B, K]`` of ``target_ids`` ``[B, K]`` under ``softmax((hidden @ weight.T + bias) / temperature)``
     (``hidden`` ``[B, K, H]``) at the positions ``where`` (``[B, K]`` bool; default all) and 0 elsewhere, the
     logits made in fp32 (or wider) chunks of at most ``chunk_bytes``, recomputed in backward when there are several.
+    ``matmul_dtype`` (bf16, fp16): the product's inputs in it, its output fp32 (:class:`_LowPrecisionHead`).
     With no position to score the result is zeros with a graph to ``hidden`` but not to the weight (whose gradient
     would be all zeros, as costly as a real one): FSDP2 prepares a layer's backward from its output's graph."""
     if where is None:
@@ -194,7 +213,11 @@ def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     if rows.shape[0] == 0:
         return torch.zeros(where.shape, dtype=torch.float32, device=hidden.device) + rows.sum() * 0.0
     step = max(1, chunk_bytes // (4 * weight.shape[0]))  # positions per chunk of fp32 logits
-    if rows.shape[0] <= step:
+    if matmul_dtype is not None:  # recomputes its chunks in backward itself
+        picked = torch.cat([_LowPrecisionHead.apply(rows[start:start + step], weight, bias,
+                                                    targets[start:start + step], temperature, matmul_dtype)
+                            for start in range(0, rows.shape[0], step)])
+    elif rows.shape[0] <= step:
         picked = _chunk_logprobs(rows, weight, bias, targets, temperature)
     else:
         parts = []
@@ -212,6 +235,54 @@ def _chunk_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     with torch.autocast(device_type=hidden.device.type, enabled=False):
         logits = F.linear(hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     return _picked_logprobs(logits, targets, temperature)
+
+
+class _LowPrecisionHead(torch.autograd.Function):
+    """One chunk's picked logprobs ``[P]`` with the head's product in ``matmul_dtype`` and fp32 output; only the
+    inputs and the log-sum-exp are kept for backward, which makes the chunk's fp32 logits again."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, targets: torch.Tensor,
+                temperature: float, matmul_dtype: torch.dtype) -> torch.Tensor:
+        scores = _scores(hidden, weight, bias, temperature, matmul_dtype)
+        lse = torch.logsumexp(scores, dim=-1)
+        ctx.save_for_backward(hidden, weight, bias, targets, lse)
+        ctx.temperature, ctx.matmul_dtype = temperature, matmul_dtype
+        return scores.gather(-1, targets.unsqueeze(-1)).squeeze(-1) - lse
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        hidden, weight, bias, targets, lse = ctx.saved_tensors
+        dtype = ctx.matmul_dtype
+        # d(picked)/d(scores) = onehot(target) - softmax(scores); the scores are the logits over the temperature
+        grad_scores = torch.exp(_scores(hidden, weight, bias, ctx.temperature, dtype) - lse[:, None])
+        grad_scores.mul_(-grad[:, None]).scatter_add_(-1, targets[:, None], grad[:, None])
+        grad_logits = (grad_scores / ctx.temperature).to(dtype)
+        grad_hidden = _mm_fp32_out(grad_logits, weight.to(dtype)).to(hidden.dtype) \
+            if ctx.needs_input_grad[0] else None
+        grad_weight = _mm_fp32_out(grad_logits.t(), hidden.to(dtype)).to(weight.dtype) \
+            if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] \
+            else None
+        return grad_hidden, grad_weight, grad_bias, None, None, None
+
+
+def _scores(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, temperature: float,
+            matmul_dtype: torch.dtype) -> torch.Tensor:
+    """fp32 ``(hidden @ weight.T + bias) / temperature`` ``[P, V]``, the product's inputs in ``matmul_dtype``."""
+    with torch.autocast(device_type=hidden.device.type, enabled=False):
+        logits = _mm_fp32_out(hidden.to(matmul_dtype), weight.to(matmul_dtype).t())
+    if bias is not None:
+        logits = logits + bias.float()
+    return logits / temperature if temperature != 1.0 else logits
+
+
+def _mm_fp32_out(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ b`` of two low-precision matrices, accumulated and returned in fp32: the matrix units' product on CUDA;
+    elsewhere (tests) the same value from fp32 copies (low-precision values are exact in fp32)."""
+    if a.device.type == "cuda":
+        return torch.mm(a, b, out_dtype=torch.float32)
+    return torch.mm(a.float(), b.float())
 
 
 def _picked_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
