@@ -187,3 +187,25 @@ def test_qlora_step(db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
     record_figures("qlora", {"loss": values["loss"], "grad_norm": values["grad_norm"]})
     assert values["grad_norm"] > 0 and torch.isfinite(torch.tensor(values["loss"]))
     assert (out / "checkpoint-1").is_dir()
+
+
+def test_the_bf16_head_on_cuda_equals_its_cpu_emulation() -> None:
+    # torch.mm(..., out_dtype=torch.float32) in the matrix units against the same product from fp32 copies on the
+    # CPU (test_trainer_precision checks the emulation's numbers and gradients): forward and both gradients.
+    from agentrl.training.logprobs import head_logprobs
+
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 300, 256, dtype=torch.bfloat16)
+    weight = torch.randn(5000, 256) / 16
+    targets = torch.randint(0, 5000, (2, 300))
+    results = []
+    for device in ("cpu", "cuda"):
+        h = hidden.to(device).requires_grad_()
+        w = weight.to(device).requires_grad_()
+        out = head_logprobs(h, w, None, targets.to(device), 0.8, chunk_bytes=4 * 5000 * 128,
+                            matmul_dtype=torch.bfloat16)
+        grads = torch.autograd.grad(out.sum(), (h, w))
+        results.append([t.float().cpu() for t in (out, *grads)])
+    for cpu, cuda in zip(*results, strict=True):
+        assert torch.allclose(cpu, cuda, rtol=1e-2, atol=1e-3), float((cpu - cuda).abs().max())
+

@@ -120,9 +120,11 @@ def test_the_compute_dtype_head_stays_near_the_fp32_head_on_real_samples(
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         fp32_head = [model_token_logprobs(model, torch.tensor([s.input_ids]))[0] for s in engine_samples]
-        monkeypatch.setattr(logprobs, "head_matmul_dtype", lambda hidden: torch.bfloat16)
-        bf16_head = [model_token_logprobs(model, torch.tensor([s.input_ids]))[0] for s in engine_samples]
-        gaps = _gaps(model, engine_samples, lambda ids: model_token_logprobs(model, ids))
+        monkeypatch.setattr(logprobs, "head_matmul_dtype", lambda device, dtype: dtype)
+        bf16_head = [model_token_logprobs(model, torch.tensor([s.input_ids]), compute_dtype=torch.bfloat16)[0]
+                     for s in engine_samples]
+        gaps = _gaps(model, engine_samples,
+                     lambda ids: model_token_logprobs(model, ids, compute_dtype=torch.bfloat16))
     masks = [torch.tensor(s.loss_mask, dtype=torch.bool) for s in engine_samples]
     moved = torch.cat([(a - b)[m].abs() for a, b, m in zip(fp32_head, bf16_head, masks)])
     print(f"compute-dtype head vs fp32 head: mean |Δ| {moved.mean():.2e}, max {moved.max():.3f} nats")
@@ -153,8 +155,9 @@ def test_the_compute_dtype_head_has_the_gradients_of_its_rounded_inputs() -> Non
 def test_the_head_multiplies_in_fp32_on_the_cpu() -> None:
     from agentrl.training.logprobs import head_matmul_dtype
 
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        assert head_matmul_dtype(torch.zeros(1, 2, dtype=torch.bfloat16)) is None  # no bf16 product with fp32 output
+    assert head_matmul_dtype(torch.device("cpu"), torch.bfloat16) is None  # no bf16 product with fp32 output
+    assert head_matmul_dtype(torch.device("cuda"), torch.bfloat16) is torch.bfloat16
+    assert head_matmul_dtype(torch.device("cuda"), None) is None  # fp32 mode: exact as before
 
 
 def test_chunked_head_equals_one_block_with_gradients() -> None:

@@ -7,8 +7,8 @@
 Precision: the trainer's logprobs are compared with the inference engine's (importance ratios), so they come from
 fp32 logits in every precision mode. ``model_token_logprobs`` computes the LM head itself, from the final hidden
 states — bf16 logits would be off by up to ~2⁻⁹ of their magnitude (~0.05 nats for a logit of 20) before any
-upcast. What fp32 is needed for is the logits, not the inputs: in bf16 mode on CUDA (the hidden states in bf16, or
-autocast to bf16) the head multiplies bf16 hidden states by the bf16-rounded weight in the matrix units, which
+upcast. What fp32 is needed for is the logits, not the inputs: in bf16 mode on CUDA (the trainer passes its compute
+dtype) the head multiplies bf16 hidden states by the bf16-rounded weight in the matrix units, which
 accumulate in fp32, and asks for fp32 output (``torch.mm(..., out_dtype=torch.float32)``: ~15× the throughput of an
 fp32 matmul on Hopper, the head being a quarter of a small model's matmul FLOPs), as prime-rl's ``FusedOutputLinear``
 does; :func:`head_matmul_dtype` decides. The CPU has no such product (a bf16 matmul there rounds its output to bf16),
@@ -66,6 +66,7 @@ def model_token_logprobs(
     temperature: float = 1.0,
     scored: torch.Tensor | None = None,
     chunk_bytes: int = LOGIT_CHUNK_BYTES,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Run a Hugging Face causal LM on ``input_ids`` ``[B, T]`` and return ``token_logprobs`` ``[B, T]``.
 
@@ -73,7 +74,8 @@ def model_token_logprobs(
     some row get their logprob (the others are 0): the LM head runs only at the positions before them
     (``logits_to_keep``), which skips most of a prompt-heavy sequence's ``[T, V]`` logits — their cost and memory
     — in the forward and backward pass. With nothing scored the model still runs (all logprobs 0, with a graph):
-    a padding pass must make the same FSDP2 collectives as the other ranks' real passes.
+    a padding pass must make the same FSDP2 collectives as the other ranks' real passes. ``compute_dtype``: the
+    model's (bf16 in bf16 mode), for :func:`head_matmul_dtype`.
     """
     _check_model(model, temperature)
     if input_ids.shape[1] < 2:
@@ -84,26 +86,29 @@ def model_token_logprobs(
     else:
         wanted = torch.cat([scored[:, 1:].bool(), torch.zeros_like(scored[:, :1], dtype=torch.bool)], dim=1)
     wanted[:, -1] = False
-    picked = _predict(model, input_ids, labels, wanted, temperature, chunk_bytes, attention_mask=attention_mask)
+    picked = _predict(model, input_ids, labels, wanted, temperature, chunk_bytes, compute_dtype,
+                      attention_mask=attention_mask)
     return torch.cat([picked.new_zeros((input_ids.shape[0], 1)), picked[:, :-1]], dim=1)
 
 
 def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: float = 1.0,
-                    chunk_bytes: int = LOGIT_CHUNK_BYTES) -> torch.Tensor:
+                    chunk_bytes: int = LOGIT_CHUNK_BYTES, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``token_logprobs`` ``[B, T]`` of a micro-batch forwarded in one model call along ``layout`` (see the module
     doc and ``agentrl.training.prefix_tree``): equal to ``model_token_logprobs`` of each sample alone, with each
     shared span computed once. The LM head runs (in fp32) only where some sample has a loss token; a pass without one
     still runs the model (FSDP2 ranks make the same collectives). Needs a model that ``shared_prefix_unsupported``
-    accepts when the layout has a mask."""
+    accepts when the layout has a mask. ``compute_dtype``: as for :func:`model_token_logprobs`."""
     _check_model(model, temperature)
     if layout.mask is not None:
         picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes,
-                          attention_mask=_attention_mask(layout.mask, model), position_ids=layout.positions)
+                          compute_dtype, attention_mask=_attention_mask(layout.mask, model),
+                          position_ids=layout.positions)
     elif layout.computed_tokens:
-        picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes)
+        picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes,
+                          compute_dtype)
     else:  # nothing to predict: the model still runs (FSDP2 ranks make the same collectives; the loss needs a graph)
         pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
-        picked = _predict(model, pad, pad, pad.bool(), temperature, chunk_bytes)
+        picked = _predict(model, pad, pad, pad.bool(), temperature, chunk_bytes, compute_dtype)
     flat = torch.cat([picked.new_zeros(1), picked.reshape(-1)])
     return flat[layout.out_index]
 
@@ -136,7 +141,8 @@ def shared_prefix_unsupported(model: torch.nn.Module) -> str | None:
 
 
 def _predict(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, wanted: torch.Tensor,
-             temperature: float, chunk_bytes: int, **model_kwargs) -> torch.Tensor:
+             temperature: float, chunk_bytes: int, compute_dtype: torch.dtype | None,
+             **model_kwargs) -> torch.Tensor:
     """``[n, w]``: at ``(r, j)`` where some row is ``wanted`` at column ``j``, the logprob of ``labels[r, j]`` given
     row ``r`` up to position ``j``; 0 elsewhere. The model's head step runs only at those columns
     (``logits_to_keep``), the LM head itself only at the wanted positions.
@@ -148,7 +154,8 @@ def _predict(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tens
     if nothing:
         keep = torch.zeros(1, dtype=torch.long, device=input_ids.device)
     head = model.get_output_embeddings()
-    with _scoring(head, labels[:, keep], None if nothing else wanted[:, keep], temperature, chunk_bytes):
+    matmul_dtype = head_matmul_dtype(input_ids.device, compute_dtype)
+    with _scoring(head, labels[:, keep], None if nothing else wanted[:, keep], temperature, chunk_bytes, matmul_dtype):
         # the model's forward ends in our head, which returns [n, K] logprobs in place of [n, K, V] logits
         picked = model(input_ids=input_ids, use_cache=False, logits_to_keep=keep, **model_kwargs).logits
     if picked.shape != (input_ids.shape[0], keep.numel()):
@@ -169,7 +176,7 @@ def _check_model(model: torch.nn.Module, temperature: float) -> None:
 
 @contextlib.contextmanager
 def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, where: torch.Tensor | None, temperature: float,
-             chunk_bytes: int) -> Iterator[None]:
+             chunk_bytes: int, matmul_dtype: torch.dtype | None) -> Iterator[None]:
     """Within the block, ``head`` (the model's ``lm_head``) maps hidden states ``[B, K, H]`` to the fp32 logprobs
     ``[B, K]`` of ``target_ids`` at the positions ``where`` (``head_logprobs``). The head stays the model's own
     module, so FSDP2 gathers its weight as usual."""
@@ -178,7 +185,7 @@ def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, where: torch.Tenso
 
     def forward(hidden: torch.Tensor) -> torch.Tensor:
         return head_logprobs(hidden, head.weight, head.bias, target_ids, temperature, chunk_bytes, where,
-                             matmul_dtype=head_matmul_dtype(hidden))
+                             matmul_dtype=matmul_dtype)
 
     head.forward = forward
     try:
@@ -187,15 +194,12 @@ def _scoring(head: torch.nn.Module, target_ids: torch.Tensor, where: torch.Tenso
         del head.forward
 
 
-def head_matmul_dtype(hidden: torch.Tensor) -> torch.dtype | None:
-    """The dtype the LM head multiplies in with fp32 output (see the module doc): the model's compute dtype (its
-    autocast dtype, else the hidden states' dtype) when it is bf16 or fp16 and the device has a matmul with fp32
-    output for it (CUDA); None: fp32 (or wider) inputs."""
-    device = hidden.device.type
-    if device != "cuda":
+def head_matmul_dtype(device: torch.device, compute_dtype: torch.dtype | None) -> torch.dtype | None:
+    """The dtype the LM head multiplies in with fp32 output (see the module doc): the model's ``compute_dtype`` when
+    it is bf16 or fp16 and ``device`` has a matmul with fp32 output for it (CUDA); None: fp32 (or wider) inputs."""
+    if device.type != "cuda" or compute_dtype not in (torch.bfloat16, torch.float16):
         return None
-    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else hidden.dtype
-    return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return compute_dtype
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, target_ids: torch.Tensor,
