@@ -23,6 +23,7 @@ import httpx
 from pydantic import BaseModel, Field
 
 from agentrl.inference.protocol import (
+    DEFAULT_GROUP,
     EXTENSIONS,
     GenerateResponse,
     LoRAUpdateResponse,
@@ -33,7 +34,6 @@ from agentrl.inference.protocol import (
     adapter_policy_version,
     policy_version,
 )
-from agentrl.inference.weight_sync import DEFAULT_GROUP
 
 WeightUpdateAnswer = TypeVar("WeightUpdateAnswer", UpdateWeightsFromDiskResponse, WeightUpdateResponse)
 

@@ -55,6 +55,8 @@ logger = logging.getLogger(__name__)
 TOP_K_ALL = -1
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
 INITIAL_POLICY_VERSION = 0
+DEFAULT_GROUP = "weight_update_group"
+"""SGLang's default weight-update group name."""
 _non_numeric_versions_seen: set[str | None] = set()
 
 
@@ -244,7 +246,7 @@ class InitWeightsUpdateGroupRequest(_Request):
     master_port: int = Field(ge=1, le=65535)
     rank_offset: int = Field(ge=1, description="this server's rank (rank 0 is the trainer)")
     world_size: int = Field(ge=2)
-    group_name: str = Field("weight_update_group", min_length=1)
+    group_name: str = Field(DEFAULT_GROUP, min_length=1)
     backend: Literal["nccl", "gloo"] = "nccl"
 
     @model_validator(mode="after")
@@ -277,7 +279,7 @@ class UpdateWeightsFromDistributedRequest(_InMemoryUpdate):
     names: list[str] = Field(min_length=1)
     dtypes: list[str] = Field(min_length=1)
     shapes: list[list[int]] = Field(min_length=1)
-    group_name: str = "weight_update_group"
+    group_name: str = DEFAULT_GROUP
 
 
 class UpdateWeightsFromTensorRequest(_InMemoryUpdate):
@@ -301,7 +303,7 @@ class EndWeightUpdateRequest(_Request):
 class DestroyWeightsUpdateGroupRequest(_Request):
     """Body of ``POST /destroy_weights_update_group``."""
 
-    group_name: str = "weight_update_group"
+    group_name: str = DEFAULT_GROUP
 
 
 class WeightUpdateResponse(BaseModel):

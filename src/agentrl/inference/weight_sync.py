@@ -26,9 +26,6 @@ import torch
 import torch.distributed as dist
 
 BUCKET_FORMAT = "flattened_bucket"
-DEFAULT_GROUP = "weight_update_group"
-
-
 class WeightSyncError(ValueError):
     """An update whose tensors cannot be received or do not fit (names the tensor and what was expected)."""
 
