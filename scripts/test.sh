@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install everything into .venv (idempotent) and run the test suite. Extra arguments go to pytest (one run).
 # Without arguments: ruff, then the whole suite on the embedded NX-27017 server on three worker processes
-# (AGENTRL_TEST_WORKERS), then the store, rollout and resume tests again on SecantusDB, a second MongoDB
+# (AGENTRL_TEST_WORKERS), then the store and resume tests again on SecantusDB, a second MongoDB
 # implementation (skipped when AGENTRL_TEST_MONGO_URI names a server to use).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,8 +31,8 @@ parallel=(-n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup --durations=30)
 status=0
 .venv/bin/python -m pytest "${parallel[@]}" || status=$?
 if [ -z "${AGENTRL_TEST_MONGO_URI:-}" ]; then
-  echo "=== the store, rollout and resume tests on SecantusDB ==="
-  .venv/bin/python -m pytest "${parallel[@]}" --mongo-server=secantus tests/test_store_*.py tests/test_rollout_sampler.py \
-    tests/test_trainer_resume.py --deselect tests/test_store_secantus_faults.py || { s=$?; [ "$status" -ne 0 ] || status=$s; }
+  echo "=== the store and resume tests on SecantusDB ==="
+  .venv/bin/python -m pytest "${parallel[@]}" --mongo-server=secantus tests/test_store_*.py tests/test_trainer_resume.py \
+    --deselect tests/test_store_secantus_faults.py || { s=$?; [ "$status" -ne 0 ] || status=$s; }
 fi
 exit "$status"
