@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # MINIRL on the built-in calculator task: ./minirl_example.sh [RUN_NAME]
 #
-# With nothing configured it runs on this machine alone, in about 10 minutes on 2 CPU cores (8–11): the embedded database,
-# the built-in calculator MCP server and task sets, `agentrl engine` serving the embedded SmolLM2-135M-Instruct,
-# one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up (SFT on tool-use
-# demonstrations made with the real calculator), held-out evaluation of the warmed model, MINIRL with a live
-# status line, held-out evaluation of the final model, and a summary (runs/RUN_NAME/summary.json).
+# With nothing configured it runs on this machine alone, in about 8½ minutes on 2 CPU cores with the install: the
+# embedded database, the built-in calculator MCP server and task sets, `agentrl engine` serving the embedded
+# SmolLM2-135M-Instruct, one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up
+# (SFT on tool-use demonstrations made with the real calculator), held-out evaluation of the warmed model, MINIRL
+# with a live status line, held-out evaluation of the final model, and a summary (runs/RUN_NAME/summary.json).
 # `agentrl run` does all of it; this script gives it the variables below, each an option of the same name in lower
 # case (`agentrl run --help` says more about each):
 #
