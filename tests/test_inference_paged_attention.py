@@ -66,10 +66,13 @@ async def test_decode_attends_to_each_request_alone(tiny_model_dir: Path, sdpa_c
 @pytest.mark.parametrize("bucket", [1, 16])
 async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_calls: list[dict], bucket: int,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    # bucket 1: the CPU's settings; 16: CUDA's (decode keys padded, prefills unpadded and plainly causal) on the CPU
     # 16-token steps: the long prompt is prefilled in chunks (the later ones over cached keys) while the short ones
     # decode in the same steps; then a prompt sharing its first 48 tokens starts from the prefix cache. With a
     # bucket (CUDA's setting, here on the CPU) the decode group's keys are padded to its multiples, masked.
     monkeypatch.setattr(paged_attention, "DECODE_KEY_BUCKET", {"cpu": bucket})
+    padded = bucket == 1
+    monkeypatch.setattr(paged_attention, "PREFILL_QUERY_MULTIPLE", {"cpu": 32} if padded else {})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048, max_batch_tokens=16,
                                                       max_running_requests=8, page_size=16))
@@ -88,9 +91,13 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
         mismatch = logprob_mismatch(reference, ids, output.generated_tokens, output.logprobs)
         assert mismatch["num_tokens"] == 12 and mismatch["max_abs_diff"] <= 1e-4, mismatch
     prefill = [c for c in engine_calls if c["query"][0] == 1 and c["query"][1] == model.config.num_attention_heads]
-    assert all(c["mask"] and c["query"][2] % paged_attention.PREFILL_QUERY_MULTIPLE == 0 for c in prefill)
-    assert len({c["key"][2] for c in prefill}) >= 3 and 57 in {c["key"][2] for c in prefill}
-    assert not any(c["is_causal"] for c in engine_calls)  # explicit masks: the same kernels cached or not
+    cached = [c for c in prefill if c["mask"]]
+    assert len({c["key"][2] for c in cached}) >= 3 and 57 in {c["key"][2] for c in cached}
+    if padded:  # explicit masks and whole blocks of queries: the same kernels cached or not
+        assert cached == prefill and all(c["query"][2] % 32 == 0 for c in prefill)
+        assert not any(c["is_causal"] for c in engine_calls)
+    else:  # prompts with nothing cached keep the causal flag (CUDA's flash kernel)
+        assert any(c["is_causal"] for c in engine_calls) and any(c["query"][2] % 32 for c in prefill)
     decode = [c for c in engine_calls if c["query"][0] > 1]  # requests decoding together
     assert decode and all(c["key"][2] % bucket == 0 for c in decode)
     assert bucket > 1 or any(c["key"][2] % 16 for c in decode)  # unpadded, the lengths are not all multiples

@@ -458,7 +458,7 @@ class InferenceEngine:
             "usage": {"prompt_tokens": len(input_ids), "completion_tokens": len(output_ids),
                       "total_tokens": len(input_ids) + len(output_ids)},
             "metadata": {"weight_version": version} | (
-                {"weight_version_spans": run.several_versions()} if len(run.spans) > 1 else {}),
+                {"weight_version_spans": spans} if (spans := run.several_versions()) else {}),
         }
 
     # ------------------------------------------------------------------------------------------ weight updates

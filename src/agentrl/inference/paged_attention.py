@@ -23,9 +23,9 @@ its call: otherwise a prompt served from the prefix cache (its last few tokens c
 than the same prompt computed whole, and in ``bf16_matmuls`` mode such float-rounding differences grow through the
 layers into a different greedy token (measured: the second identical "Say hello." request differed from the first
 from its 7th token). CPU SDPA computes query rows in blocks and takes another GEMM kernel for a block of fewer than
-4 rows (or a call of 1 or 3), so each prefill's queries are padded to a multiple of :data:`PREFILL_QUERY_MULTIPLE`
-rows (repeats of its last row, dropped after) and always given an explicit mask: a row's output is then the same
-bits for any split of the prompt (``tests/test_inference_paged_attention.py``).
+4 rows (or a call of 1 or 3), so on the CPU each prefill's queries are padded to a multiple of 32 rows
+(:data:`PREFILL_QUERY_MULTIPLE`; repeats of its last row, dropped after) and always given an explicit mask: a row's
+output is then the same bits for any split of the prompt (``tests/test_inference_paged_attention.py``).
 
 Outside such a step (e.g. the engine's prompt-logprob pass) it is exactly transformers' ``sdpa``, masks included.
 """
@@ -48,9 +48,10 @@ PAGED_ATTENTION = "agentrl_paged_sdpa"
 
 _FULL_ATTENTION = "full_attention"
 
-PREFILL_QUERY_MULTIPLE = 32
-"""A prefill's query rows are padded to a multiple of this (see the module doc): every block CPU SDPA splits them
-into (32, 64 or 256 rows) is then full-sized."""
+PREFILL_QUERY_MULTIPLE = {"cpu": 32}
+"""Per device type, the multiple a prefill's query rows are padded to, always with an explicit mask (see the module
+doc): every block CPU SDPA splits them into (32, 64 or 256 rows) is then full-sized. Where absent (CUDA) a prefill
+with nothing cached keeps ``is_causal``, whose flash kernel an explicit mask would rule out."""
 
 DECODE_KEY_BUCKET = {"cuda": 64}
 """Per device type, the multiple the decode group's padded key length is rounded up to (1 where absent). On CUDA
@@ -74,9 +75,9 @@ class _Prefill:
     """One request that processes several tokens (or its first): attended alone."""
 
     rows: slice  # its query rows in the step's packed tokens
-    queries: torch.Tensor  # [padded] indices into its rows: each once, then the last repeated
+    queries: torch.Tensor | None  # [padded] indices into its rows: each once, then the last repeated; None: as is
     slots: torch.Tensor | None  # cache slots of all its keys; None: its keys are this step's (nothing cached)
-    mask: torch.Tensor  # [1, 1, padded, all] causal mask aligned to the end (padding rows repeat the last)
+    mask: torch.Tensor | None  # [1, 1, queries, all] causal mask aligned to the end; None: plain causal
 
 
 @dataclass(frozen=True)
@@ -106,10 +107,7 @@ class StepLayout:
                 continue
             past = total - new
             slots = read_slots[cu_k[i]:cu_k[i + 1]] if past > 0 else None
-            padded = -(-new // PREFILL_QUERY_MULTIPLE) * PREFILL_QUERY_MULTIPLE
-            queries = torch.arange(padded, device=read_slots.device).clamp(max=new - 1)
-            mask = (torch.arange(total, device=read_slots.device)[None, :] <= queries[:, None] + past)[None, None]
-            prefills.append(_Prefill(rows=slice(cu_q[i], cu_q[i + 1]), queries=queries, slots=slots, mask=mask))
+            prefills.append(_prefill(slice(cu_q[i], cu_q[i + 1]), past, slots, read_slots.device))
         decode = _decode_group(cu_k[:decoding_requests + 1], read_slots) if decoding_requests else None
         return cls(tokens=cu_q[-1], write_slots=write_slots[:cu_q[-1]], decode=decode, prefills=tuple(prefills))
 
@@ -134,16 +132,32 @@ class StepLayout:
             attended = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)
             out[group.rows] = attended.reshape(requests, heads, dim)
         for prefill in self.prefills:
-            q = query[:, :, prefill.rows].index_select(2, prefill.queries)
+            q = query[:, :, prefill.rows]
+            if prefill.queries is not None:
+                q = q.index_select(2, prefill.queries)
             if prefill.slots is None:
                 k, v = key[:, :, prefill.rows], value[:, :, prefill.rows]
             else:
                 k = k_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
                 v = v_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
             attended = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=prefill.mask, scale=scaling, enable_gqa=True)
+                q, k, v, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scaling, enable_gqa=True)
             out[prefill.rows] = attended[0, :, :prefill.rows.stop - prefill.rows.start].transpose(0, 1)
         return out.unsqueeze(0)
+
+
+def _prefill(rows: slice, past: int, slots: torch.Tensor | None, device: torch.device) -> _Prefill:
+    """A request computing the tokens ``rows`` after ``past`` cached ones: its queries padded and masked where the
+    device needs it (:data:`PREFILL_QUERY_MULTIPLE`), else masked only when keys precede them."""
+    new = rows.stop - rows.start
+    multiple = PREFILL_QUERY_MULTIPLE.get(device.type)
+    queries = None if multiple is None else torch.arange(-(-new // multiple) * multiple, device=device).clamp(
+        max=new - 1)
+    if queries is None and past == 0:
+        return _Prefill(rows=rows, queries=None, slots=slots, mask=None)
+    positions = (torch.arange(new, device=device) if queries is None else queries) + past
+    mask = (torch.arange(past + new, device=device)[None, :] <= positions[:, None])[None, None]
+    return _Prefill(rows=rows, queries=queries, slots=slots, mask=mask)
 
 
 def _decode_group(cu_k: list[int], read_slots: torch.Tensor) -> _DecodeGroup:

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 
 BUCKET_FORMAT = "flattened_bucket"
+
+
 class WeightSyncError(ValueError):
     """An update whose tensors cannot be received or do not fit (names the tensor and what was expected)."""
 

@@ -261,13 +261,11 @@ class _LowPrecisionHead(torch.autograd.Function):
         # d(picked)/d(scores) = onehot(target) - softmax(scores); the scores are the logits over the temperature
         grad_scores = torch.exp(_scores(hidden, weight, bias, ctx.temperature, dtype) - lse[:, None])
         grad_scores.mul_(-grad[:, None]).scatter_add_(-1, targets[:, None], grad[:, None])
-        grad_logits = (grad_scores / ctx.temperature).to(dtype)
-        grad_hidden = _mm_fp32_out(grad_logits, weight.to(dtype)).to(hidden.dtype) \
-            if ctx.needs_input_grad[0] else None
-        grad_weight = _mm_fp32_out(grad_logits.t(), hidden.to(dtype)).to(weight.dtype) \
-            if ctx.needs_input_grad[1] else None
-        grad_bias = grad_logits.float().sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] \
-            else None
+        grad_logits = grad_scores.div_(ctx.temperature)  # fp32; the products below take it in ``dtype``
+        low = grad_logits.to(dtype)
+        grad_hidden = _mm_fp32_out(low, weight.to(dtype)).to(hidden.dtype) if ctx.needs_input_grad[0] else None
+        grad_weight = _mm_fp32_out(low.t(), hidden.to(dtype)).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        grad_bias = grad_logits.sum(0).to(bias.dtype) if bias is not None and ctx.needs_input_grad[2] else None
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 

@@ -749,13 +749,14 @@ class Trainer:
         cfg = self.cfg
         with self._autocast():
             # Shared prefixes are forwarded once; the LM head runs only where trained tokens are predicted.
+            compute_dtype = torch.bfloat16 if self.bf16 else None
             new_logprobs = layout_logprobs(self.model, batch.layout, temperature=cfg.temperature,
-                                           compute_dtype=torch.bfloat16 if self.bf16 else None)
+                                           compute_dtype=compute_dtype)
             ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs = layout_logprobs(self.ref_model, batch.layout, temperature=cfg.temperature,
-                                                   compute_dtype=torch.bfloat16 if self.bf16 else None)
+                                                   compute_dtype=compute_dtype)
         loss_input = LossInput.from_batch(batch, new_logprobs, self.version, ref_logprobs)
         loss_sum, metrics = loss_fn(self.loss_cfg, loss_input, normaliser)
         (loss_sum * self.parallel.dp_size).backward()
