@@ -1,7 +1,7 @@
 """Benchmark ``agentrl engine``: generated tokens/s at 1, 4 and 16 concurrent requests vs sequential generate.
 
 Usage: ``.venv/bin/python bench/engine.py [--model_name_or_path DIR | --model_config FILE] [--device cpu|cuda]
-[--concurrency 1 4 16] [--repeats 3] [--output FILE] [--dry_run]``
+[--concurrency 1 4 16] [--repeats 3] [--compare_eager] [--output FILE] [--dry_run]``
 
 ``--model_config`` builds a model of that architecture (a Hugging Face ``config.json``, e.g.
 ``bench/configs/qwen3-0.6b.json``) with seeded random weights and the embedded tokenizer: speed depends on the
@@ -13,6 +13,8 @@ In one run, with the same model, device, dtype and thread count:
   ``--max_new_tokens`` tokens each) in this process;
 * engine: a real ``agentrl engine`` subprocess, fed through its HTTP API (``SGLangClient``) with rounds of
   N concurrent ``/generate`` requests of the same length (``ignore_eos``), for N in ``--concurrency``;
+* with ``--compare_eager`` on CUDA, the same rounds from a second engine with ``--disable_cuda_graph``: decode
+  steps eager instead of replayed as CUDA graphs (``captured_speedup``: captured over eager tokens/s);
 * weight load: ``/update_weights_from_disk`` of the model directory, timed end to end;
 * logprob mismatch: the engine's logprobs vs this process's fp32 forward pass (``logprob_mismatch``);
 * CPU time: tokens per CPU-second of the baseline (this process) and of the engine process (all its threads), a
@@ -161,6 +163,8 @@ def main() -> int:
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--compare_eager", action="store_true",
+                        help="on CUDA, also measure an engine whose decode steps run eagerly (--disable_cuda_graph)")
     parser.add_argument("--output", default=None, help="JSON file (default: bench/results/engine-<time>.json)")
     parser.add_argument("--dry_run", action="store_true", help="check the arguments and the model, measure nothing")
     args = parser.parse_args()
@@ -201,12 +205,21 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
     with EngineProcess(model_dir, *engine_args) as engine:
         report = asyncio.run(run_engine(engine, model_dir, tokenizer, reference, args.concurrency,
                                         args.max_new_tokens, args.repeats))
+        captured = device.type == "cuda" and "CUDA graphs" in engine.output
+    eager: dict = {}
+    if args.compare_eager and captured:
+        with EngineProcess(model_dir, *engine_args, "--disable_cuda_graph") as engine:
+            eager = asyncio.run(run_engine(engine, model_dir, tokenizer, reference, args.concurrency,
+                                           args.max_new_tokens, args.repeats))
 
     limit = {dtype: max(rate, limit_before[dtype]) for dtype, rate in machine_limit(hidden, device).items()}
     median = statistics.median
     base, base_cpu = median(baseline_rates), median(baseline_cpu_rates)
     rows = [("sequential model.generate", 1, base, base_cpu)]
-    rows += [("agentrl engine (HTTP)", concurrency, median(rates), median(report["concurrency_cpu"][concurrency]))
+    rows += [("agentrl engine, eager decode", concurrency, median(rates), median(eager["concurrency_cpu"][concurrency]))
+             for concurrency, rates in eager.get("concurrency", {}).items()]
+    mode = "agentrl engine, CUDA graphs" if captured else "agentrl engine"
+    rows += [(mode, concurrency, median(rates), median(report["concurrency_cpu"][concurrency]))
              for concurrency, rates in report["concurrency"].items()]
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     print(f"\nmodel {model_dir}\ndevice {device} ({device_name}), dtype {dtype}, {args.num_threads} threads, "
@@ -228,17 +241,23 @@ def measure(args: argparse.Namespace, model_dir: str, device: torch.device, dtyp
         Path(__file__).parent / "results" / f"engine-{time.strftime('%Y%m%d-%H%M%S')}.json")
     output.parent.mkdir(parents=True, exist_ok=True)
     by_concurrency = lambda values: {str(k): v for k, v in values.items()}  # noqa: E731
+    engine_rows = [row for row in rows[1:] if row[0] == mode]
     output.write_text(json.dumps({
         "model": args.model_config or model_dir, "device": str(device), "device_name": device_name, "dtype": str(dtype),
         "num_threads": args.num_threads, "max_new_tokens": args.max_new_tokens, "repeats": args.repeats,
         "baseline_tokens_per_s": baseline_rates, "engine_tokens_per_s": by_concurrency(report["concurrency"]),
         "weight_load_s": report["weight_load_s"], "logprob_max_abs_diff": report["logprob_max_abs_diff"],
         "logprob_mean_abs_diff": report["logprob_mean_abs_diff"], "parameters": parameters, "matmul_gflops": limit,
-        "speedup_vs_baseline": {str(c): rate / base for _, c, rate, _ in rows[1:]},
-        "fraction_of_limit": {str(c): 2 * parameters * rate / 1e9 / limit["bfloat16"] for _, c, rate, _ in rows[1:]},
+        "speedup_vs_baseline": {str(c): rate / base for _, c, rate, _ in engine_rows},
+        "fraction_of_limit": {str(c): 2 * parameters * rate / 1e9 / limit["bfloat16"] for _, c, rate, _ in engine_rows},
         "baseline_tokens_per_cpu_s": baseline_cpu_rates,
         "engine_tokens_per_cpu_s": by_concurrency(report["concurrency_cpu"]),
-        "speedup_per_cpu_s": {str(c): cpu_rate / base_cpu for _, c, _, cpu_rate in rows[1:]}}, indent=2))
+        "speedup_per_cpu_s": {str(c): cpu_rate / base_cpu for _, c, _, cpu_rate in engine_rows},
+        "cuda_graphs": captured,
+        "engine_eager_tokens_per_s": by_concurrency(eager.get("concurrency", {})),
+        "captured_speedup": {str(c): median(rates) / median(eager["concurrency"][c])
+                             for c, rates in report["concurrency"].items() if c in eager.get("concurrency", {})}},
+        indent=2))
     print(f"\nwritten to {output}")
     return 0
 

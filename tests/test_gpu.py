@@ -1,11 +1,12 @@
-"""CUDA paths: the engine in bf16, a trainer step under NCCL with FSDP2, LoRA adapters published to an engine on
-the GPU, and a QLoRA step. Marker ``gpu``; every test skips without a CUDA device. ``scripts/gpu_check.sh`` runs
-them (``pytest -m gpu tests/test_gpu.py``) on a GPU machine; the rest of the suite covers the same code on CPU.
+"""CUDA paths: the engine in bf16, a trainer step under NCCL with FSDP2, LoRA adapters published to an engine on the
+GPU, a QLoRA step, the bf16 head, the paged decode kernel and the captured decode steps. Marker ``gpu``; every test
+skips without a CUDA device. ``scripts/gpu_check.sh`` runs them (``pytest -m gpu tests/test_gpu.py``) on a GPU
+machine; the rest of the suite covers the same code on CPU.
 
 The model is the tests' scripted model (two layers, trained in code on the calculator scripts, seconds on a GPU):
-its distributions are peaked like a real policy's, so logprob gaps mean something. Bounds: bf16 layers against
-fp32 logprobs stay within the CPU precision test's 0.02 mean nats (``test_trainer_precision.BF16_MEAN_BOUND``);
-fp32 on CUDA (no TF32 for matmuls, torch's default) within 1e-3 of fp32.
+its distributions are peaked like a real policy's, so logprob gaps mean something. Bounds: bf16 layers against fp32
+logprobs stay within the CPU precision test's 0.02 mean nats (``test_trainer_precision.BF16_MEAN_BOUND``); fp32 on
+CUDA (no TF32 for matmuls, torch's default) within 1e-3 of fp32.
 """
 
 from __future__ import annotations
@@ -209,3 +210,73 @@ def test_the_bf16_head_on_cuda_equals_its_cpu_emulation() -> None:
     for cpu, cuda in zip(*results, strict=True):
         assert torch.allclose(cpu, cuda, rtol=1e-2, atol=1e-3), float((cpu - cuda).abs().max())
 
+
+
+def test_the_paged_decode_kernel_on_cuda_matches_sdpa_and_replays_in_a_graph() -> None:
+    # Qwen3-0.6B's attention shape in bf16, keys 1 to 2,000 through a random block table; then the same call
+    # captured once as a CUDA graph and replayed with other lengths and pages (what the engine's graphs do).
+    from agentrl.inference.decode_kernel import paged_decode_attention, paged_decode_reference
+
+    torch.manual_seed(0)
+    page, pages, requests = 32, 512, 16
+    k_cache = torch.randn(pages * page, 8, 128, device="cuda", dtype=torch.bfloat16)
+    v_cache = torch.randn(pages * page, 8, 128, device="cuda", dtype=torch.bfloat16)
+    query = torch.randn(requests, 16, 128, device="cuda", dtype=torch.bfloat16)
+    block_table = torch.randperm(pages, device="cuda")[:requests * 32].view(requests, 32).to(torch.int32)
+    seq_lens = torch.randint(1, 1000, (requests,), device="cuda", dtype=torch.int32)
+    seq_lens[0], seq_lens[1] = 1, 32
+    out = paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, page, 128 ** -0.5)
+    expected = paged_decode_reference(query, k_cache, v_cache, block_table, seq_lens, page, 128 ** -0.5)
+    first = float((out.float() - expected.float()).abs().max())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = paged_decode_attention(query, k_cache, v_cache, block_table, seq_lens, page, 128 ** -0.5)
+    seq_lens.copy_(torch.randint(1, 1024, (requests,), device="cuda", dtype=torch.int32))
+    block_table.copy_(torch.randperm(pages, device="cuda")[:requests * 32].view(requests, 32))
+    graph.replay()
+    expected = paged_decode_reference(query, k_cache, v_cache, block_table, seq_lens, page, 128 ** -0.5)
+    replayed = float((captured.float() - expected.float()).abs().max())
+    record_figures("paged_decode_kernel", {"max_abs_diff": first, "replayed_max_abs_diff": replayed})
+    assert first < 2e-2 and replayed < 2e-2
+
+
+async def test_captured_decode_steps_match_eager_ones_and_follow_weight_updates(scripted_model_dir: Path) -> None:
+    # The batcher on CUDA with and without decode graphs: the same greedy tokens, logprobs as an fp32 forward's;
+    # a weight update copies into the parameters the graphs read (addresses unchanged), and the replayed steps then
+    # follow the new weights.
+    from transformers import AutoModelForCausalLM
+
+    from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
+
+    ids = prompts(scripted_model_dir)
+    outputs, captured = {}, []
+    for graphs in (False, True):
+        model = AutoModelForCausalLM.from_pretrained(scripted_model_dir, dtype=torch.float32,
+                                                     attn_implementation="sdpa").to("cuda")
+        batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=8192, decode_graphs=graphs))
+        batcher.start()
+        try:
+            outputs[graphs] = await asyncio.gather(*[batcher.generate(
+                p, max_new_tokens=24, stop_token_ids=[], sampling=RequestSampling(top_k=1)) for p in ids])
+            if graphs:
+                captured = batcher.graphs.captured
+                addresses = [p.data_ptr() for p in model.parameters()]
+                other = fp32_model(scripted_model_dir)
+                with torch.no_grad():
+                    for parameter in other.parameters():
+                        parameter.mul_(1.02)
+                await asyncio.to_thread(batcher.load_state_dict, other.state_dict(), "v2")
+                after = await batcher.generate(ids[0], max_new_tokens=24, stop_token_ids=[],
+                                               sampling=RequestSampling(top_k=1))
+                assert [p.data_ptr() for p in model.parameters()] == addresses
+        finally:
+            batcher.stop()
+    reference = fp32_model(scripted_model_dir)
+    gaps = [logprob_mismatch(reference, p, o.generated_tokens, o.logprobs) for p, o in zip(ids, outputs[True])]
+    updated = logprob_mismatch(other, ids[0], after.generated_tokens, after.logprobs)
+    record_figures("decode_graphs", {"captured": captured, "max_abs_diff": max(g["max_abs_diff"] for g in gaps),
+                                     "after_update_max_abs_diff": updated["max_abs_diff"]})
+    assert any(size >= len(ids) for size in captured), captured  # the step of all prompts ran as a graph
+    assert [o.generated_tokens for o in outputs[True]] == [o.generated_tokens for o in outputs[False]]
+    assert max(g["max_abs_diff"] for g in gaps) <= FP32_CUDA_ATOL and updated["max_abs_diff"] <= FP32_CUDA_ATOL
+    assert after.versions == [("v2", 24)]

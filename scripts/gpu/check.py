@@ -10,10 +10,11 @@ install        the kit's wheels (``scripts/gpu_wheels.sh``) into a temporary tar
 environment    interpreter, torch, CUDA device; every requirement of the kit's roots satisfied by what is installed
 imports        every ``agentrl`` module imports (those of the environments' and scenarios' packages, which the kit
                leaves out, are listed apart)
-pytest_gpu     ``pytest -m gpu tests/test_gpu.py``: bf16 engine, FSDP2 step under NCCL, LoRA publish, QLoRA
+pytest_gpu     ``pytest -m gpu tests/test_gpu.py``: bf16 engine, FSDP2 step under NCCL, LoRA publish, QLoRA, bf16 head,
+               paged decode kernel, captured decode steps
 bench_trainer  ``bench/trainer.py``, random Qwen3-0.6B shape, ~16k tokens a step: tokens/s and MFU; shared prefixes at
                four group shapes, with the operators of each shared pass (``--profile``)
-bench_engine   ``bench/engine.py``, the same shape: tokens/s at 1, 16 and 64 concurrent requests
+bench_engine   ``bench/engine.py``, the same shape: tokens/s at 1, 16 and 64 concurrent requests, CUDA graphs and eager
 decode_attn    ``bench/decode_attention.py``: the engine's decode attention call per SDPA backend, key length exact
                and rounded up, as the keys grow
 publish        ``bench/publish.py``, the same shape: the trainer's publish through disk against in memory (NCCL), bf16
@@ -117,6 +118,9 @@ def bench_engine_figures(work: Path, output: str) -> dict:
     return {"device_name": found.get("device_name"), "dtype": found.get("dtype"),
             "baseline_tokens_per_s": median(found["baseline_tokens_per_s"]),
             "engine_tokens_per_s": {k: median(v) for k, v in found["engine_tokens_per_s"].items()},
+            "cuda_graphs": found.get("cuda_graphs"),
+            "engine_eager_tokens_per_s": {k: median(v) for k, v in found.get("engine_eager_tokens_per_s", {}).items()},
+            "captured_speedup": found.get("captured_speedup"),
             "weight_load_s": median(found["weight_load_s"]),
             "logprob_mean_abs_diff": found.get("logprob_mean_abs_diff")}
 
@@ -195,7 +199,8 @@ def steps(ctx: Context) -> list[Step]:
              figures=lambda w, o: read_json(w / "bench_trainer.json")),
         Step("bench_engine", [python, "bench/engine.py", "--model_config", MODEL_CONFIG, "--device", "cuda",
                               "--dtype", "bfloat16", "--concurrency", "1", "16", "64", "--repeats", "3",
-                              "--num_threads", "4", "--output", f"{work}/bench_engine.json"], 150, cuda=True,
+                              "--num_threads", "4", "--compare_eager", "--output", f"{work}/bench_engine.json"], 240,
+             cuda=True,
              figures=bench_engine_figures),
         Step("decode_attn", [python, "bench/decode_attention.py", "--device", "cuda", "--json",
                              f"{work}/decode_attn.json"], 90, cuda=True,

@@ -40,6 +40,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         help="tokens per forward pass, i.e. the prefill chunk (default: 2048)")
     parser.add_argument("--max_running_requests", type=int, default=64,
                         help="requests decoded together at most (default: 64)")
+    parser.add_argument("--disable_cuda_graph", action="store_true",
+                        help="on CUDA, run decode steps eagerly instead of replaying them as CUDA graphs captured "
+                             "once per batch size (SGLang's --disable-cuda-graph)")
+    parser.add_argument("--cuda_graph_max_bs", type=int, default=64,
+                        help="the largest decode batch run as a CUDA graph; larger ones run eagerly (SGLang's "
+                             "--cuda-graph-max-bs; default: 64)")
     parser.add_argument("--enable_lora", action="store_true",
                         help="serve LoRA adapters loaded at run time with /load_lora_adapter; a /generate request "
                              "names one in lora_path (SGLang's --enable-lora). Turns prefix sharing off")
@@ -108,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
             weight_version=args.weight_version, max_total_tokens=args.max_total_tokens,
             max_batch_tokens=args.max_batch_tokens, max_running_requests=args.max_running_requests,
             page_size=args.page_size, preferred_sampling_params=preferred, enable_lora=args.enable_lora,
-            weight_update_timeout_s=args.weight_update_timeout_s, weight_update_mode=args.weight_update_mode)
+            weight_update_timeout_s=args.weight_update_timeout_s, weight_update_mode=args.weight_update_mode,
+            disable_cuda_graph=args.disable_cuda_graph, cuda_graph_max_bs=args.cuda_graph_max_bs)
     except ValidationError as error:
         print(f"agentrl engine: error: {error}", file=sys.stderr)
         return 2

@@ -18,8 +18,10 @@ Two replace what transformers does per decoding step:
 * on CPU, the Linear layers multiply with oneDNN-packed weights (:mod:`agentrl.inference.packed_linear`),
   repacked when weights are loaded.
 
-CUDA graphs and async double-buffering are disabled (the sampler runs Python per step). The rest of the manager
-is used as is: requests are added from any thread, results come back through ``register_result_handler``.
+transformers' own CUDA graphs (whose decode path needs flash-attn's kernel) and async double-buffering are off;
+with ``BatchingConfig.decode_graphs`` the steps in which every request decodes run from static buffers instead,
+captured as CUDA graphs on CUDA (:mod:`agentrl.inference.decode_graphs`; sampling stays eager). The rest of the
+manager is used as is: requests are added from any thread, results come back through ``register_result_handler``.
 
 New weights are swapped in between two decoding steps while requests keep running (:meth:`ContinuousBatcher.swap`):
 each sampled token is recorded with the version of the weights whose logits it was drawn from
@@ -37,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import secrets
 import threading
 import uuid
@@ -59,14 +62,18 @@ from transformers.generation.continuous_batching.requests import FutureRequestSt
 from transformers.generation.logits_process import LogitsProcessorList
 
 from agentrl.inference import paged_attention
+from agentrl.inference.decode_graphs import DecodeGraphs
+from agentrl.inference.decode_kernel import triton_available
 from agentrl.inference.lora_adapters import Adapter, ServedAdapters
 from agentrl.inference.packed_linear import PackedLinear, pack_linears
 from agentrl.inference.sampling import RowParams, penalties, sample
 
+logger = logging.getLogger(__name__)
+
 PROMPT_LOGPROB_ROWS = 256
+"""Prompt positions whose fp32 log-softmax over the vocabulary is made at once (input-token logprobs)."""
 ALIGNMENT = 64
 """Bytes a served weight's address is a multiple of (the CPU allocator's alignment)."""
-"""Prompt positions whose fp32 log-softmax over the vocabulary is made at once (input-token logprobs)."""
 
 
 _unsalted_block_hash = cache_allocator.compute_block_hash
@@ -170,6 +177,8 @@ class BatchingConfig:
     page_size: int = 32
     prefix_sharing: bool = True
     bf16_matmuls: bool = False  # an fp32 model's layers (not its LM head) multiply in bf16 (``pack_linears``)
+    decode_graphs: bool = False  # decode-only steps from static buffers (``DecodeGraphs``), captured on CUDA
+    decode_graph_max_requests: int = 64  # the largest batch they serve (larger ones run eagerly)
 
 
 class _RequestValue(ContinuousBatchingLogitsProcessor):
@@ -233,6 +242,7 @@ class _SGLangSamplingRunner(ModelRunner):
 
     adapters: ServedAdapters | None = None
     versions: TokenVersions | None = None
+    graphs: DecodeGraphs | None = None
 
     def _forward_process_and_sample(self, model: torch.nn.Module, batch_data: dict, carry_over_ids: torch.Tensor,
                                     prev_output_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -240,15 +250,7 @@ class _SGLangSamplingRunner(ModelRunner):
         if self.adapters is not None and self.adapters.adapters:
             self.adapters.route([(r.state.request_id, r.query_length)
                                  for r in self.inputs_and_outputs.requests_in_batch])
-        if model.config._attn_implementation == paged_attention.PAGED_ATTENTION:
-            decoding = [bool(r.state.generated_tokens) for r in self.inputs_and_outputs.requests_in_batch]
-            with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data, decoding)):
-                logits = model(**batch_data).logits
-        else:
-            logits = model(**batch_data).logits
-        if "logits_to_keep" not in batch_data:
-            logits = logits[:, batch_data["logits_indices"], :]
-        logits = logits[0].float()  # [rows, vocab]
+        logits = self._logits(model, batch_data).float()  # [rows, vocab]
         params = _row_params(batch_data["logits_processor_args"], logits.size(0))
         tokens, logprobs = sample(logits, params, self._penalties(params, logits.size(0), logits.size(-1)))
         rows = tokens.size(0)
@@ -257,6 +259,21 @@ class _SGLangSamplingRunner(ModelRunner):
         if self.versions is not None:
             self.versions.record([r.state.request_id for r in self.inputs_and_outputs.requests_in_batch
                                   if r.has_new_token])
+
+    def _logits(self, model: torch.nn.Module, batch_data: dict) -> torch.Tensor:
+        """The step's logits rows [rows, vocab]: from the decode graphs where they serve the step, else eagerly."""
+        if model.config._attn_implementation != paged_attention.PAGED_ATTENTION:
+            logits = model(**batch_data).logits
+        else:
+            decoding = [bool(r.state.generated_tokens) for r in self.inputs_and_outputs.requests_in_batch]
+            graphs = self.graphs
+            if graphs is not None and not self.adapters.adapters and graphs.serves(batch_data, decoding):
+                return graphs.forward(batch_data, decoding, self.cache)
+            with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data, decoding)):
+                logits = model(**batch_data).logits
+        if "logits_to_keep" not in batch_data:
+            logits = logits[:, batch_data["logits_indices"], :]
+        return logits[0]
 
     def _penalties(self, params: RowParams, rows: int, vocab: int) -> torch.Tensor | None:
         """Presence/frequency penalties of the rows; logits rows follow the batch's requests that sample a token."""
@@ -272,11 +289,12 @@ class _Manager(ContinuousBatchingManager):
     """transformers' manager with our per-request values and our sampling runner."""
 
     def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters,
-                 versions: TokenVersions):
+                 versions: TokenVersions, graphs: DecodeGraphs | None):
         super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
         self.logit_processor = _RequestValues()
         self.adapters = adapters
         self.versions = versions
+        self.graphs = graphs
 
     def switch_to_cb_friendly_attn(self, model: PreTrainedModel, auto_switch_to_flash: bool = True) -> None:
         """Serve with :mod:`agentrl.inference.paged_attention` where the model allows (for good: outside a step it
@@ -295,6 +313,7 @@ class _Manager(ContinuousBatchingManager):
                 return_logprobs=True)
             processor.model_runner.adapters = self.adapters
             processor.model_runner.versions = self.versions
+            processor.model_runner.graphs = self.graphs
         return processor
 
 
@@ -322,12 +341,27 @@ class ContinuousBatcher:
         pack_linears(self.model, bf16_matmuls=self.config.bf16_matmuls)
         self.adapters = ServedAdapters(self.model)
         self.versions = TokenVersions(version)
-        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self.versions)
+        self.graphs = self._decode_graphs()
+        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self.versions, self.graphs)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
         self._prompt_pass = threading.Lock()  # one prompt pass at a time: the adapters' routing is the model's
         self._spare: dict[int, torch.Tensor] = {}  # CPU, after a copied swap: the storage the last version served
+
+    def _decode_graphs(self) -> DecodeGraphs | None:
+        """The static decode steps, if configured and the model uses our paged attention (captured on CUDA)."""
+        config = self.config
+        if not config.decode_graphs or not paged_attention.supports(self.model.config):
+            return None
+        capture = self.model.device.type == "cuda"
+        if capture and not triton_available(self.model.device):
+            logger.warning("decode steps run eagerly: CUDA graphs need Triton's paged decode kernel (no triton)")
+            return None
+        return DecodeGraphs(self.model, max_requests=min(config.decode_graph_max_requests,
+                                                         config.max_running_requests),
+                            max_pages=ceil(config.max_total_tokens / config.page_size), page_size=config.page_size,
+                            capture=capture)
 
     def _cb_config(self) -> ContinuousBatchingConfig:
         config = self.config
@@ -342,9 +376,11 @@ class ContinuousBatcher:
         self._manager.start()
 
     def stop(self) -> None:
-        """Stop the generation loop and free its KV cache."""
+        """Stop the generation loop and free its KV cache (and the decode graphs captured on it)."""
         if self._manager.is_running():
             self._manager.stop(block=True, timeout=30)
+        if self.graphs is not None:
+            self.graphs.reset()
 
     def is_running(self) -> bool:
         return self._manager.is_running()
@@ -505,15 +541,17 @@ class ContinuousBatcher:
         """Serve the prepared weights (every tensor of the model's state dict must be in them; blocking) as
         ``version``: the loop pauses between two generation steps only to exchange references; running requests
         go on with the new weights (their next tokens are recorded under ``version``), and the prefix cache is
-        no longer matched (its blocks hold the old weights' keys and values)."""
+        no longer matched (its blocks hold the old weights' keys and values). While decode graphs are captured the
+        values are copied into the parameters' own storage, which the graphs read."""
         global _block_salt
         targets = self.model.state_dict(keep_vars=True)
         missing = [key for key, target in targets.items() if id(target) not in prepared.values]
         if missing:
             raise ValueError(f"the new weights do not match the model: missing {sorted(missing)[:3]}")
         with torch.no_grad(), self._paused():
+            in_place = self.graphs is not None and self.graphs.in_place_weights
             for target in targets.values():
-                if isinstance(target, torch.nn.Parameter):
+                if isinstance(target, torch.nn.Parameter) and not in_place:
                     old, target.data = target.data, prepared.values[id(target)]
                     if prepared.copied and old.device.type == "cpu" and old.data_ptr() != target.data_ptr():
                         self._spare[id(target)] = old  # no request uses it after the swap

@@ -108,6 +108,10 @@ class EngineConfig(BaseModel):
     max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
     max_running_requests: int = Field(64, gt=0)
     page_size: int = Field(32, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
+    disable_cuda_graph: bool = Field(False, description="on CUDA, run decode steps eagerly instead of replaying "
+                                     "them as CUDA graphs captured per batch size")
+    cuda_graph_max_bs: int = Field(64, gt=0, description="the largest decode batch run as a CUDA graph (larger "
+                                   "ones run eagerly)")
     enable_lora: bool = Field(False, description="serve LoRA adapters loaded at run time (turns prefix sharing off)")
     weight_update_timeout_s: float = Field(
         120.0, gt=0, description="how long joining a weight-update group, and each of its transfers, may take")
@@ -193,10 +197,14 @@ class InferenceEngine:
         self.batcher = ContinuousBatcher(self.model, BatchingConfig(
             max_total_tokens=config.max_total_tokens, max_batch_tokens=config.max_batch_tokens,
             max_running_requests=config.max_running_requests, page_size=config.page_size,
-            prefix_sharing=not config.enable_lora, bf16_matmuls=bf16_matmuls(config.dtype, self.device)),
-            version=config.weight_version)
+            prefix_sharing=not config.enable_lora, bf16_matmuls=bf16_matmuls(config.dtype, self.device),
+            decode_graphs=self.device.type == "cuda" and not config.disable_cuda_graph,
+            decode_graph_max_requests=config.cuda_graph_max_bs), version=config.weight_version)
+        graphs = self.batcher.graphs
         self.precision = str(self.dtype).removeprefix("torch.") + (
-            ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "")
+            ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "") + (
+            f", CUDA graphs up to {graphs.sizes[-1]} requests" if graphs is not None and graphs.capture
+            else ", eager decode")
         self._adapter_users: dict[str, int] = {}  # loaded adapter -> admitted requests using it
         self._adapter_idle: dict[str, asyncio.Event] = {}  # adapters being unloaded -> set when unused
         self.gate = AdmissionGate()

@@ -16,7 +16,10 @@ runner with the step's :class:`StepLayout`), each layer writes its new keys and 
   query positions (no ``repeat_kv`` copy);
 * prefill requests (a prompt or a chunk of one) attend one by one, over their own new keys or, when part of the
   prompt is already cached (prefix sharing, chunked prefill), over the cached keys and the new ones, through a
-  causal mask aligned to the end.
+  causal mask aligned to the end;
+* or, in a step where every request decodes and whose inputs sit in static buffers (:class:`DecodeLayout`, the
+  step :mod:`agentrl.inference.decode_graphs` captures as a CUDA graph), the requests attend through the block
+  table in place (:mod:`agentrl.inference.decode_kernel`).
 
 **The same numbers whatever is cached.** A token's attention output must not depend on how many other tokens share
 its call: otherwise a prompt served from the prefix cache (its last few tokens computed alone) gets other logits
@@ -42,6 +45,8 @@ from transformers import AttentionInterface, PretrainedConfig
 from transformers.generation.continuous_batching.cache import PagedAttentionCache, group_layers_by_attn_type
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
+
+from agentrl.inference.decode_kernel import paged_decode_attention
 
 PAGED_ATTENTION = "agentrl_paged_sdpa"
 """The attention implementation name (``model.set_attn_implementation``)."""
@@ -146,6 +151,31 @@ class StepLayout:
         return out.unsqueeze(0)
 
 
+@dataclass(frozen=True)
+class DecodeLayout:
+    """A step in which every request decodes one token, in static buffers (:mod:`agentrl.inference.decode_graphs`
+    captures it once per batch size and replays it): the keys are read through the block table in place
+    (:func:`~agentrl.inference.decode_kernel.paged_decode_attention`), nothing in it depends on the key counts'
+    values, and nothing reads a tensor back to the host."""
+
+    write_slots: torch.Tensor  # [requests] cache slot of each request's new key and value
+    block_table: torch.Tensor  # [requests, max_pages] int32 cache page of each of a request's pages
+    seq_lens: torch.Tensor  # [requests] int32 keys of each request, its new one included
+    page_size: int
+
+    def attend(self, layer_idx: int, cache: PagedAttentionCache, query: torch.Tensor, key: torch.Tensor,
+               value: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """:meth:`StepLayout.attend`'s contract, for one query token per request."""
+        k_pages, v_pages = cache.layer_to_allocator[layer_idx].get_cache_for_block_table(layer_idx)
+        k_cache, v_cache = k_pages.flatten(0, 1), v_pages.flatten(0, 1)  # [slots, kv_heads, dim]
+        k_cache.index_copy_(0, self.write_slots, key[0].transpose(0, 1))
+        v_cache.index_copy_(0, self.write_slots, value[0].transpose(0, 1))
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        out = paged_decode_attention(query[0].transpose(0, 1), k_cache, v_cache, self.block_table, self.seq_lens,
+                                     self.page_size, scale)  # [requests, heads, dim]
+        return out.unsqueeze(0)
+
+
 def _prefill(rows: slice, past: int, slots: torch.Tensor | None, device: torch.device) -> _Prefill:
     """A request computing the tokens ``rows`` after ``past`` cached ones: its queries padded and masked where the
     device needs it (:data:`PREFILL_QUERY_MULTIPLE`), else masked only when keys precede them."""
@@ -175,11 +205,11 @@ def _decode_group(cu_k: list[int], read_slots: torch.Tensor) -> _DecodeGroup:
 _MODIFIERS = ("sliding_window", "softcap", "s_aux", "position_bias")
 """Attention arguments some models pass that change the scores: served only by transformers' path."""
 
-_STEP: ContextVar[StepLayout | None] = ContextVar("agentrl_paged_step", default=None)
+_STEP: ContextVar[StepLayout | DecodeLayout | None] = ContextVar("agentrl_paged_step", default=None)
 
 
 @contextmanager
-def paged_step(layout: StepLayout) -> Iterator[None]:
+def paged_step(layout: StepLayout | DecodeLayout) -> Iterator[None]:
     """Run a continuous-batching forward pass with ``layout`` (in this thread)."""
     token = _STEP.set(layout)
     try:
