@@ -1,6 +1,6 @@
 """The GPU check: every CUDA path of AgentRL measured in one command on a GPU machine without internet.
 
-    python3 scripts/gpu/check.py [--dry-run] [--kit .whl] [--budget_s 560]     (scripts/gpu_check.sh runs it)
+    python3 scripts/gpu/check.py [--dry-run] [--kit .whl] [--budget_s 620]     (scripts/gpu_check.sh runs it)
 
 Steps, in order, each timed, run as a subprocess under its own time limit (and the whole run's budget), so one
 failure or hang does not hide the others:
@@ -315,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", dest="dry_run", action="store_true",
                         help="on a machine without CUDA: run the CPU-side steps, check the CUDA steps' arguments")
     parser.add_argument("--kit", default=str(ROOT / ".whl"), help="the kit made by scripts/gpu_wheels.sh")
-    parser.add_argument("--budget_s", type=float, default=560.0, help="wall-clock budget of all steps")
+    parser.add_argument("--budget_s", type=float, default=620.0, help="wall-clock budget of all steps")
     parser.add_argument("--only", nargs="+", default=None, metavar="STEP",
                         help="run these steps alone (and install and environment, which the others need)")
     parser.add_argument("--probe", nargs="+", default=None, help=argparse.SUPPRESS)
