@@ -16,7 +16,7 @@ import re
 import secrets
 import statistics
 
-from agentrl.bench import data
+from agentrl.autorl_bench import data
 from agentrl.envs.arith import generate_arith_tasks
 
 _GSM_SUFFIX = re.compile(r"\s*Give the result as your final answer\. Do not include units\.\s*$")

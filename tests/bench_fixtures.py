@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from agentrl.bench import containment
+from agentrl.autorl_bench import containment
 from rollout_fixtures import agentrl_cmd, run_env
 from scripted_model import SCRIPTS
 

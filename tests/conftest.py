@@ -9,6 +9,7 @@ other's data.
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import uuid
@@ -53,21 +54,10 @@ def pytest_configure(config: pytest.Config) -> None:
 # Session fixtures that take a minute or more to build: under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the
 # tests that use one run on the same worker, so it is built once.
 SHARED_ON_ONE_WORKER = ("minirl_example_run",)
-# Modules of a minute or more (measured): they start first, so that the workers end together.
-LONG_MODULES = ("test_sampler_failpoints", "test_dashboard", "test_example_scripts", "test_bench", "test_db_outage",
-                "test_trainer_publish", "test_trainer_failpoints", "test_envs_episodes", "test_rollout_sampler",
-                "test_bench_containment", "test_trainer_parallel", "test_eval_run", "test_bench_heldout")
-# Modules of 10 s or more on one worker (measured; they start engines, samplers, trainers): marked ``slow``, so
-# that ``./scripts/test.sh -m "not slow"`` runs the rest, about 550 tests, in under 5 minutes.
-SLOW_MODULES = LONG_MODULES + (
-    "test_rollout_standin", "test_trainer_lora", "test_sampler_curriculum", "test_policy_probe", "test_run_command",
-    "test_sft", "test_rollout_infra_failures", "test_rl_loop", "test_gpu_check", "test_trainer_precision",
-    "test_training_shared_prefix", "test_sft_demos", "test_trainer_resume", "test_chat", "test_inference_registration",
-    "test_sampler_round_trips", "test_inference_auth", "test_scoring_humaneval_adversarial", "test_store_fencing",
-    "test_envs_protocol", "test_inference_load_counters", "test_trainer_run", "test_store_dates", "test_tools_manager",
-    "test_run_progress", "test_store_crash_windows", "test_tools_sandbox_escape", "test_inference_weights",
-    "test_cli_db", "test_trainer_sharding", "test_tools_sandbox", "test_inference_default_model",
-    "test_inference_weight_sync", "test_version_spans")
+# A module of 10 s or more on one worker (measured; its tests start engines, samplers, trainers) says so itself:
+# ``pytestmark = pytest.mark.slow``, so that ``./scripts/test.sh -m "not slow"`` runs the rest, about 550 tests, in
+# under 5 minutes. Those of a minute or more add ``start_rank`` (``pytest.mark.slow(start_rank=N)``): they start
+# first, the lowest rank first, so that the workers end together.
 
 
 def uses_module_fixture(item: pytest.Item) -> bool:
@@ -79,18 +69,15 @@ def uses_module_fixture(item: pytest.Item) -> bool:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """``slow`` on the tests of ``SLOW_MODULES``. For ``--dist loadgroup``: the tests of a module with a
-    module-scoped fixture stay on one worker (the fixture is built once), as do all tests of a fixture in
-    ``SHARED_ON_ONE_WORKER``; every other test goes to whichever worker is free. The long modules come first. An
-    explicit ``xdist_group`` mark wins."""
-    def rank(item: pytest.Item) -> int:
-        module = item.module.__name__ if item.module else ""
-        return LONG_MODULES.index(module) if module in LONG_MODULES else len(LONG_MODULES)
+    """For ``--dist loadgroup``: the tests of a module with a module-scoped fixture stay on one worker (the fixture
+    is built once), as do all tests of a fixture in ``SHARED_ON_ONE_WORKER``; every other test goes to whichever
+    worker is free. The modules with a ``start_rank`` come first. An explicit ``xdist_group`` mark wins."""
+    def rank(item: pytest.Item) -> float:
+        slow = item.get_closest_marker("slow")
+        return slow.kwargs.get("start_rank", math.inf) if slow is not None else math.inf
 
     items.sort(key=rank)  # stable: the order within a module stays
     for item in items:
-        if item.module is not None and item.module.__name__ in SLOW_MODULES:
-            item.add_marker(pytest.mark.slow)
         if item.get_closest_marker("xdist_group") is None:
             shared = next((name for name in SHARED_ON_ONE_WORKER if name in item.fixturenames), None)
             if shared or uses_module_fixture(item):

@@ -19,9 +19,11 @@ from pathlib import Path
 import httpx
 import pytest
 
-from agentrl.bench.grading import GradingState
+from agentrl.autorl_bench.grading import GradingState
 from bench_fixtures import MARKER, needs_containment, reachable_text, run_bench, start_server, write_scenario
 from rollout_fixtures import agentrl_cmd, run_env
+
+pytestmark = pytest.mark.slow(start_rank=3)
 
 
 def _check_scenario_api(http: httpx.Client, ws: Path, model_dir: Path) -> None:
@@ -54,7 +56,7 @@ def _check_foreign_requests_are_refused(http: httpx.Client) -> None:
 
 def _check_interact(http: httpx.Client) -> None:
     """/interact: environment sessions on the scenario's training goals only (not on held-out or held-back ones)."""
-    from agentrl.bench.scenarios import ScenarioSet
+    from agentrl.autorl_bench.scenarios import ScenarioSet
 
     textcraft = ScenarioSet().get("textcraft")  # the server's data: one installation, one secret
     train, test = ({json.loads(line)["env"]["data_idx"] for line in Path(path).read_text().splitlines()}

@@ -18,13 +18,15 @@ from pathlib import Path
 import pytest
 from pymongo.uri_parser import parse_uri
 
-from agentrl.bench.agent import PASSED_THROUGH
-from agentrl.bench.evaluation import Evaluator
-from agentrl.bench.grading import GradingState
-from agentrl.bench.scenarios import ScenarioSet, bench_home, load_file
-from agentrl.bench.snapshots import SnapshotError, SnapshotStore
+from agentrl.autorl_bench.agent import PASSED_THROUGH
+from agentrl.autorl_bench.evaluation import Evaluator
+from agentrl.autorl_bench.grading import GradingState
+from agentrl.autorl_bench.scenarios import ScenarioSet, bench_home, load_file
+from agentrl.autorl_bench.snapshots import SnapshotError, SnapshotStore
 from bench_fixtures import ENGINE_ARGS, MARKER, needs_containment, run_bench, write_scenario
 from rollout_fixtures import agentrl_cmd, run_env
+
+pytestmark = pytest.mark.slow(start_rank=9)
 
 AGENTS = Path(__file__).parent / "agents"
 OTHER_RUN_SECRET = "OTHER-RUN-SECRET-41c9"

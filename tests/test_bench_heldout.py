@@ -18,11 +18,13 @@ from typing import Any
 
 import pytest
 
-from agentrl.bench import data as bench_data
-from agentrl.bench.scenarios import BUILTIN_IDS, ScenarioSet, fingerprint
-from agentrl.bench.secret import SECRET_FILE, SecretError, installation_secret
+from agentrl.autorl_bench import data as bench_data
+from agentrl.autorl_bench.scenarios import BUILTIN_IDS, ScenarioSet, fingerprint
+from agentrl.autorl_bench.secret import SECRET_FILE, SecretError, installation_secret
 from bench_fixtures import needs_containment, run_bench, write_scenario
 from rollout_fixtures import agentrl_cmd, run_env
+
+pytestmark = pytest.mark.slow(start_rank=12)
 
 AGENTS = Path(__file__).parent / "agents"
 TEXT_FIELDS = ("question", "query", "prompt")
@@ -142,7 +144,7 @@ def test_one_secret_per_installation_and_held_out_sets_drawn_from_it(tmp_path: P
     """Made once (owner-only), the same for processes that start together; the held-out sets are the same for
     one secret, new for another, and share nothing with what an agent sees."""
     home = tmp_path / "bench"
-    script = ("import sys; from pathlib import Path; from agentrl.bench.secret import installation_secret; "
+    script = ("import sys; from pathlib import Path; from agentrl.autorl_bench.secret import installation_secret; "
               "print(installation_secret(Path(sys.argv[1])).hex())")
     racers = [subprocess.Popen([sys.executable, "-c", script, str(home)], stdout=subprocess.PIPE, text=True)
               for _ in range(4)]

@@ -17,6 +17,8 @@ from agentrl.rollout.chat_session import ChatSession, ChatSettings, EventKind
 from agentrl.rollout.tool_parsers import get_parser
 from rollout_fixtures import agentrl_cmd, run_env
 
+pytestmark = pytest.mark.slow
+
 
 class FakeModel:
     """Answers with scripted texts (token ids + eos, as an engine returns them); records the prompts it got."""

@@ -5,11 +5,14 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import pytest
 from pymongo import MongoClient
 
 from agentrl.log import RedactingFilter, redact
 from cli_helpers import agentrl
 from conftest import free_port
+
+pytestmark = pytest.mark.slow
 
 
 def test_db_start_status_stop_and_data_survives_a_restart(tmp_path: Path) -> None:

@@ -21,6 +21,8 @@ from agentrl.store.embedded import embedded_server
 from browser import CHROMIUM, Browser
 from example_fixtures import RUN_NAME, ExampleRun
 
+pytestmark = pytest.mark.slow(start_rank=1)
+
 ROOT = Path(__file__).resolve().parent.parent
 SCREENSHOTS = ROOT / "bench" / "results"
 BIN = Path(sys.executable).parent

@@ -15,12 +15,16 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from agentrl.store.embedded import EmbeddedServer
 from conftest import free_port, with_database
 from inference_fixtures import start_engine
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from test_rl_loop import wait_for
 from trainer_fixtures import run_trainer, start_trainer, trainer_args
+
+pytestmark = pytest.mark.slow(start_rank=4)
 
 OUTAGE_S = 60.0
 STEPS, BATCH = 4, 4

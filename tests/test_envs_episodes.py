@@ -22,6 +22,8 @@ from env_fixtures import EPISODE_TASKS
 from rollout_fixtures import agentrl_cmd, documents, run_env
 from test_rollout_sampler import full_prompts
 
+pytestmark = pytest.mark.slow(start_rank=7)
+
 
 def write_env_tasks(path: Path, indices: tuple[int, ...], max_turns: int | None = None) -> Path:
     rows = [{"id": f"textcraft-{i}", "query": f"textcraft task {i}", "scorer": "env_reward", "task_type": "textcraft",

@@ -48,6 +48,8 @@ from agentrl.envs.protocol import (
     wire_format,
 )
 
+pytestmark = pytest.mark.slow
+
 TESTS = str(Path(__file__).parent)
 PLUGIN_ENV = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
 COUNTER = "test_envs_protocol:counter_spec"

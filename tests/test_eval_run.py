@@ -16,6 +16,8 @@ from agentrl.eval.metrics import pass_at_k
 from rollout_fixtures import agentrl_cmd, documents, run_env, upload, write_mcp_config
 from scripted_model import SCRIPTS
 
+pytestmark = pytest.mark.slow(start_rank=11)
+
 TYPES = {"add": "sum", "mul": "product", "coin": "sum", "bad": "difference"}
 
 

@@ -9,9 +9,13 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from agentrl.store.embedded import embedded_server
 from example_fixtures import ROOT, ExampleRun
 from rollout_fixtures import documents
+
+pytestmark = pytest.mark.slow(start_rank=2)
 
 
 def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_example_run: ExampleRun) -> None:

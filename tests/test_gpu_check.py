@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 KIT_LIMIT = 48 * 2**20
 TRAVEL_LIMIT = 64 * 2**20

@@ -12,6 +12,8 @@ from agentrl.inference import SGLangClient
 from agentrl.inference.embedded_model import default_model_path
 from agentrl.inference.process import EngineProcess
 
+pytestmark = pytest.mark.slow
+
 QUESTION = [{"role": "user", "content": "What is 2+3?"}]
 
 

@@ -31,6 +31,8 @@ from agentrl.store.embedded import EmbeddedServer
 from agentrl.store.services import owner_key
 from tools_fixtures import free_port
 
+pytestmark = pytest.mark.slow
+
 HOLD = 7
 PARAMS = {"max_new_tokens": 2, "temperature": 0.0}
 OWNER_TTL_S = 1.5

@@ -14,6 +14,8 @@ from pymongo.uri_parser import parse_uri
 from agentrl.inference import SGLangClient
 from agentrl.inference.process import EngineProcess, EngineStartError
 
+pytestmark = pytest.mark.slow
+
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s

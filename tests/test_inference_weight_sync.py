@@ -35,6 +35,8 @@ from transformers import AutoModelForCausalLM
 from agentrl.inference import SGLangClient, tensor_payload, weight_sync
 from inference_fixtures import start_engine
 
+pytestmark = pytest.mark.slow
+
 FACTS = json.loads((Path(__file__).parent / "contracts" / "sglang_api.json").read_text())
 CONTRACT, SESSION = FACTS["weight_update_group"], FACTS["weight_update_session"]
 GROUP = "weight_update_group"

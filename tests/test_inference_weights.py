@@ -15,6 +15,8 @@ from agentrl.inference.process import EngineProcess
 from agentrl.inference.protocol import UpdateWeightsFromDiskResponse
 from agentrl.inference.tiny_model import build_tiny_model
 
+pytestmark = pytest.mark.slow
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 GREEDY = {"max_new_tokens": 40, "temperature": 0, "ignore_eos": True}  # workers ask for at most 36 tokens
 

@@ -28,6 +28,8 @@ from agentrl.train import main
 from inference_fixtures import start_engine
 from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
+pytestmark = pytest.mark.slow
+
 LEARNING_RATE = "0.2"  # one step must move the tiny model's logprobs well past the default bound
 
 

@@ -12,10 +12,14 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from agentrl.inference.client import SGLangClient
 from inference_fixtures import start_engine
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config
 from trainer_fixtures import run_trainer, start_trainer, trainer_args
+
+pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 3, 4
 

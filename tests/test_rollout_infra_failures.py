@@ -36,6 +36,8 @@ from rollout_fixtures import agentrl_cmd, documents, run_env, upload
 from sglang_standin import StandInProcess
 from tools_fixtures import free_port
 
+pytestmark = pytest.mark.slow
+
 REPLY = "The product is \\boxed{42}."
 FINISHED = {"ready", "abandoned"}
 

@@ -17,6 +17,8 @@ from transformers import AutoTokenizer
 
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
+pytestmark = pytest.mark.slow(start_rank=8)
+
 FINISHED = {"scored", "ready", "abandoned"}
 
 

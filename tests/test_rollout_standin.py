@@ -16,6 +16,8 @@ from transformers import AutoTokenizer
 from rollout_fixtures import agentrl_cmd, documents, run_env, upload
 from sglang_standin import StandInProcess
 
+pytestmark = pytest.mark.slow
+
 QWEN3_DEFAULTS = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "presence_penalty": 1.5,
                   "repetition_penalty": 1.05}
 REPLY = "The product is \\boxed{42}."

@@ -19,6 +19,8 @@ import pytest
 from agentrl.run.config import RunConfig
 from agentrl.store.embedded import embedded_server
 
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parent.parent
 AGENTRL = [sys.executable, "-m", "agentrl.cli.main"]
 

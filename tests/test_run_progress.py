@@ -9,11 +9,15 @@ import subprocess
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from agentrl.store.models import ZERO_VARIANCE_DECISION as ZERO_VARIANCE
 from agentrl.store.models import FailureClass
 from agentrl.store.progress import Progress
 from rollout_fixtures import agentrl_cmd, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from test_rollout_sampler import run_sampler
+
+pytestmark = pytest.mark.slow
 
 
 def test_the_zero_variance_warning_needs_enough_groups_mostly_dropped() -> None:

@@ -25,6 +25,8 @@ from conftest import with_database
 from rollout_fixtures import agentrl_cmd, documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 from store_helpers import insert_tasks
 
+pytestmark = pytest.mark.slow
+
 SLACK_S = 1.1  # NX-27017 compares query dates at one-second resolution
 ROUNDS, REVISIT, SEED, GENERATIONS = 3, 0.3, 3, 8
 FINISHED = ("scored", "ready", "trained", "abandoned")

@@ -17,6 +17,8 @@ import pytest
 from agentrl.failpoints import ENV, EXIT_CODE
 from rollout_fixtures import documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
+pytestmark = pytest.mark.slow(start_rank=0)
+
 FINISHED = ("scored", "ready", "trained", "abandoned")
 COMMON = ("--temperature", "0", "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--lease_s",
           "2", "--max_concurrent_samples_per_process", "4")

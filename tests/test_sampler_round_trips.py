@@ -17,6 +17,8 @@ import pytest
 
 from rollout_fixtures import agentrl_cmd, documents, run_env, sample_args, upload, write_mcp_config, write_script_tasks
 
+pytestmark = pytest.mark.slow
+
 PER_TRAJECTORY = 6
 GENERATIONS = 4
 

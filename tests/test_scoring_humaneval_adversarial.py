@@ -24,6 +24,8 @@ from agentrl.scoring import humaneval_harness
 from agentrl.scoring.code_exec import HUMANEVAL_SANDBOX, humaneval_score, run_humaneval
 from test_scoring_bench import needs_sandbox
 
+pytestmark = pytest.mark.slow
+
 PROBLEMS = read_problems()
 
 

@@ -16,6 +16,8 @@ from agentrl.training.sft_data import ChatTokeniser, SFTOptions, normalise, pars
 from cli_helpers import agentrl
 from trainer_fixtures import trainer_args
 
+pytestmark = pytest.mark.slow
+
 CALC_TOOL = {"type": "function", "function": {"name": "calculate", "description": "Evaluate an expression.",
                                               "parameters": {"type": "object", "properties": {
                                                   "expression": {"type": "string"}}}}}

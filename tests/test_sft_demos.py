@@ -7,6 +7,7 @@ import json
 import subprocess
 from pathlib import Path
 
+import pytest
 from transformers import AutoTokenizer
 
 from agentrl.envs.arith import generate_arith_tasks
@@ -28,6 +29,8 @@ from rollout_fixtures import (
 )
 from scripted_model import calculator_config
 from test_rollout_sampler import run_sampler
+
+pytestmark = pytest.mark.slow
 
 DEFAULTS = UploadDefaults(scorer="math", answer_schema="boxed")
 CALL = "<tool_call>{}</tool_call>"

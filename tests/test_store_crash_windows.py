@@ -20,6 +20,8 @@ from agentrl.store import RecordStatus, Store, Task, TaskStatus
 from agentrl.store.models import utcnow
 from store_helpers import insert_tasks
 
+pytestmark = pytest.mark.slow
+
 SLACK_S = 1.1  # NX-27017 compares query dates at one-second resolution (see test_store_slots.py)
 
 DOOMED_FINISHER = """

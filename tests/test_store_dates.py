@@ -23,6 +23,8 @@ from rollout_fixtures import sample_args, upload, write_mcp_config, write_script
 from store_helpers import insert_tasks
 from test_rollout_sampler import run_sampler
 
+pytestmark = pytest.mark.slow
+
 # Decoded so, a value is a DatetimeMS exactly when its BSON type is 9 (date); a string stays a str.
 RAW = CodecOptions(document_class=RawBSONDocument, datetime_conversion=DatetimeConversion.DATETIME_MS)
 SLACK_S = 1.1  # NX-27017 compares query dates at one-second resolution (see test_store_slots.py)

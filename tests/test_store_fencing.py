@@ -37,6 +37,8 @@ from agentrl.trajectory.advantages import AdvantageConfig
 from conftest import with_database
 from store_helpers import insert_tasks
 
+pytestmark = pytest.mark.slow
+
 SLACK_S = 1.1  # NX-27017 compares query dates at one-second resolution (see test_store_slots.py)
 LEASE_S = 0.5
 KEPT_RECORD_WINDOW = "group_stage.after_ready@2"

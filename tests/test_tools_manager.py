@@ -13,6 +13,8 @@ import pytest_asyncio
 from agentrl.tools import MCPConfig, ToolConnectionError, ToolManager, ToolStatus
 from tools_fixtures import PYTHON, background_server, child_pids, free_port, serve_command
 
+pytestmark = pytest.mark.slow
+
 
 def stdio_server(name: str, server: str, *args: str) -> dict:
     command = serve_command(server, *args)

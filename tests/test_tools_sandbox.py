@@ -24,6 +24,8 @@ from agentrl.tools.sandbox import SandboxConfig, SandboxUnavailable, run_python,
 from agentrl.tools.servers import python_server
 from tools_fixtures import serve_command
 
+pytestmark = pytest.mark.slow
+
 
 def _works(mechanism: str) -> bool:
     try:

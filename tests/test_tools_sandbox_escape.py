@@ -18,7 +18,7 @@ import pytest
 from agentrl.tools.sandbox import SandboxConfig, run_python
 from test_tools_sandbox import MECHANISMS
 
-pytestmark = pytest.mark.parametrize("mechanism", MECHANISMS)
+pytestmark = [pytest.mark.parametrize("mechanism", MECHANISMS), pytest.mark.slow]
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -20,6 +20,8 @@ from agentrl.training.checkpoint import list_checkpoints
 from agentrl.training.dirs import replace_dir
 from trainer_fixtures import enqueue, make_samples, run_trainer, start_trainer, trainer_args
 
+pytestmark = pytest.mark.slow(start_rank=6)
+
 BATCH, STEPS = 4, 4
 FLAGS = ("--train_batch_size", str(BATCH), "--max_steps", str(STEPS), "--save_steps", "1", "--enable_sampling",
          "false")

@@ -28,6 +28,8 @@ from trainer_fixtures import (
     trainer_args,
 )
 
+pytestmark = pytest.mark.slow
+
 LORA = ("--use_peft", "--lora_r", "4", "--lora_alpha", "8", "--lora_dropout", "0", "--lora_target_modules",
         "all-linear")
 FLAGS = ("--train_batch_size", "4", "--enable_sampling", "false", "--max_tokens", "64", "--adam_epsilon", "1e-6")

@@ -30,6 +30,8 @@ from trainer_fixtures import (
     trainer_args,
 )
 
+pytestmark = pytest.mark.slow(start_rank=10)
+
 TORCHRUN = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2")
 FLAGS = ("--train_batch_size", "4", "--enable_sampling", "false", "--max_tokens", "64", "--adam_epsilon", "1e-6")
 TOLERANCE = 1e-5  # weights move ~1e-3 per step; fp32 sums in another order (adam_epsilon 1e-6 damps Adam on ~0 grads)

@@ -33,6 +33,8 @@ from agentrl.training.logprobs import head_logprobs, model_token_logprobs, token
 from conftest import with_database
 from trainer_fixtures import enqueue, trainer_args
 
+pytestmark = pytest.mark.slow
+
 BF16_MEAN_BOUND = 0.02
 QUESTIONS = ["What is 17 * 23? Use the calculator.", "Compute 1234 + 5678 and answer in <answer> tags.",
              "Is 91 a prime number? Explain briefly.", "What is the square root of 144?"]

@@ -23,6 +23,8 @@ from agentrl.train import main
 from inference_fixtures import start_engine
 from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
 
+pytestmark = pytest.mark.slow(start_rank=5)
+
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 
 

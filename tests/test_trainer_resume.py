@@ -9,6 +9,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from agentrl.store import sync_client
 from trainer_fixtures import (
     enqueue,
@@ -20,6 +22,8 @@ from trainer_fixtures import (
     train_uninterrupted,
     trainer_args,
 )
+
+pytestmark = pytest.mark.slow
 
 STEPS, BATCH = 8, 4
 

@@ -24,6 +24,8 @@ from trainer_fixtures import (
     trainer_args,
 )
 
+pytestmark = pytest.mark.slow
+
 
 def _db(db_uri: str):
     client = sync_client(db_uri)

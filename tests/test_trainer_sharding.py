@@ -13,6 +13,8 @@ import torch.multiprocessing as mp
 from agentrl.training.parallel import ParallelError, ParallelState, backend_device, clip_grad_norm, shard_model
 from training_core_fixtures import tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MAX_NORM = 0.5
 
 

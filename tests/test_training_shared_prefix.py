@@ -27,6 +27,8 @@ from agentrl.training.prefix_tree import build_forest
 from agentrl.trajectory.merge import CallTokens, MergedSample, merge_trajectory
 from training_core_fixtures import VOCAB, in_float64, tiny_llama
 
+pytestmark = pytest.mark.slow
+
 MIN_SHARED = 8
 DTYPE = torch.float64
 BOUND = 1e-10

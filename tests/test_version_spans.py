@@ -10,6 +10,8 @@ import asyncio
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from agentrl.dashboard.tokens import calls_views, sample_view
 from agentrl.inference import SGLangClient
 from agentrl.inference.process import EngineProcess
@@ -20,6 +22,8 @@ from agentrl.trajectory.advantages import AdvantageConfig, call_advantages, grou
 from agentrl.trajectory.merge import CallTokens, merge_trajectory
 from rollout_fixtures import documents
 from trainer_fixtures import enqueue, trainer_args
+
+pytestmark = pytest.mark.slow
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
 GROUP = 4

@@ -92,7 +92,7 @@ def _add_eval_flags(p: argparse.ArgumentParser) -> None:
 
 
 def list_scenarios(args: argparse.Namespace) -> int:
-    from agentrl.bench.scenarios import ScenarioError, ScenarioSet, count_lines, fingerprint
+    from agentrl.autorl_bench.scenarios import ScenarioError, ScenarioSet, count_lines, fingerprint
 
     try:
         scenarios = ScenarioSet(args.scenario)
@@ -110,8 +110,8 @@ def list_scenarios(args: argparse.Namespace) -> int:
 def serve(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from agentrl.bench.server import BenchServerConfig
-    from agentrl.bench.server import serve as serve_bench
+    from agentrl.autorl_bench.server import BenchServerConfig
+    from agentrl.autorl_bench.server import serve as serve_bench
 
     urls = [u.strip() for u in (args.inference_urls or "").split(",") if u.strip()]
     try:
@@ -130,9 +130,9 @@ def serve(args: argparse.Namespace) -> int:
 def run(args: argparse.Namespace) -> int:
     from pydantic import ValidationError
 
-    from agentrl.bench.orchestrator import BenchRunError, RunOptions
-    from agentrl.bench.orchestrator import run as run_bench
-    from agentrl.bench.scenarios import ScenarioError
+    from agentrl.autorl_bench.orchestrator import BenchRunError, RunOptions
+    from agentrl.autorl_bench.orchestrator import run as run_bench
+    from agentrl.autorl_bench.scenarios import ScenarioError
 
     try:
         options = RunOptions(agent=args.agent, task=args.task, base_model=args.base_model, timeout=args.timeout,

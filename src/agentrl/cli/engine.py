@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     from agentrl.inference.client import API_KEY_ENV
     from agentrl.inference.embedded_model import default_model_path
     from agentrl.inference.engine import EngineConfig, default_num_threads
-    from agentrl.inference.server import ServerConfig, serve
+    from agentrl.inference.server import EngineServerConfig, serve
     from agentrl.listen import is_loopback
 
     api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
@@ -119,6 +119,6 @@ def run(args: argparse.Namespace) -> int:
     except ValidationError as error:
         print(f"agentrl engine: error: {error}", file=sys.stderr)
         return 2
-    server_config = ServerConfig(host=args.host, port=args.port, db_connection_string=db, api_key=api_key,
+    server_config = EngineServerConfig(host=args.host, port=args.port, db_connection_string=db, api_key=api_key,
                                  advertise_url=args.advertise_url, heartbeat_interval_s=args.heartbeat_interval_s)
     return serve(engine_config, server_config)

@@ -56,7 +56,8 @@ def read_evals(specs: list[str]) -> dict[str, dict[str, Any]]:
 
 def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: float | None,
                   train_steps: int | None = None) -> dict[str, Any]:
-    from agentrl.store.progress import diagnose, progress_fields, read_progress
+    from agentrl.cli.progress_text import diagnose
+    from agentrl.store.progress import progress_fields, read_progress
     from agentrl.store.summary import reward_by_version
 
     progress = read_progress(db, split)
@@ -101,7 +102,7 @@ def type_lines(evals: dict[str, dict[str, Any]]) -> list[str]:
 
 def render(summary: dict[str, Any]) -> list[str]:
     """The summary in words (what the example scripts print at the end)."""
-    from agentrl.store.progress import failure_line, reason_label
+    from agentrl.cli.progress_text import failure_line, reason_label
 
     wall = f" (whole run {summary['wall_s'] / 60:.1f} min)" if summary.get("wall_s") else ""
     dropped = summary["groups_dropped"]

@@ -41,7 +41,7 @@ def render(summary: dict[str, Any], where: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    from agentrl.store.progress import failure_line
+    from agentrl.cli.progress_text import failure_line
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # no wrapping when piped into a file or tool
     run = summary["run"]

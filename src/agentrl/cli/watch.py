@@ -51,7 +51,7 @@ def _duration(seconds: float) -> str:
 
 def status_line(progress: Progress, label: str, per_minute: float | None = None) -> str:
     """The one-line summary of a :class:`~agentrl.store.progress.Progress` (``per_minute``: trajectory rate)."""
-    from agentrl.store.progress import failure_line, reason_label
+    from agentrl.cli.progress_text import failure_line, reason_label
 
     parts = []
     total = f"/{progress.max_steps}" if progress.max_steps else ""

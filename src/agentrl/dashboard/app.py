@@ -28,7 +28,7 @@ from pymongo import MongoClient
 
 from agentrl.dashboard.charts import metric_charts
 from agentrl.dashboard.hosts import host_name
-from agentrl.dashboard.queries import NotFound, RecordFilters, RunReader
+from agentrl.dashboard.queries import RecordFilters, RunReader, UnknownItem
 from agentrl.dashboard.tokens import TokenTexts, calls_views, sample_view
 from agentrl.trajectory.merge import PrefixError
 
@@ -110,8 +110,8 @@ def _require_host(app: FastAPI, allowed_hosts: frozenset[str] | None) -> None:
 def _add_error_pages(app: FastAPI, templates: Jinja2Templates) -> None:
     """Unknown runs, records and tasks answer 404, bad filters 400: JSON under ``/api/``, an error page elsewhere."""
 
-    @app.exception_handler(NotFound)
-    async def not_found(request: Request, error: NotFound) -> Response:
+    @app.exception_handler(UnknownItem)
+    async def not_found(request: Request, error: UnknownItem) -> Response:
         if request.url.path.startswith("/api/"):
             return _json({"detail": str(error)}, 404)
         return templates.TemplateResponse(request, "error.html", {"message": str(error)}, status_code=404)

@@ -39,7 +39,7 @@ EVAL_FIELDS = ("name", "status", "split", "model", "num_tasks", "num_samples_per
 PAGE_LIMIT_MAX = 500
 
 
-class NotFound(LookupError):
+class UnknownItem(LookupError):
     """An unknown run, record or task (HTTP 404)."""
 
 
@@ -137,10 +137,10 @@ class RunReader:
                       and Run.collection in self.client[name].list_collection_names())
 
     def database(self, run: str) -> Database:
-        """The database of ``run``; :class:`NotFound` when it holds no run."""
+        """The database of ``run``; :class:`UnknownItem` when it holds no run."""
         db = self.client[run]
         if db[Run.collection].find_one({"_id": RUN_ID}, {"_id": 1}) is None:
-            raise NotFound(f"no run named {run!r} on this server")
+            raise UnknownItem(f"no run named {run!r} on this server")
         return db
 
     def runs(self) -> list[dict[str, Any]]:
@@ -217,7 +217,7 @@ class RunReader:
         db = self.database(run)
         doc = db[Record.collection].find_one({"_id": record_id})
         if doc is None:
-            raise NotFound(f"run {run!r} has no record {record_id!r}")
+            raise UnknownItem(f"run {run!r} has no record {record_id!r}")
         task = db[Task.collection].find_one({"_id": doc["task_id"]}, {"query": 1, "system_prompt": 1, "answer": 1,
                                                                        "scorer": 1, "metadata": 1})
         calls = db[DispatchedSamplingTask.collection].find({"record_id": record_id}, sort=[("turn", 1)])
@@ -231,7 +231,7 @@ class RunReader:
         db = self.database(run)
         task = db[Task.collection].find_one({"_id": task_id}, {"claim_ids": 0})
         if task is None:
-            raise NotFound(f"run {run!r} has no task {task_id!r}")
+            raise UnknownItem(f"run {run!r} has no task {task_id!r}")
         records = [plain(r) for r in db[Record.collection].find(
             {"task_id": task_id}, _projection(RECORD_FIELDS), sort=[("task_id", 1), ("slot", 1), ("attempt", 1)])]
         turns: dict[str, list[dict[str, Any]]] = {}

@@ -120,7 +120,7 @@ def _item_id(text: str) -> str:
 
 
 @dataclass(frozen=True)
-class Task:
+class CraftTask:
     """One task: its goal and the crafting commands shown for it."""
 
     data_idx: int
@@ -149,12 +149,12 @@ class CraftingWorld:
 
     # --- tasks ---
 
-    def task(self, data_idx: int) -> Task:
+    def task(self, data_idx: int) -> CraftTask:
         if isinstance(data_idx, bool) or not isinstance(data_idx, int) or not 0 <= data_idx < len(self.goals):
             raise EnvError(f"textcraft task index {data_idx!r} is out of range: expected an integer in "
                            f"[0, {len(self.goals)})")
         goal, depth = self.goals[data_idx]
-        return Task(data_idx, goal, depth, self._commands(goal, random.Random(data_idx)))
+        return CraftTask(data_idx, goal, depth, self._commands(goal, random.Random(data_idx)))
 
     def _commands(self, goal: str, rng: random.Random) -> tuple[str, ...]:
         recipes = self._recipe_tree(goal, frozenset())
@@ -273,7 +273,7 @@ class TextCraftEnv(Environment):
 
     def __init__(self, world: CraftingWorld) -> None:
         self.world = world
-        self.task: Task | None = None
+        self.task: CraftTask | None = None
         self.inventory: Counter[str] = Counter()
         self.done = False
         self._observation = ""

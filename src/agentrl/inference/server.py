@@ -261,7 +261,7 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
     return app
 
 
-class ServerConfig(BaseModel):
+class EngineServerConfig(BaseModel):
     """Where the engine listens, whom it tells and whom it serves."""
 
     host: str = "127.0.0.1"
@@ -295,7 +295,7 @@ class EngineServer(uvicorn.Server):
         loop.call_soon_threadsafe(self.engine.abort_all)
 
 
-def serve(engine_config: EngineConfig, server_config: ServerConfig) -> int:
+def serve(engine_config: EngineConfig, server_config: EngineServerConfig) -> int:
     """Load the model, then serve until SIGINT/SIGTERM; print ``agentrl engine ready at URL`` once listening."""
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.WARNING)  # transformers' per-start chatter
     try:

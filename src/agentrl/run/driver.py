@@ -9,10 +9,10 @@ import os
 from agentrl.run import stages
 from agentrl.run.config import RunConfig
 from agentrl.run.processes import Processes, RunFailed, Stopped, say
-from agentrl.run.stages import Run
+from agentrl.run.stages import RunState
 
 
-def train(run: Run) -> None:
+def train(run: RunState) -> None:
     """The RL run: the held-out evaluations of the starting, warmed-up and final model frame a warm-up and RL."""
     config = run.config
     stages.use_database(run)
@@ -44,7 +44,7 @@ def train(run: Run) -> None:
     stages.summary(run)
 
 
-def evaluate(run: Run) -> None:
+def evaluate(run: RunState) -> None:
     """--mode eval: `agentrl eval` of the model on the tasks, through the run's database, inference and tools."""
     stages.use_database(run)
     if run.config.env:
@@ -63,7 +63,7 @@ def main(config: RunConfig) -> int:
     assert config.run_dir is not None
     (config.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     processes = Processes(config.run_dir / "logs")
-    run = Run(config, processes)
+    run = RunState(config, processes)
     try:
         with processes:
             try:

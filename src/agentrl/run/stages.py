@@ -1,4 +1,4 @@
-"""The stages of `agentrl run`, each a small function of the :class:`Run`: the database, the tools or environment,
+"""The stages of `agentrl run`, each a small function of the :class:`RunState`: the database, the tools or environment,
 the tasks, the inference service, the held-out evaluations, the warm-up, the samplers, the trainer with its live
 status line, the summary. Each runs the same `agentrl` commands a user would (their logs in ``RUN_DIR/logs``)."""
 
@@ -25,7 +25,7 @@ of 16 at a time (CPU, embedded model); ``EXTRA_EVAL_FLAGS`` may set another."""
 
 
 @dataclass
-class Run:
+class RunState:
     """What the stages share: the options, the processes, and what the earlier stages set up."""
 
     config: RunConfig
@@ -67,13 +67,13 @@ def model_flags(model: str | Path | None) -> list[str]:
     return ["--model_name_or_path", str(model)] if model else []
 
 
-def call(run: Run, name: str, command: list[str], failure: str) -> None:
+def call(run: RunState, name: str, command: list[str], failure: str) -> None:
     """Run an `agentrl` command with its output on the terminal; :class:`RunFailed` with ``failure`` if it fails."""
     if run.processes.call(name, command).status != 0:
         raise RunFailed(failure)
 
 
-def use_database(run: Run) -> None:
+def use_database(run: RunState) -> None:
     """The MongoDB server of ``--mongo_uri`` (the run name becomes the database), else an embedded server of the
     run's own, started here (and stopped at the end, its data kept) unless it already runs."""
     from agentrl.store.embedded import EmbeddedDatabaseError, embedded_server
@@ -97,7 +97,7 @@ def use_database(run: Run) -> None:
     say(f"database: embedded NX-27017 server {uri} (data in {data_dir}, database {run.name})")
 
 
-def stop_database(run: Run) -> None:
+def stop_database(run: RunState) -> None:
     """Stop the embedded server this run started (its data stays: `agentrl db start --data_dir DIR` reopens it)."""
     from agentrl.store.embedded import embedded_server
 
@@ -105,7 +105,7 @@ def stop_database(run: Run) -> None:
         embedded_server(run.stop_db_dir).stop()
 
 
-def use_tools(run: Run) -> None:
+def use_tools(run: RunState) -> None:
     """The MCP servers of ``--mcp_config``, the built-in calculator over stdio (started by each sampler), or none."""
     config = run.config
     if config.mcp_config == "none":
@@ -121,7 +121,7 @@ def use_tools(run: Run) -> None:
     run.tool_flags = ["--mcp_config", mcp_config]
 
 
-def use_env(run: Run) -> Path:
+def use_env(run: RunState) -> Path:
     """One AgentGym server of ``--env`` for every sampler and evaluation (``--env_server``, else `agentrl envs
     serve` started here), and its task files: the held-out test split (``run.eval_tasks``) and, unless
     ``--mode eval``, the train split, returned."""
@@ -147,7 +147,7 @@ def use_env(run: Run) -> Path:
     return train_tasks
 
 
-def upload_tasks(run: Run, tasks: Path, limit: int | None = None) -> None:
+def upload_tasks(run: RunState, tasks: Path, limit: int | None = None) -> None:
     """The first ``limit`` tasks of ``tasks`` into the train split, every one scored by ``--scorer`` if set."""
     config = run.config
     if limit is not None or config.scorer:
@@ -171,7 +171,7 @@ def engine_thread_flags(config: RunConfig) -> list[str]:
     return [] if config.engine_threads is None else ["--num_threads", str(config.engine_threads)]
 
 
-def use_inference(run: Run, model: str | Path | None) -> None:
+def use_inference(run: RunState, model: str | Path | None) -> None:
     """The SGLang servers of ``--sglang_urls``, or an `agentrl engine` serving ``model`` started here."""
     config = run.config
     if config.sglang_urls:
@@ -201,7 +201,7 @@ def load_weights(model: Path, urls: str) -> None:
     say(f"inference: the SGLang servers now serve {model}")
 
 
-def held_out_eval(run: Run, label: str, *model: str) -> None:
+def held_out_eval(run: RunState, label: str, *model: str) -> None:
     """Score the first ``--num_eval_tasks`` held-out tasks greedily with the model the flags ``model`` name
     (``--model_name_or_path DIR``: an engine started for it; ``--inference_urls``: live services); the result
     goes to ``RUN_DIR/eval-LABEL.json`` and into the summary."""
@@ -243,7 +243,7 @@ def lora_flags(config: RunConfig) -> list[str]:
             "all-linear", "--lora_dropout", "0", "--lora_publish", config.lora_publish]
 
 
-def warm_up(run: Run, base: str | None) -> Path:
+def warm_up(run: RunState, base: str | None) -> Path:
     """Supervised warm start (CrossEntropy) on ``--warmup`` demonstrations — of ``--warmup_tasks`` made with the real
     tools (`agentrl sft demos`), or the environment's oracle episodes — in a database of its own; the model."""
     config, started = run.config, time.monotonic()
@@ -282,7 +282,7 @@ def warm_up(run: Run, base: str | None) -> Path:
     return out / "final"
 
 
-def start_samplers(run: Run, model: str | Path | None) -> None:
+def start_samplers(run: RunState, model: str | Path | None) -> None:
     """``--num_samplers`` `agentrl sample` processes on the run's tasks, tools and inference services."""
     config = run.config
     for number in range(config.num_samplers):
@@ -297,7 +297,7 @@ def start_samplers(run: Run, model: str | Path | None) -> None:
     say(f"samplers: {config.num_samplers} process(es) (logs {run.logs}/sampler-*.log)")
 
 
-def stop_samplers(run: Run) -> None:
+def stop_samplers(run: RunState) -> None:
     """Stop the samplers once the trainer is done: what they would still sample trains nothing, and it would take
     the engine and the CPU from the final evaluation (their running trajectories end ``cancelled``)."""
     for child in run.samplers:
@@ -316,7 +316,7 @@ def trainer_launcher(config: RunConfig) -> list[str]:
     return [sys.executable, "-m", "agentrl.train"]
 
 
-def train(run: Run, model: str | Path | None) -> None:
+def train(run: RunState, model: str | Path | None) -> None:
     """The trainer, with the live status line (`agentrl watch`) until it exits; :class:`RunFailed` if it fails."""
     config = run.config
     lora = (f" with rank-{config.lora_r} LoRA adapters at {config.learning_rate}, published {config.lora_publish},"
@@ -345,7 +345,7 @@ def train(run: Run, model: str | Path | None) -> None:
         raise RunFailed(f"the trainer failed with exit status {status} (log {trainer.log})")
 
 
-def report(run: Run) -> None:
+def report(run: RunState) -> None:
     """`agentrl report`: the summary of the run with its held-out evaluations, also in ``RUN_DIR/summary.json``."""
     print(flush=True)
     call(run, "report", [*AGENTRL, "report", "--db_connection_string", run.database_uri(), *run.eval_results,
@@ -359,7 +359,7 @@ def _size(path: Path) -> int:
     return sum(file.stat().st_size for file in path.rglob("*") if file.is_file())
 
 
-def drop_published_weights(run: Run) -> None:
+def drop_published_weights(run: RunState) -> None:
     """Remove ``OUTPUT_DIR/weights``, the copies of the policy the trainer published for the inference services:
     once RL and the final evaluation are over nothing loads them (the trained model is ``OUTPUT_DIR/final``)."""
     weights = run.config.output_dir / "weights"
@@ -375,7 +375,7 @@ def _size_of_checkpoints(output: Path) -> str:
     return f"{size / 2**30:.1f} GiB" if size >= 2**30 else f"{size / 2**20:,.0f} MiB"
 
 
-def summary(run: Run) -> None:
+def summary(run: RunState) -> None:
     """Where everything is: summary, model, checkpoints, trajectories, dashboard, logs."""
     output, uri, stopped = run.config.output_dir, run.database_uri(), run.stop_db_dir
     dashboard_db = '"$MONGO_URI"' if run.config.mongo_uri else f"'{run.db_base}/{run.db_query}'"  # no credentials
@@ -401,7 +401,7 @@ def summary(run: Run) -> None:
     print("\n".join(lines), flush=True)
 
 
-def evaluate(run: Run, tasks: Path) -> None:
+def evaluate(run: RunState, tasks: Path) -> None:
     """--mode eval: one `agentrl eval` of ``--model`` on ``tasks``, its output shown and in ``logs/eval.log``."""
     config = run.config
     limit = ["--limit", str(config.num_eval_tasks)] if config.num_eval_tasks else []

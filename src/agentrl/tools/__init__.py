@@ -10,7 +10,7 @@ Typical use in an agent loop::
 Built-in servers (``agentrl tools serve calculator|python``) live in ``agentrl.tools.servers``.
 """
 
-from agentrl.tools.config import MCPConfig, ServerConfig, load_mcp_config, parse_server_filter
+from agentrl.tools.config import MCPConfig, MCPServerConfig, load_mcp_config, parse_server_filter
 from agentrl.tools.errors import (
     ToolConfigError,
     ToolConnectionError,
@@ -23,7 +23,7 @@ from agentrl.tools.types import ToolResult, ToolSpec, ToolStatus
 
 __all__ = [
     "MCPConfig",
-    "ServerConfig",
+    "MCPServerConfig",
     "ToolConfigError",
     "ToolConnectionError",
     "ToolError",

@@ -37,7 +37,7 @@ Transport = Literal["stdio", "streamable_http", "sse"]
 _TRANSPORT_ALIASES = {"http": "streamable_http", "streamable-http": "streamable_http"}
 
 
-class ServerConfig(BaseModel):
+class MCPServerConfig(BaseModel):
     """One MCP server: a command to run over stdio, or a URL (streamable HTTP or SSE)."""
 
     model_config = ConfigDict(extra="forbid")
@@ -69,7 +69,7 @@ class ServerConfig(BaseModel):
         return data
 
     @model_validator(mode="after")
-    def _check_kind(self) -> ServerConfig:
+    def _check_kind(self) -> MCPServerConfig:
         if (self.command is None) == (self.url is None):
             raise ValueError(f"server {self.name!r}: give exactly one of 'command' (stdio) or 'url' (HTTP/SSE)")
         if self.transport is None:
@@ -102,7 +102,7 @@ class MCPConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    servers: list[ServerConfig] = Field(default_factory=list)
+    servers: list[MCPServerConfig] = Field(default_factory=list)
 
     @model_validator(mode="before")
     @classmethod

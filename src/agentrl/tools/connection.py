@@ -38,7 +38,7 @@ from mcp_types import (
 )
 
 from agentrl.log import redact
-from agentrl.tools.config import ServerConfig
+from agentrl.tools.config import MCPServerConfig
 from agentrl.tools.errors import ToolConnectionError, ToolFailedError, ToolFormatError
 from agentrl.tools.types import ToolSpec
 
@@ -80,7 +80,7 @@ def _describe(exc: BaseException) -> str:
 class MCPConnection:
     """A reusable connection to one MCP server (stdio, streamable HTTP or SSE), restarted when it dies."""
 
-    def __init__(self, config: ServerConfig, *, connect_timeout: float = 60.0, reconnect_delay: float = 1.0):
+    def __init__(self, config: MCPServerConfig, *, connect_timeout: float = 60.0, reconnect_delay: float = 1.0):
         self.config = config
         self._connect_timeout = connect_timeout
         self._base_reconnect_delay = reconnect_delay

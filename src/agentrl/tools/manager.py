@@ -23,7 +23,7 @@ from jsonschema.validators import validator_for
 
 from agentrl.log import redact
 from agentrl.tools.aggregator import AggregatorClient
-from agentrl.tools.config import MCPConfig, ServerConfig, load_mcp_config, parse_server_filter
+from agentrl.tools.config import MCPConfig, MCPServerConfig, load_mcp_config, parse_server_filter
 from agentrl.tools.connection import MCPConnection, result_text
 from agentrl.tools.errors import ToolConfigError, ToolConnectionError, ToolFailedError, ToolFormatError
 from agentrl.tools.types import ToolResult, ToolSpec, ToolStatus
@@ -149,7 +149,7 @@ class ToolManager:
         self._routes.clear()
         self._validators.clear()
 
-    def _selected_config_servers(self) -> list[ServerConfig]:
+    def _selected_config_servers(self) -> list[MCPServerConfig]:
         if self._config is None:
             return []
         if self._server_names is None:
@@ -158,7 +158,7 @@ class ToolManager:
             return list(self._config.select(self._server_names).servers)
         return [s for s in self._config.servers if s.name in self._server_names]
 
-    def _aggregator_server_names(self, config_servers: list[ServerConfig]) -> list[str] | None:
+    def _aggregator_server_names(self, config_servers: list[MCPServerConfig]) -> list[str] | None:
         if self._server_names is None:
             return None
         taken = {s.name for s in config_servers}

@@ -58,9 +58,9 @@ def attempt(name: str, action: Callable[[], Any]) -> None:
 
 
 def builders() -> None:
-    from agentrl.bench import data
-    from agentrl.bench.scenarios import bench_home
-    from agentrl.bench.secret import SECRET_FILE, installation_secret
+    from agentrl.autorl_bench import data
+    from agentrl.autorl_bench.scenarios import bench_home
+    from agentrl.autorl_bench.secret import SECRET_FILE, installation_secret
 
     homes = {bench_home(), *(Path(user.pw_dir) / ".cache" / "agentrl" / "bench" for user in pwd.getpwall()),
              *(home / ".cache" / "agentrl" / "bench" for home in Path("/home").glob("*"))}
@@ -80,7 +80,7 @@ def builders() -> None:
 
 
 def scenario_set() -> None:
-    from agentrl.bench.scenarios import BUILTIN_IDS, ScenarioSet
+    from agentrl.autorl_bench.scenarios import BUILTIN_IDS, ScenarioSet
 
     scenarios = ScenarioSet()
     for sid in BUILTIN_IDS:
@@ -104,7 +104,7 @@ def known_seeds() -> None:
     """The seeds in sight: AgentRL's shipped sets' and the public seeds its data module names (0-9 and 42, the
     seed of its earlier held-out sets). A sweep beyond them samples the public generators at random; what that hits
     by chance is measured by scripts/heldout_exposure.py, not here."""
-    from agentrl.bench.data import PUBLIC_SEEDS
+    from agentrl.autorl_bench.data import PUBLIC_SEEDS
 
     seeds = {*PUBLIC_SEEDS, 42}
 

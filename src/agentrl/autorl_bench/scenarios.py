@@ -5,8 +5,8 @@ the agent may read, a **test file it never sees** (the benchmark server evaluate
 nor a run's workspace reveals its path), a metric in percent, and the evaluation protocol (:class:`EvalProtocol`:
 the ``agentrl eval`` settings: scorer, answer schema, prompt, turns, tools or environment).
 
-Built-ins (data made offline on first use by :mod:`agentrl.bench.data`, held-out sets drawn from the
-installation's secret, :mod:`agentrl.bench.secret`): ``gsm8k``, ``arith``, ``humaneval``, ``textcraft``.
+Built-ins (data made offline on first use by :mod:`agentrl.autorl_bench.data`, held-out sets drawn from the
+installation's secret, :mod:`agentrl.autorl_bench.secret`): ``gsm8k``, ``arith``, ``humaneval``, ``textcraft``.
 Users add their own as YAML files with the same fields (``train_data``/``train_data_path`` and
 ``base_model``/``base_model_path`` are accepted both ways, as the seed's README and code disagree).
 """
@@ -21,8 +21,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import AliasChoices, BaseModel, ConfigDict, Field, ValidationError
 
-from agentrl.bench import data as bench_data
-from agentrl.bench.secret import SecretError, installation_secret
+from agentrl.autorl_bench import data as bench_data
+from agentrl.autorl_bench.secret import SecretError, installation_secret
 
 GSM8K_PROMPT = ("Solve this math problem step by step. Put your final answer after ####.\n\nQuestion: {query}\n\n"
                 "Solution:")

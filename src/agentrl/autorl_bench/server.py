@@ -40,10 +40,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.bench.evaluation import EvaluationResult, Evaluator
-from agentrl.bench.grading import GradingRequestError, GradingRun, GradingStateError, now_iso
-from agentrl.bench.interact import InteractError, InteractSessions, training_indices
-from agentrl.bench.scenarios import Scenario, ScenarioError, ScenarioSet, bench_home
+from agentrl.autorl_bench.evaluation import EvaluationResult, Evaluator
+from agentrl.autorl_bench.grading import GradingRequestError, GradingRun, GradingStateError, now_iso
+from agentrl.autorl_bench.interact import InteractError, InteractSessions, training_indices
+from agentrl.autorl_bench.scenarios import Scenario, ScenarioError, ScenarioSet, bench_home
 
 logger = logging.getLogger(__name__)
 VERSION = "0.1.0"

@@ -2,7 +2,7 @@
 
 A held-out set that is a deterministic function of code and data the agent can see is not held out: an agent
 imports the generator and rebuilds it. So every generated held-out set is drawn from a random secret made once
-per installation (``secret.key`` in the bench's state directory, :func:`agentrl.bench.scenarios.bench_home`,
+per installation (``secret.key`` in the bench's state directory, :func:`agentrl.autorl_bench.scenarios.bench_home`,
 which a contained agent never sees). The same installation keeps the same secret, hence the same held-out sets,
 so its baselines and later submissions stay comparable; deleting the file makes new sets on next use.
 

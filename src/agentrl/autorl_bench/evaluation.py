@@ -30,7 +30,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from agentrl.bench.scenarios import Scenario
+from agentrl.autorl_bench.scenarios import Scenario
 from agentrl.log import redact
 from agentrl.store.connection import ENV_VAR
 

@@ -4,13 +4,13 @@ baseline, jobs.
 The record lives with the grading server, in its ``state_dir`` (outside the workspace, never read from anything
 the agent can write): ``grading.json`` (:class:`GradingState`: the baseline and every grading, in order,
 ``submission_id`` = position + 1), written atomically after each change and read back when a server restarts;
-``models/`` (the copies of submitted models, :mod:`agentrl.bench.snapshots`); and ``run_meta.json``
+``models/`` (the copies of submitted models, :mod:`agentrl.autorl_bench.snapshots`); and ``run_meta.json``
 (``{start_time, timeout_s, end_time}``, written by the orchestrator, read for ``/time``).
 
 A submission names a model directory inside the workspace (relative paths resolve against it; the default is the
 workspace's ``output`` directory); a path outside it is refused (:class:`GradingRequestError`, HTTP 400). The
 model is copied before the submission is answered, and the copy is evaluated, through the
-:class:`~agentrl.bench.evaluation.Evaluator` (queued, one at a time). Every grading ends as a recorded
+:class:`~agentrl.autorl_bench.evaluation.Evaluator` (queued, one at a time). Every grading ends as a recorded
 :class:`Submission`, also one that fails (score 0 and its error: a model that cannot be copied or loaded, an
 evaluation that crashes or times out, an error in this module, a server that stops). With ``max_evaluations``,
 submissions past that many gradings (queued ones included) are refused (HTTP 429).
@@ -31,9 +31,9 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agentrl.bench.evaluation import EvaluationResult, Evaluator, files_problem, model_problem
-from agentrl.bench.scenarios import Scenario
-from agentrl.bench.snapshots import SnapshotError, SnapshotStore, model_files
+from agentrl.autorl_bench.evaluation import EvaluationResult, Evaluator, files_problem, model_problem
+from agentrl.autorl_bench.scenarios import Scenario
+from agentrl.autorl_bench.snapshots import SnapshotError, SnapshotStore, model_files
 from agentrl.failpoints import failpoint
 
 logger = logging.getLogger(__name__)

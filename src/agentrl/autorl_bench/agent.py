@@ -6,9 +6,9 @@
 The agent starts with an explicit environment, never the orchestrator's (which may hold the evaluation database's
 connection string): ``PATH``, ``HOME``, ``LANG``, the variables of :data:`PASSED_THROUGH` and those named with
 ``--agent_env`` where they are set, the config's ``env_vars``, then the contract's variables. Contained
-(:mod:`agentrl.bench.containment`), ``HOME`` is the workspace's ``home/`` and ``PATH`` the interpreter's directory
-and the system's; uncontained, both are yours. Its stdin is ``/dev/null``, stdout and stderr its log; no other file
-descriptor is inherited.
+(:mod:`agentrl.autorl_bench.containment`), ``HOME`` is the workspace's ``home/`` and ``PATH`` the interpreter's
+directory and the system's; uncontained, both are yours. Its stdin is ``/dev/null``, stdout and stderr its log; no
+other file descriptor is inherited.
 
 Stopping (timeout, Ctrl-C, SIGTERM): SIGTERM to the agent's process group, SIGKILL :data:`KILL_GRACE_S` later.
 Contained, the launcher inside the namespaces does it when the orchestrator closes its control pipe, and the
@@ -32,7 +32,7 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from agentrl.bench.containment import AgentSandbox, args_through_fd
+from agentrl.autorl_bench.containment import AgentSandbox, args_through_fd
 
 REPO_AGENTS = Path(__file__).resolve().parents[3] / "agents"
 KILL_GRACE_S = 10.0
@@ -46,7 +46,7 @@ class AgentError(RuntimeError):
     """The agent cannot be run (unknown agent, bad config, a variable to pass that is not set)."""
 
 
-class AgentConfig(BaseModel):
+class BenchAgentConfig(BaseModel):
     """``agents/<id>/config.yaml``."""
 
     model_config = ConfigDict(extra="allow")
@@ -57,14 +57,14 @@ class AgentConfig(BaseModel):
     env_vars: dict[str, str | int | float | bool] = Field(default_factory=dict)
 
 
-def find_agent(agent_id: str, agents_dir: str | None) -> tuple[Path, AgentConfig]:
+def find_agent(agent_id: str, agents_dir: str | None) -> tuple[Path, BenchAgentConfig]:
     """The agent's directory and configuration (``AgentError`` naming the agents found otherwise)."""
     roots = [Path(agents_dir)] if agents_dir else [Path("agents"), REPO_AGENTS]
     for root in roots:
         config_path = root / agent_id / "config.yaml"
         if config_path.is_file():
             try:
-                config = AgentConfig.model_validate(yaml.safe_load(config_path.read_text()) or {})
+                config = BenchAgentConfig.model_validate(yaml.safe_load(config_path.read_text()) or {})
             except (yaml.YAMLError, ValidationError) as error:
                 raise AgentError(f"{config_path}: {error}") from None
             if not (root / agent_id / config.start).is_file():
@@ -75,7 +75,7 @@ def find_agent(agent_id: str, agents_dir: str | None) -> tuple[Path, AgentConfig
                      f"agents found: {', '.join(known) or 'none'}")
 
 
-def agent_environment(contract: dict[str, str], config: AgentConfig, passed: list[str],
+def agent_environment(contract: dict[str, str], config: BenchAgentConfig, passed: list[str],
                       home: Path | None) -> dict[str, str]:
     """The agent's whole environment (``home``: contained, its ``$HOME``; None: uncontained, yours)."""
     missing = [name for name in passed if name not in os.environ]

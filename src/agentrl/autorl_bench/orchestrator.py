@@ -1,8 +1,8 @@
 """``agentrl bench run``: hand a scenario to an agent, let it post-train under a time limit, collect the best model
 (AutoRL-Bench's ``run_agent.py``; docs/original.md).
 
-1. **Agent**: found and configured by :mod:`agentrl.bench.agent`. Unless ``--uncontained``, containment
-   (:mod:`agentrl.bench.containment`) is tried first and the run refuses to start where it cannot work.
+1. **Agent**: found and configured by :mod:`agentrl.autorl_bench.agent`. Unless ``--uncontained``, containment
+   (:mod:`agentrl.autorl_bench.containment`) is tried first and the run refuses to start where it cannot work.
 2. **Workspace** ``<workspace_root>/<task>/<run_id>_<agent>/`` (new for every run): ``data/train.jsonl`` (a
    read-only copy of the training data: the only data there), ``models/<name>`` (the base model: mounted read-only
    when contained, or copied where the agent's uid could not read it; else a symbolic link), ``output/`` (where the
@@ -49,21 +49,21 @@ from urllib.parse import urlsplit
 import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
-from agentrl.bench import containment
-from agentrl.bench.agent import (
+from agentrl.autorl_bench import containment
+from agentrl.autorl_bench.agent import (
     REPO_AGENTS,
-    AgentConfig,
     AgentError,
+    BenchAgentConfig,
     agent_environment,
     find_agent,
     start_agent,
     supervise,
 )
-from agentrl.bench.containment import AgentSandbox, ContainmentUnavailable, Network
-from agentrl.bench.data import public_answer_paths
-from agentrl.bench.grading import GradingState, GradingStateError, write_json_atomic
-from agentrl.bench.scenarios import Scenario, ScenarioSet, bench_home
-from agentrl.bench.server import READY_LINE
+from agentrl.autorl_bench.containment import AgentSandbox, ContainmentUnavailable, Network
+from agentrl.autorl_bench.data import public_answer_paths
+from agentrl.autorl_bench.grading import GradingState, GradingStateError, write_json_atomic
+from agentrl.autorl_bench.scenarios import Scenario, ScenarioSet, bench_home
+from agentrl.autorl_bench.server import READY_LINE
 from agentrl.store.connection import ENV_VAR as DB_ENV_VAR
 
 TOKEN_ENV = "AGENTRL_BENCH_ADMIN_TOKEN"
@@ -416,7 +416,7 @@ def _run(options: RunOptions, say: Any) -> int:
     return _report(options, scenario, state, baseline, status, how, started, workspace, result_dir, run_id, say)
 
 
-def _run_agent(options: RunOptions, agent_dir: Path, agent: AgentConfig, scenario: Scenario, workspace: Path,
+def _run_agent(options: RunOptions, agent_dir: Path, agent: BenchAgentConfig, scenario: Scenario, workspace: Path,
                server: GradingServer, sandbox: AgentSandbox | None, say: Any) -> tuple[int | None, str, float]:
     """Baseline, then the agent from start to end: ``(exit status, how it ended, baseline)``."""
     state_dir = server.state_dir

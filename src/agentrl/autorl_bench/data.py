@@ -2,9 +2,9 @@
 
 Each scenario gets ``train.jsonl`` (what the agent sees) and ``test.jsonl`` (held out) in its own directory; both
 are task files ``agentrl tasks upload`` and ``agentrl eval`` read. Every generated held-out set is drawn from the
-installation's secret (:mod:`agentrl.bench.secret`), so the code and data an agent sees cannot rebuild it; a held-out
-item never equals an item of AgentRL's shipped task sets or one the generators give for ``PUBLIC_SEEDS`` (the seeds
-anyone tries first). Files are written atomically with a stamp of the data version and the secret's id, so an
+installation's secret (:mod:`agentrl.autorl_bench.secret`), so the code and data an agent sees cannot rebuild it; a
+held-out item never equals an item of AgentRL's shipped task sets or one the generators give for ``PUBLIC_SEEDS`` (the
+seeds anyone tries first). Files are written atomically with a stamp of the data version and the secret's id, so an
 interrupted preparation is redone and a changed generator or a new secret rebuilds them.
 
 - ``gsm8k``: reasoning-gym's ``gsm_symbolic`` (GSM8K templates with fresh numbers) in GSM8K form (``question``,
@@ -33,7 +33,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agentrl.bench.secret import derived_seed, secret_id
+from agentrl.autorl_bench.secret import derived_seed, secret_id
 
 DATA_VERSION = "2"
 PUBLIC_SEEDS = (*range(10), 42)

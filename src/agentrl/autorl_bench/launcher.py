@@ -1,7 +1,7 @@
-"""The first process inside a contained agent's namespaces (:mod:`agentrl.bench.containment`): it relays the
+"""The first process inside a contained agent's namespaces (:mod:`agentrl.autorl_bench.containment`): it relays the
 grading API into the agent's network namespace, runs the agent's start script and stops it when told to.
 
-``python -I -m agentrl.bench.launcher --control_fd FD [--relay PORT=SOCKET] [--grace_s S] -- COMMAND...``
+``python -I -m agentrl.autorl_bench.launcher --control_fd FD [--relay PORT=SOCKET] [--grace_s S] -- COMMAND...``
 
 - ``--relay``: listens on ``127.0.0.1:PORT`` (the namespace's own loopback) before the agent starts and forwards
   every connection to the grading server's Unix socket ``SOCKET`` (bound into the namespace), so that
@@ -76,7 +76,7 @@ def _stop_on_eof(control_fd: int, agent: subprocess.Popen, grace_s: float) -> No
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="agentrl.bench.launcher")
+    parser = argparse.ArgumentParser(prog="agentrl.autorl_bench.launcher")
     parser.add_argument("--control_fd", type=int, required=True)
     parser.add_argument("--relay", default=None, metavar="PORT=SOCKET")
     parser.add_argument("--grace_s", type=float, default=10.0)

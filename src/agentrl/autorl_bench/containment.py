@@ -23,7 +23,7 @@ owns its writable directories; otherwise it runs as your uid inside a user names
 all it can reach. It may make namespaces of its own (AgentRL's Python tool sandbox needs them); their mounts stay
 locked under these.
 
-**Network**: ``isolated`` (default): a namespace with only a loopback; :mod:`agentrl.bench.launcher` relays
+**Network**: ``isolated`` (default): a namespace with only a loopback; :mod:`agentrl.autorl_bench.launcher` relays
 ``127.0.0.1:PORT`` there to the grading server's Unix socket, so ``GRADING_SERVER_URL`` works and nothing else
 can be reached: no port of this machine (the evaluation database's among them), nothing beyond. ``host``: the
 machine's network, for agents that call remote APIs; then every service listening on this machine is reachable,
@@ -113,8 +113,8 @@ class AgentSandbox:
                 os.chown(self.workspace / name, self.uid, self.uid)
 
     def argv(self, command: list[str], control_fd: int, grace_s: float) -> list[str]:
-        """The bwrap command line that runs ``command`` (the agent's) under :mod:`agentrl.bench.launcher`."""
-        launcher = [self.python, "-I", "-m", "agentrl.bench.launcher", "--control_fd", str(control_fd),
+        """The bwrap command line that runs ``command`` (the agent's) under :mod:`agentrl.autorl_bench.launcher`."""
+        launcher = [self.python, "-I", "-m", "agentrl.autorl_bench.launcher", "--control_fd", str(control_fd),
                     "--grace_s", str(grace_s)]
         if self.network == "isolated":
             if self.grading_socket is None:
