@@ -1,6 +1,8 @@
 """The project's code habits, checked on the source: no function (or method) over 100 lines in src/, bench/ and
-scripts/ (decorators excluded, docstring and comments included); no package of ``agentrl`` that imports another
-which imports it back, and no cycle among its modules (imports inside functions count too)."""
+scripts/ (decorators excluded, docstring and comments included); no class over 300 lines in the trainer's and the
+engine's packages (``agentrl.training``, ``agentrl.inference``: collaborators of their own instead); no package of
+``agentrl`` that imports another which imports it back, and no cycle among its modules (imports inside functions
+count too)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 MAX_FUNCTION_LINES = 100
+MAX_CLASS_LINES = 300
+WIDE_CLASS_PACKAGES = ("src/agentrl/training", "src/agentrl/inference")
 
 
 
@@ -39,6 +43,28 @@ def test_no_function_over_100_lines() -> None:
     too_long = long_functions(ROOT, MAX_FUNCTION_LINES)
     assert not too_long, ("split these functions into smaller ones with one concern each (at most "
                           f"{MAX_FUNCTION_LINES} lines): " + ", ".join(f"{n} ({k} lines)" for n, k in too_long.items()))
+
+
+def wide_classes(root: Path, limit: int) -> dict[str, int]:
+    """``path:Class`` -> length in lines of every top-level class longer than ``limit`` in ``WIDE_CLASS_PACKAGES``."""
+    return {f"{path.relative_to(root).as_posix()}:{node.name}": node.end_lineno - node.lineno + 1
+            for folder in WIDE_CLASS_PACKAGES for path in sorted((root / folder).glob("*.py"))
+            for node in ast.parse(path.read_text()).body
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > limit}
+
+
+def test_no_class_over_300_lines_in_the_trainer_and_the_engine() -> None:
+    wide = wide_classes(ROOT, MAX_CLASS_LINES)
+    assert not wide, (f"give these classes collaborators (at most {MAX_CLASS_LINES} lines each): "
+                      + ", ".join(f"{n} ({k} lines)" for n, k in wide.items()))
+
+
+def test_the_check_finds_wide_classes(tmp_path: Path) -> None:
+    package = tmp_path / "src" / "agentrl" / "training"
+    package.mkdir(parents=True)
+    (package / "m.py").write_text("class Fits:\n" + _function("f", 299, "    ") + "\nclass Wide:\n"
+                                  + _function("g", 300, "    "))
+    assert wide_classes(tmp_path, MAX_CLASS_LINES) == {"src/agentrl/training/m.py:Wide": 301}
 
 
 def _function(name: str, lines: int, indent: str = "") -> str:

@@ -427,15 +427,12 @@ async def test_another_rank_stops_waiting_for_a_publish_rank_0_never_announces(d
     Run stays at the old version), the wait ends after ``--ddp_timeout`` with an error naming rank 0, instead of
     polling forever (a launcher that does not kill the other ranks would hang). Driven on the real store; the
     trainer around it is not built (the wait is one coroutine)."""
-    from agentrl.training.config import TrainConfig
     from agentrl.training.publish import PublishError
-    from agentrl.training.trainer import Trainer
+    from agentrl.training.settlement import served_by_main
 
-    trainer = Trainer(TrainConfig(ddp_timeout=1, poll_interval_s=0.1))
     async with Store(db_uri) as store:
         await store.runs.get_or_create("run")
-        trainer.store = store
         started = time.monotonic()
         with pytest.raises(PublishError, match="rank 0 did not publish weights version 1 within --ddp_timeout 1 s"):
-            await asyncio.wait_for(trainer._served_by_main(1), 30)
+            await asyncio.wait_for(served_by_main(store, 1, timeout_s=1, poll_interval_s=0.1), 30)
     assert time.monotonic() - started < 10

@@ -5,7 +5,8 @@ see :mod:`agentrl.inference.sampling`). :func:`trainer_logprobs` recomputes it w
 forward pass over ``prompt + output``; with identical weights and no penalties the two agree to float rounding
 (fp32: well under 1e-4). A growing mismatch means the trainer's and the sampler's policies diverge (wrong weights
 loaded, a dtype or temperature mismatch). Tests and benchmarks use :func:`logprob_mismatch`; the trainer measures
-the same difference on every step's loss tokens itself (``logprob_mismatch_mean``/``_max``, ``Trainer._micro_step``).
+the same difference on every step's loss tokens itself (``logprob_mismatch_mean``/``_max``,
+``OptimizerStep._micro_step``).
 """
 
 from __future__ import annotations

@@ -7,21 +7,11 @@
   :mod:`agentrl.inference.sampling`). With ``logprob_start_len`` the prompt tokens from there on get theirs too
   (``input_token_logprobs``, ``log_softmax(logits / temperature)``, the first one null, as SGLang), from one extra
   forward pass of the prompt with the same weights and adapter, between two generation steps.
-* ``update_weights_from_disk`` reads the new checkpoint while generation goes on, then swaps it in between two
-  decoding steps (``weight_update_mode="in_place"``, the default): running requests go on with the new weights and
-  no request waits; each response's ``weight_version`` is that of its last token and, when its tokens span
-  several versions, ``weight_version_spans`` (our extension of SGLang's ``meta_info``) lists
-  ``[version, tokens]`` in order. ``"drain"`` (SGLang's behaviour without ``/pause_generation``) closes the
-  admission gate instead: running requests finish on the old weights, new ones wait, then the swap.
-  :meth:`InferenceEngine.load_published` does the same for an engine joining a run under way.
-* ``init_weights_update_group`` / ``update_weights_from_distributed`` / ``destroy_weights_update_group``: SGLang's
-  in-memory update inside a ``begin_weight_update`` ... ``end_weight_update`` session, as SGLang 0.5.23 requires
-  (a trainer broadcasts the tensors over a process group it shares with the engine; see
-  :mod:`agentrl.inference.weight_updates`), swapped in the same way once the whole model has arrived.
-* ``load_lora_adapter`` / ``unload_lora_adapter`` (with ``enable_lora``, as SGLang's ``--enable-lora``) serve
-  PEFT adapters next to the base weights; a request names one in ``lora_path``. Loading pauses generation for one
-  step; unloading waits until no admitted request uses the adapter (new requests naming it are refused at once).
-  ``weight_version`` stays as it is, as in SGLang: the adapter's name tells which weights made the tokens.
+* ``weights`` (:mod:`agentrl.inference.weight_endpoints`): SGLang's weight-update endpoints, from disk, a
+  weight-update group or shared memory, swapped in between two decoding steps; each response's ``weight_version``
+  is that of its last token and, when its tokens span several versions, ``weight_version_spans`` (our extension
+  of SGLang's ``meta_info``) lists ``[version, tokens]`` in order.
+* ``adapters`` (:mod:`agentrl.inference.adapter_endpoints`): SGLang's LoRA adapter endpoints (``enable_lora``).
 * ``release_memory`` / ``resume_memory`` (colocated layout) drain the same way, then free the KV cache (and move
   the weights to host memory on an accelerator).
 * ``abort_all`` (on shutdown) ends every running generation at once with finish reason ``abort``.
@@ -30,12 +20,10 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import os
 import time
 import uuid
-from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
@@ -44,52 +32,37 @@ import torch
 from pydantic import BaseModel, Field, field_validator
 
 from agentrl import __version__
-from agentrl.failpoints import failpoint
+from agentrl.inference.adapter_endpoints import AdapterEndpoints
 from agentrl.inference.admission import AdmissionGate
 from agentrl.inference.batching import (
     BatchingConfig,
     ContinuousBatcher,
     GenerationAborted,
-    PreparedWeights,
-    RequestSampling,
 )
-from agentrl.inference.lora_adapters import AdapterError, read_adapter
 from agentrl.inference.protocol import (
-    BeginWeightUpdateRequest,
+    BadRequest,
     ChatCompletionRequest,
-    DestroyWeightsUpdateGroupRequest,
-    EndWeightUpdateRequest,
     FinishReason,
     GenerateRequest,
     GenerateResponse,
-    InitWeightsUpdateGroupRequest,
-    LoadLoRAAdapterRequest,
-    LoRAUpdateResponse,
     MetaInfo,
     ModelInfo,
     SamplingParams,
-    UnloadLoRAAdapterRequest,
-    UpdateWeightsFromDiskRequest,
-    UpdateWeightsFromDiskResponse,
-    UpdateWeightsFromDistributedRequest,
-    UpdateWeightsFromTensorRequest,
-    WeightUpdateResponse,
 )
-from agentrl.inference.sampling import GREEDY_EPS
-from agentrl.inference.weight_sync import WeightSyncError
-from agentrl.inference.weight_updates import WeightUpdateGroups
+from agentrl.inference.request_rules import (
+    check_supported,
+    finish_reason,
+    output_text,
+    request_sampling,
+    stop_string_matcher,
+    stop_token_ids,
+    validate,
+)
+from agentrl.inference.weight_endpoints import WeightEndpoints
 
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
-
-class BadRequest(ValueError):
-    """The request cannot be served as asked (answered with HTTP 400 and this message)."""
-
-
-class IncompatibleWeights(ValueError):
-    """A checkpoint's parameters do not match the served model's names and shapes."""
 
 
 class EngineConfig(BaseModel):
@@ -122,7 +95,7 @@ class EngineConfig(BaseModel):
     @classmethod
     def _valid_sampling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
         if value is not None:
-            InferenceEngine.check_supported(SamplingParams.model_validate(value))
+            check_supported(SamplingParams.model_validate(value))
         return value
 
 
@@ -205,14 +178,12 @@ class InferenceEngine:
             ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "") + (
             f", CUDA graphs up to {graphs.sizes[-1]} requests" if graphs is not None and graphs.capture
             else ", eager decode")
-        self._adapter_users: dict[str, int] = {}  # loaded adapter -> admitted requests using it
-        self._adapter_idle: dict[str, asyncio.Event] = {}  # adapters being unloaded -> set when unused
         self.gate = AdmissionGate()
         self.released = False
-        self._exclusive = asyncio.Lock()
-        self._session_open = False  # between /begin_weight_update and /end_weight_update
-        self.weight_groups = WeightUpdateGroups(self.model, self.device, config.weight_update_timeout_s,
-                                                prepare=self.batcher.prepare)
+        self._exclusive = asyncio.Lock()  # swaps, adapter changes and memory releases take turns
+        self.weights = WeightEndpoints(self.batcher, self.dtype, config.weight_update_mode, self.gate,
+                                       self._exclusive, config.weight_update_timeout_s)
+        self.adapters = AdapterEndpoints(self.batcher, config.enable_lora, self._exclusive)
 
     @property
     def weight_version(self) -> str:
@@ -276,13 +247,6 @@ class InferenceEngine:
             return params
         return SamplingParams.model_validate({**preferred, **params.model_dump(exclude_unset=True)})
 
-    @staticmethod
-    def check_supported(params: SamplingParams) -> None:
-        """Refuse what the engine does not implement (SGLang's repetition_penalty)."""
-        if params.repetition_penalty != 1.0:
-            raise BadRequest(f"repetition_penalty {params.repetition_penalty} is not supported by the agentrl "
-                             "engine (only 1.0); use presence_penalty / frequency_penalty")
-
     # ----------------------------------------------------------------------------------------------- generation
 
     async def generate(self, request: GenerateRequest) -> GenerateResponse:
@@ -302,7 +266,7 @@ class InferenceEngine:
                 raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens "
                                  f"({len(input_ids)}). Request with a lower logprob_start_len.")
         run = await self._run(input_ids, params, request.lora_path, prompt_start=start)
-        text = self._text(run.output_ids, run.finish, params)
+        text = output_text(self.tokenizer, run.output_ids, run.finish, params)
         meta = MetaInfo(
             id=request.rid or uuid.uuid4().hex, finish_reason=run.finish, prompt_tokens=len(input_ids),
             completion_tokens=len(run.output_ids), cached_tokens=0, weight_version=run.version,
@@ -329,48 +293,16 @@ class InferenceEngine:
             return False
         return True
 
-    def _validate(self, input_ids: list[int], params: SamplingParams) -> None:
-        self.check_supported(params)
-        bad = [i for i in input_ids if not 0 <= i < self.vocab_size]
-        if bad:
-            raise BadRequest(f"input_ids contains {len(bad)} token id(s) outside the vocabulary [0, "
-                             f"{self.vocab_size}): {bad[:5]}")
-        for token in params.stop_token_ids or []:
-            if not 0 <= token < self.vocab_size:
-                raise BadRequest(f"stop_token_ids contains {token}, outside the vocabulary [0, {self.vocab_size})")
-        total = len(input_ids) + params.max_new_tokens
-        if self.context_length and total > self.context_length:
-            raise BadRequest(
-                f"Requested token count exceeds the model's maximum context length of {self.context_length} tokens."
-                f" You requested a total of {total} tokens: {len(input_ids)} tokens from the input and "
-                f"{params.max_new_tokens} tokens for the completion.")
-        if total > self.config.max_total_tokens:
-            raise BadRequest(f"the request needs {total} tokens of KV cache but the engine holds at most "
-                             f"{self.config.max_total_tokens} (raise --max_total_tokens)")
-
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        if params.ignore_eos:  # as in SGLang: ignore_eos also disables stop_token_ids
-            return []
-        return sorted(self.eos_token_ids | set(params.stop_token_ids or []))
-
-    @staticmethod
-    def _sampling(params: SamplingParams) -> RequestSampling:
-        penalties = {"presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty}
-        if params.temperature < GREEDY_EPS or params.top_k == 1:  # SGLang normalises greedy to top_k = 1
-            return RequestSampling(temperature=1.0, top_k=1, seed=params.sampling_seed, **penalties)
-        return RequestSampling(temperature=params.temperature, top_k=max(params.top_k, 0), top_p=params.top_p,
-                               min_p=params.min_p, seed=params.sampling_seed, **penalties)
-
     async def _run(self, input_ids: list[int], params: SamplingParams, adapter: str | None = None, *,
                    prompt_start: int | None = None) -> _Run:
         """Generate under an admission (and, from ``prompt_start`` on, score the prompt with the same weights)."""
-        self._validate(input_ids, params)
-        stop_ids = self._stop_token_ids(params)
-        matcher = self._stop_string_matcher(params.stop_strings)
-        sampling = self._sampling(params)
+        validate(input_ids, params, self.vocab_size, self.context_length, self.config.max_total_tokens)
+        stop_ids = stop_token_ids(params, self.eos_token_ids)
+        matcher = stop_string_matcher(self.tokenizer, params.stop_strings)
+        sampling = request_sampling(params)
         async with self.gate.admit():
             version = self.weight_version
-            self._use_adapter(adapter)
+            self.adapters.use(adapter)
             prompt: list[float] = []
             try:
                 if prompt_start is not None:
@@ -384,47 +316,10 @@ class InferenceEngine:
             except GenerationAborted as error:  # SGLang answers an aborted request, it does not drop it
                 return _Run([], [], FinishReason(type="abort", message=str(error)), version, [], prompt)
             finally:
-                self._release_adapter(adapter)
+                self.adapters.release(adapter)
         tokens, spans = output.generated_tokens, output.versions
-        return _Run(tokens, output.logprobs, self._finish_reason(tokens, params, stop_ids, matcher),
+        return _Run(tokens, output.logprobs, finish_reason(tokens, params, stop_ids, matcher),
                     spans[-1][0] if spans else version, spans, prompt)
-
-    def _stop_string_matcher(self, stops: list[str]) -> Callable[[list[int]], str | None] | None:
-        """A function telling which stop string (if any) the end of the generated tokens contains."""
-        stops = [s for s in stops if s]
-        if not stops:
-            return None
-        window = max(len(s) for s in stops) + 1  # a token is at least one character
-
-        def matched(token_ids: list[int]) -> str | None:
-            tail = self.tokenizer.decode(token_ids[-window:])
-            return next((s for s in stops if s in tail), None)
-
-        return matched
-
-    @staticmethod
-    def _finish_reason(tokens: list[int], params: SamplingParams, stop_ids: list[int],
-                       matcher: Callable[[list[int]], str | None] | None) -> FinishReason:
-        # Same precedence as SGLang's Req.check_finished: length, then stop token, then stop string.
-        if len(tokens) >= params.max_new_tokens:
-            return FinishReason(type="length", length=params.max_new_tokens)
-        if tokens and tokens[-1] in stop_ids:
-            return FinishReason(type="stop", matched=tokens[-1])
-        matched = matcher(tokens) if matcher and tokens else None
-        if matched is not None:
-            return FinishReason(type="stop", matched=matched)
-        return FinishReason(type="abort", message="generation ended without reaching a stop condition")
-
-    def _text(self, output_ids: list[int], finish: FinishReason, params: SamplingParams) -> str:
-        ids = output_ids
-        trim = not params.no_stop_trim
-        if trim and isinstance(finish.matched, int) and ids:
-            ids = ids[:-1]  # SGLang drops the matched stop token from the text
-        text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
-        if trim and isinstance(finish.matched, str):
-            position = text.find(finish.matched)
-            text = text[:position] if position >= 0 else text
-        return text
 
     # ------------------------------------------------------------------------------------------------- chat
 
@@ -451,7 +346,7 @@ class InferenceEngine:
         output_ids, logprobs, finish, version = run.output_ids, run.logprobs, run.finish, run.version
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": self._text(output_ids, finish, params)},
+            "message": {"role": "assistant", "content": output_text(self.tokenizer, output_ids, finish, params)},
             "finish_reason": "length" if finish.type == "length" else "stop",
             "logprobs": None,
         }
@@ -469,186 +364,6 @@ class InferenceEngine:
                 {"weight_version_spans": spans} if (spans := run.several_versions()) else {}),
         }
 
-    # ------------------------------------------------------------------------------------------ weight updates
-
-    async def update_weights_from_disk(self, request: UpdateWeightsFromDiskRequest) -> UpdateWeightsFromDiskResponse:
-        """Load a checkpoint directory into the served model without dropping any request."""
-        if request.abort_all_requests:
-            return UpdateWeightsFromDiskResponse(
-                success=False, message="abort_all_requests is not supported: running requests always finish")
-        if request.load_format not in (None, "auto"):
-            return UpdateWeightsFromDiskResponse(
-                success=False, message=f"load_format {request.load_format!r} is not supported (use auto)")
-        try:
-            new_version = self._next_version(request.weight_version)
-        except WeightSyncError as error:
-            return UpdateWeightsFromDiskResponse(success=False, message=str(error))
-        started = time.perf_counter()
-        try:
-            state_dict = await asyncio.to_thread(self._read_checkpoint, request.model_path)
-        except IncompatibleWeights as error:
-            return UpdateWeightsFromDiskResponse(
-                success=False, message=f"weights in {request.model_path} do not fit the model: {error}")
-        except Exception as error:  # noqa: BLE001 - reported to the caller, who asked for this path
-            return UpdateWeightsFromDiskResponse(
-                success=False, message=f"failed to read weights from {request.model_path}: {error}")
-        paused = await self._swap(state_dict, new_version)
-        message = (f"loaded weights from {request.model_path} as weight_version {new_version} in "
-                   f"{time.perf_counter() - started:.2f}s")
-        logger.info(message)
-        return UpdateWeightsFromDiskResponse(success=True, message=message, num_paused_requests=paused)
-
-    async def _swap(self, weights: dict[str, torch.Tensor] | PreparedWeights, new_version: str) -> int:
-        """Serve ``weights`` (a state dict, or weights already prepared) as ``new_version`` in one step, between
-        two decoding steps; returns how many requests waited (none in place; under ``drain``, those that arrived
-        while running requests finished on the old weights)."""
-        if isinstance(weights, dict):
-            weights = await asyncio.to_thread(self.batcher.prepare, weights)
-        async with self._exclusive:
-            if self.config.weight_update_mode == "in_place":
-                await asyncio.to_thread(self._swap_now, weights, new_version)
-                return 0
-            held_before = self.gate.held
-            async with self.gate.closed():
-                await asyncio.to_thread(self._swap_now, weights, new_version)
-                await asyncio.to_thread(self.batcher.reset_prefix_cache)
-            return self.gate.held - held_before
-
-    def _swap_now(self, weights: PreparedWeights, new_version: str) -> None:
-        """Swap (blocking); the ``engine.update_weights.swap`` failpoint keeps the old weights under the new name."""
-        if failpoint("engine.update_weights.swap"):
-            weights = self.batcher.prepare(dict(self.model.state_dict()))
-        self.batcher.swap(weights, new_version)
-
-    def _next_version(self, requested: str | None) -> str:
-        """The version a swap serves: the one requested, else the current one plus one (WeightSyncError if the
-        current one is not a number)."""
-        if requested is not None:
-            return requested
-        if not self.weight_version.isdigit():
-            raise WeightSyncError(f"the current weight_version {self.weight_version!r} is not a number: give "
-                                  "weight_version")
-        return str(int(self.weight_version) + 1)
-
-    async def init_weights_update_group(self, request: InitWeightsUpdateGroupRequest) -> WeightUpdateResponse:
-        """Join a weight-update group as rank ``rank_offset`` (blocks until the trainer and every server joined)."""
-        try:
-            await self.weight_groups.join(request.master_address, request.master_port, request.rank_offset,
-                                          request.world_size, request.group_name, request.backend)
-        except Exception as error:  # noqa: BLE001 - SGLang answers every failure with success false
-            return WeightUpdateResponse(success=False, message=f"Failed to initialize custom process group: {error}.")
-        logger.info("joined weight update group %s as rank %d of %d (%s, %s:%d)", request.group_name,
-                    request.rank_offset, request.world_size, request.backend, request.master_address,
-                    request.master_port)
-        return WeightUpdateResponse(success=True, message="Succeeded to initialize custom process group.")
-
-    async def begin_weight_update(self, request: BeginWeightUpdateRequest) -> WeightUpdateResponse:
-        """Open a weight-update session (SGLang's answers: one session at a time)."""
-        if request.selector == "draft":
-            return WeightUpdateResponse(success=False, message="selector 'draft': this engine has no draft model")
-        if self._session_open:
-            return WeightUpdateResponse(success=False, message=(
-                "a weight-update session is already open; call end_weight_update() first"))
-        self._session_open = True
-        return WeightUpdateResponse(success=True, message="Success")
-
-    async def end_weight_update(self, request: EndWeightUpdateRequest) -> WeightUpdateResponse:
-        """Close the weight-update session."""
-        if not self._session_open:
-            return WeightUpdateResponse(success=False, message=(
-                "no weight-update session is open; call begin_weight_update() first"))
-        self._session_open = False
-        return WeightUpdateResponse(success=True, message="Success")
-
-    async def destroy_weights_update_group(self, request: DestroyWeightsUpdateGroupRequest) -> WeightUpdateResponse:
-        try:
-            self.weight_groups.leave(request.group_name)
-        except Exception as error:  # noqa: BLE001
-            return WeightUpdateResponse(success=False, message=str(error))
-        return WeightUpdateResponse(success=True, message="Succeeded to destroy custom process group.")
-
-    async def update_weights_from_distributed(self, request: UpdateWeightsFromDistributedRequest
-                                              ) -> WeightUpdateResponse:
-        """Receive tensors broadcast by the group's rank 0; swap them in once the whole model has arrived
-        (:mod:`agentrl.inference.weight_updates`: all or nothing)."""
-        started = time.perf_counter()
-        try:
-            new_version = self._in_memory_version(request, "update_weights_from_distributed")
-            complete = await self.weight_groups.receive(request.group_name, request.names, request.dtypes,
-                                                        request.shapes, request.load_format)
-        except WeightSyncError as error:
-            return WeightUpdateResponse(success=False, message=str(error))
-        return await self._serve_when_complete(complete, len(request.names), request.group_name, new_version,
-                                               started)
-
-    async def update_weights_from_tensor(self, request: UpdateWeightsFromTensorRequest) -> WeightUpdateResponse:
-        """Take tensors a process on this host shares (copied off its memory before answering); swap them in once
-        the whole model has arrived, as :meth:`update_weights_from_distributed`."""
-        started = time.perf_counter()
-        try:
-            new_version = self._in_memory_version(request, "update_weights_from_tensor")
-            if len(request.serialized_named_tensors) != 1:
-                raise WeightSyncError(f"serialized_named_tensors has {len(request.serialized_named_tensors)} "
-                                      "entries: one per tensor-parallel rank, and this engine is one rank")
-            received, complete = await self.weight_groups.receive_tensors(request.serialized_named_tensors[0],
-                                                                          request.load_format)
-        except WeightSyncError as error:
-            return WeightUpdateResponse(success=False, message=str(error))
-        return await self._serve_when_complete(complete, received, None, new_version, started)
-
-    def _in_memory_version(self, request: UpdateWeightsFromDistributedRequest | UpdateWeightsFromTensorRequest,
-                           endpoint: str) -> str:
-        """The version an in-memory update serves, once the request is one this engine takes (SGLang's session
-        included); :class:`WeightSyncError` otherwise."""
-        if request.abort_all_requests:
-            raise WeightSyncError("abort_all_requests is not supported: running requests are never aborted")
-        if request.selector == "draft":
-            raise WeightSyncError("selector 'draft': this engine has no draft model")
-        if not self._session_open:
-            raise WeightSyncError(f"{endpoint} must run between begin_weight_update() and end_weight_update()")
-        return self._next_version(request.weight_version)
-
-    async def _serve_when_complete(self, complete: PreparedWeights | None, received: int, group_name: str | None,
-                                   new_version: str, started: float) -> WeightUpdateResponse:
-        """Swap ``complete`` in (the whole model arrived) or say how much of it is staged (``group_name`` None:
-        the tensor updates')."""
-        parameters = len(self.weight_groups.names)
-        if complete is None:
-            return WeightUpdateResponse(success=True, message=(
-                f"received {received} tensor(s); {self.weight_groups.staged(group_name)} of {parameters} parameters "
-                "staged: the new weights are served once all arrived"))
-        paused = await self._swap(complete, new_version)
-        source = "tensors" if group_name is None else f"group {group_name}"
-        message = (f"Succeeded to update model weights: {parameters} parameters from {source} as weight_version "
-                   f"{new_version} in {time.perf_counter() - started:.2f}s ({paused} request(s) waited)")
-        logger.info(message)
-        return WeightUpdateResponse(success=True, message=message)
-
-    async def load_published(self, path: str, version: int) -> None:
-        """Serve the run's published weights at ``path`` as ``version`` (an engine joining a run under way);
-        raises :class:`RuntimeError` with the reason when they cannot be loaded."""
-        result = await self.update_weights_from_disk(
-            UpdateWeightsFromDiskRequest(model_path=path, weight_version=str(version)))
-        if not result.success:
-            raise RuntimeError(f"cannot serve the run's published policy version {version}: {result.message}")
-
-    def _read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
-        """Load a checkpoint's state dict on the host and check it matches the served model key for key."""
-        from transformers import AutoModelForCausalLM
-
-        if not Path(path).is_dir():
-            raise FileNotFoundError(f"{path} is not a directory")
-        state_dict = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).state_dict()
-        served = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
-        loaded = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
-        problems = [f"missing {name}" for name in served.keys() - loaded.keys()]
-        problems += [f"unexpected {name}" for name in loaded.keys() - served.keys()]
-        problems += [f"{name}: shape {loaded[name]} instead of {shape}" for name, shape in served.items()
-                     if name in loaded and loaded[name] != shape]
-        if problems:
-            raise IncompatibleWeights(f"{len(problems)} mismatch(es), e.g. {'; '.join(sorted(problems)[:3])}")
-        return state_dict
-
     async def flush_cache(self) -> bool:
         """Forget the prefix cache; like SGLang, refuse (false) while requests are running or waiting."""
         if self.gate.active or self.gate.waiting:
@@ -656,82 +371,6 @@ class InferenceEngine:
         async with self._exclusive, self.gate.closed():
             await asyncio.to_thread(self.batcher.reset_prefix_cache)
         return True
-
-    # ------------------------------------------------------------------------------------------ LoRA adapters
-
-    def _use_adapter(self, name: str | None) -> None:
-        """Count an admitted request on adapter ``name``; SGLang's errors for a disabled or unknown adapter."""
-        if name is None:
-            return
-        if not self.config.enable_lora:
-            raise BadRequest(f"LoRA adapter '{name}' was requested, but LoRA is not enabled. Please launch the "
-                             "engine with --enable_lora and load adapters with the /load_lora_adapter endpoint.")
-        if name not in self._adapter_users or name in self._adapter_idle:
-            raise BadRequest(f"The following requested LoRA adapters are not loaded: {name}\n"
-                             f"Loaded adapters: {sorted(self.loaded_adapters())}.")
-        self._adapter_users[name] += 1
-
-    def _release_adapter(self, name: str | None) -> None:
-        if name is None:
-            return
-        self._adapter_users[name] -= 1
-        if not self._adapter_users[name] and name in self._adapter_idle:
-            self._adapter_idle[name].set()
-
-    def loaded_adapters(self) -> dict[str, str]:
-        """Adapters that requests may name: name -> the path it was loaded from."""
-        return {name: adapter.path for name, adapter in self.batcher.adapters.adapters.items()
-                if name not in self._adapter_idle}
-
-    def _lora_result(self, error: str | None = None) -> LoRAUpdateResponse:
-        return LoRAUpdateResponse(success=error is None, error_message=error, loaded_adapters=self.loaded_adapters())
-
-    async def load_lora_adapter(self, request: LoadLoRAAdapterRequest) -> LoRAUpdateResponse:
-        """Serve the PEFT adapter at ``lora_path`` under ``lora_name`` (running requests are not disturbed)."""
-        if not self.config.enable_lora:
-            return self._lora_result("LoRA is not enabled. Please launch the engine with --enable_lora.")
-        name = request.lora_name
-        if name in self._adapter_users:
-            return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
-        started = time.perf_counter()
-        try:
-            adapter = await asyncio.to_thread(read_adapter, name, request.lora_path, self.model)
-            if failpoint("engine.load_lora_adapter.apply"):
-                adapter = dataclasses.replace(adapter, layers={})
-        except AdapterError as error:
-            return self._lora_result(f"Failed to load LoRA adapter {name}: {error}")
-        except Exception as error:  # noqa: BLE001 - reported to the caller, who asked for this path
-            return self._lora_result(f"Failed to load LoRA adapter {name} from {request.lora_path}: {error}")
-        async with self._exclusive:
-            if name in self._adapter_users:  # loaded by a concurrent request meanwhile
-                return self._lora_result(f"Failed to load LoRA adapter {name} because it is already loaded")
-            await asyncio.to_thread(self.batcher.add_adapter, adapter)
-            self._adapter_users[name] = 0
-        logger.info("loaded LoRA adapter %s from %s (%d layers) in %.2fs", name, request.lora_path,
-                    len(adapter.layers), time.perf_counter() - started)
-        return self._lora_result()
-
-    async def unload_lora_adapter(self, request: UnloadLoRAAdapterRequest) -> LoRAUpdateResponse:
-        """Stop serving adapter ``lora_name`` once the requests using it have finished; new ones are refused."""
-        if not self.config.enable_lora:
-            return self._lora_result("LoRA is not enabled. Please launch the engine with --enable_lora.")
-        name = request.lora_name
-        if name not in self._adapter_users or name in self._adapter_idle:
-            return self._lora_result(f"LoRA with name {name} does not exist. Loaded LoRAs: "
-                                     f"{sorted(self.loaded_adapters())}")
-        idle = self._adapter_idle[name] = asyncio.Event()
-        if not self._adapter_users[name]:
-            idle.set()
-        try:
-            await idle.wait()
-        except asyncio.CancelledError:  # the caller gave up: the adapter stays loaded and usable
-            del self._adapter_idle[name]
-            raise
-        async with self._exclusive:
-            await asyncio.to_thread(self.batcher.remove_adapter, name)
-            del self._adapter_users[name], self._adapter_idle[name]
-        logger.info("unloaded LoRA adapter %s", name)
-        return self._lora_result()
 
     # ------------------------------------------------------------------------------------- memory occupation
 

@@ -88,6 +88,10 @@ def adapter_policy_version(name: str) -> int | None:
     return None
 
 
+
+class BadRequest(ValueError):
+    """The request cannot be served as asked (answered with HTTP 400 and this message)."""
+
 class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid")
 

@@ -37,8 +37,9 @@ from pydantic import BaseModel, Field, SecretStr
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.inference.batching import EngineStopped
-from agentrl.inference.engine import BadRequest, EngineConfig, InferenceEngine
+from agentrl.inference.engine import EngineConfig, InferenceEngine
 from agentrl.inference.protocol import (
+    BadRequest,
     BeginWeightUpdateRequest,
     ChatCompletionRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -102,7 +103,7 @@ def _lifespan(engine: InferenceEngine, registration: ServiceRegistration | None,
         engine.start()
         try:
             if registration is not None:
-                await registration.start(load_published=engine.load_published)
+                await registration.start(load_published=engine.weights.load_published)
             if on_ready is not None:
                 on_ready()
             yield
@@ -184,42 +185,42 @@ def _add_weight_routes(app: FastAPI, engine: InferenceEngine, registration: Serv
 
     @app.post("/update_weights_from_disk")
     async def update_weights_from_disk(request: UpdateWeightsFromDiskRequest) -> JSONResponse:
-        return await updated(await engine.update_weights_from_disk(request))
+        return await updated(await engine.weights.update_weights_from_disk(request))
 
     @app.post("/init_weights_update_group")
     async def init_weights_update_group(request: InitWeightsUpdateGroupRequest) -> JSONResponse:
-        result = await engine.init_weights_update_group(request)
+        result = await engine.weights.init_weights_update_group(request)
         return _answer(result)
 
     @app.post("/update_weights_from_distributed")
     async def update_weights_from_distributed(request: UpdateWeightsFromDistributedRequest) -> JSONResponse:
-        return await updated(await engine.update_weights_from_distributed(request))
+        return await updated(await engine.weights.update_weights_from_distributed(request))
 
     @app.post("/update_weights_from_tensor")
     async def update_weights_from_tensor(request: UpdateWeightsFromTensorRequest) -> JSONResponse:
-        return await updated(await engine.update_weights_from_tensor(request))
+        return await updated(await engine.weights.update_weights_from_tensor(request))
 
     @app.post("/begin_weight_update")
     async def begin_weight_update(request: BeginWeightUpdateRequest) -> JSONResponse:
-        return _answer(await engine.begin_weight_update(request))
+        return _answer(await engine.weights.begin_weight_update(request))
 
     @app.post("/end_weight_update")
     async def end_weight_update(request: EndWeightUpdateRequest) -> JSONResponse:
-        return _answer(await engine.end_weight_update(request))
+        return _answer(await engine.weights.end_weight_update(request))
 
     @app.post("/destroy_weights_update_group")
     async def destroy_weights_update_group(request: DestroyWeightsUpdateGroupRequest) -> JSONResponse:
-        result = await engine.destroy_weights_update_group(request)
+        result = await engine.weights.destroy_weights_update_group(request)
         return _answer(result)
 
     @app.post("/load_lora_adapter")
     async def load_lora_adapter(request: LoadLoRAAdapterRequest) -> JSONResponse:
-        result = await engine.load_lora_adapter(request)
+        result = await engine.adapters.load_lora_adapter(request)
         return _answer(result)
 
     @app.post("/unload_lora_adapter")
     async def unload_lora_adapter(request: UnloadLoRAAdapterRequest) -> JSONResponse:
-        result = await engine.unload_lora_adapter(request)
+        result = await engine.adapters.unload_lora_adapter(request)
         return _answer(result)
 
 
