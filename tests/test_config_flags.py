@@ -158,9 +158,9 @@ def test_the_command_lines_agentrl_run_builds_parse(tmp_path: Path) -> None:
     config = RunConfig(run_name="r", run_dir=tmp_path, query_prompt="Q: {query}", extra_sample_flags="--seed 3",
                        extra_eval_flags="--top_p 0.9")
     processes = _RecordingProcesses()
-    run = stages.RunState(config=config, processes=processes, db_base="mongodb://127.0.0.1:1",  # type: ignore[arg-type]
-                     tool_flags=["--mcp_config", "mcp.json"], inference_urls="http://127.0.0.1:2,http://127.0.0.1:3",
-                     eval_tasks=tmp_path / "t.jsonl")
+    run = stages.RunState(config=config, processes=processes,  # type: ignore[arg-type]
+                          db_base="mongodb://127.0.0.1:1", tool_flags=["--mcp_config", "mcp.json"],
+                          inference_urls="http://127.0.0.1:2,http://127.0.0.1:3", eval_tasks=tmp_path / "t.jsonl")
     stages.start_samplers(run, "model-dir")
     for stage in (lambda: stages.held_out_eval(run, "start", "--model_name_or_path", "m"),
                   lambda: stages.evaluate(run, tmp_path / "t.jsonl")):
