@@ -68,8 +68,8 @@ class _Bucket:
         page, max_pages = layout.page_size, layout.block_table.shape[1]
         read_slots = batch["read_index"][0]
         cu_k = batch["cu_seq_lens_k"][_FULL_ATTENTION][:requests + 1]
-        rows = torch.arange(size, device=cu_k.device).clamp(max=requests)
-        rows = torch.where(rows == requests, 0, rows)  # padding rows are copies of row 0
+        positions = torch.arange(size, device=cu_k.device)
+        rows = torch.where(positions < requests, positions, 0)  # padding rows are copies of row 0
         starts, ends = cu_k[:-1][rows], cu_k[1:][rows]
         self.input_ids[0].copy_(batch["input_ids"][0, :requests][rows])
         self.position_ids[0].copy_(batch["position_ids"][0, :requests][rows])
