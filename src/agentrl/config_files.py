@@ -19,7 +19,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from agentrl.config_flags import flag_name
+from agentrl.config_flags import describe_errors, flag_name
 
 
 class ConfigFileError(ValueError):
@@ -47,20 +47,12 @@ def build(model: type[BaseModel], file_values: dict[str, Any], flag_values: dict
           path: Path | None = None) -> BaseModel:
     """``model`` from a file's values overridden by the flags'; :class:`ConfigFileError` naming the file and key,
     or the flag, of each invalid value."""
+    from_file = {flag_name(name, model.model_fields[name]) for name in file_values.keys() - flag_values.keys()}
     try:
         return model(**{**file_values, **flag_values})
     except ValidationError as error:
-        problems = []
-        for item in error.errors():
-            field = str(item["loc"][0]) if item["loc"] else None
-            message = item["msg"].removeprefix("Value error, ")
-            if field is None or field not in model.model_fields:
-                problems.append(message)
-            elif field in flag_values:
-                problems.append(f"--{flag_name(field, model.model_fields[field])}: {message}")
-            else:
-                problems.append(f"{path}: {flag_name(field, model.model_fields[field])}: {message}")
-        raise ConfigFileError("; ".join(problems)) from None
+        label = lambda flag: f"{path}: {flag}" if flag in from_file else f"--{flag}"  # noqa: E731
+        raise ConfigFileError(describe_errors(model, error, label)) from None
 
 
 def origins(config: BaseModel, file_values: dict[str, Any], flag_values: dict[str, Any]) -> dict[str, str]:

@@ -182,13 +182,15 @@ def _flag_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
     return None
 
 
-def describe_errors(model: type[BaseModel], error: ValidationError) -> str:
-    """One line naming the flag of each problem (a problem of several flags together: its message alone)."""
+def describe_errors(model: type[BaseModel], error: ValidationError,
+                    label: Callable[[str], str] = lambda flag: f"--{flag}") -> str:
+    """One line naming the flag of each problem (``label`` says how: ``--flag`` by default; a problem of several
+    flags together: its message alone)."""
     problems = []
     for item in error.errors():
         name = _flag_at(model, item["loc"])
         message = item["msg"].removeprefix("Value error, ")
-        problems.append(f"--{name}: {message}" if name else message)
+        problems.append(f"{label(name)}: {message}" if name else message)
     return "; ".join(problems)
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -56,7 +57,7 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     split_stage, combine_stage = _kernels()
     requests, heads, dim = query.shape
     group = heads // k_cache.shape[1]
-    block_dim = triton_next_power_of_2(dim)
+    block_dim = _next_power_of_2(dim)
     partial = torch.empty(requests, heads, KV_SPLITS, dim, dtype=torch.float32, device=query.device)
     lse = torch.empty(requests, heads, KV_SPLITS, dtype=torch.float32, device=query.device)
     split_stage[(requests, heads, KV_SPLITS)](
@@ -67,12 +68,12 @@ def paged_decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: 
     out = torch.empty_like(query)
     combine_stage[(requests, heads)](
         partial, lse, out, partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1), SPLITS=KV_SPLITS, BLOCK_S=triton_next_power_of_2(KV_SPLITS), HEAD_DIM=dim,
+        out.stride(0), out.stride(1), SPLITS=KV_SPLITS, BLOCK_S=_next_power_of_2(KV_SPLITS), HEAD_DIM=dim,
         BLOCK_D=block_dim)
     return out
 
 
-def triton_next_power_of_2(n: int) -> int:
+def _next_power_of_2(n: int) -> int:
     return 1 << max(0, math.ceil(math.log2(n)))
 
 
@@ -88,8 +89,6 @@ def _triton_importable() -> bool:
 def triton_available(device: torch.device) -> bool:
     """Whether the kernel runs for tensors on ``device``: CUDA with Triton, or any device under Triton's
     interpreter."""
-    import os
-
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     return (device.type == "cuda" or interpreted) and _triton_importable()
 
