@@ -123,22 +123,38 @@ class RecordingProcesses:
 
 
 def _parsed(command: list[str]) -> dict[str, Any]:
-    """A command as ``{"launcher": ..., "flags": {flag: value}}``: its flags through its own parser."""
+    """A command as ``{"launcher": ..., "flags": ...}``: for `agentrl train`, `sample` and `eval` (whose flags are
+    a model's) the resolved model with the run values it was given (so two spellings of one configuration compare
+    equal, but a value given and one left to the run's record do not); for the others the parsed flags."""
     from agentrl import train
     from agentrl.cli.main import build_parser
+    from agentrl.config_flags import flag_values
+    from agentrl.eval.runner import EvalConfig
+    from agentrl.rollout.config import SamplerConfig
 
     python = sys.executable
     text = [part.replace(python, "python").replace(str(Path(python).parent), "BIN") for part in command]
     if "agentrl.train" in text:
         at = text.index("agentrl.train") + 1
         launcher, args = text[:at], train.build_parser().parse_args(command[at:])
-    else:
-        at = text.index("agentrl.cli.main") + 1
-        launcher, args = text[:at + 1], build_parser().parse_args(command[at:])
-        if launcher[-1] in ("envs", "sft", "tasks", "tools"):
-            launcher.append(text[at + 1])
+        config = train.config_from_namespace(args, train.build_parser())[0]
+        return {"launcher": launcher, "flags": _json({**config.model_dump(), "given": config.run_values(1)})}
+    at = text.index("agentrl.cli.main") + 1
+    launcher, args = text[:at + 1], build_parser().parse_args(command[at:])
+    if launcher[-1] in ("envs", "sft", "tasks", "tools"):
+        launcher.append(text[at + 1])
+    model = {"sample": SamplerConfig, "eval": EvalConfig}.get(launcher[-1])
+    if model is not None:
+        resolved = model(**flag_values(model, vars(args)))
+        given = resolved.run_values() if isinstance(resolved, SamplerConfig) else {}
+        return {"launcher": launcher, "flags": _json({**resolved.model_dump(), "given": given})}
     flags = {key: value for key, value in vars(args).items() if key not in ("func", "_parser", "command", "wall_s")}
-    return {"launcher": launcher, "flags": json.loads(json.dumps(flags, default=str))}
+    return {"launcher": launcher, "flags": _json(flags)}
+
+
+def _json(value: Any) -> Any:
+    return json.loads(json.dumps(value, default=lambda item: sorted(item) if isinstance(item, set | frozenset)
+                                 else str(item)))
 
 
 def run_commands(arguments: list[str], tmp: Path) -> list[dict[str, Any]]:
