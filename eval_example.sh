@@ -29,4 +29,4 @@ ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_venv.sh"
 source "$ROOT/scripts/example_lib.sh"
 run_flags "${EVAL_VARIABLES[@]}"
-exec "$ROOT/.venv/bin/agentrl" run --mode eval ${1:+--run_name "$1"} "${RUN_FLAGS[@]}"
+exec "$ROOT/.venv/bin/agentrl" run --mode eval --preset cpu-eval ${1:+--run_name "$1"} "${RUN_FLAGS[@]}"

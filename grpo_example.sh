@@ -13,5 +13,5 @@ ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_venv.sh"
 source "$ROOT/scripts/example_lib.sh"
 run_flags "${RL_VARIABLES[@]}"
-exec "$ROOT/.venv/bin/agentrl" run ${1:+--run_name "$1"} "${RUN_FLAGS[@]}" ${SCORER+"--scorer=$SCORER"} \
+exec "$ROOT/.venv/bin/agentrl" run --preset cpu-demo ${1:+--run_name "$1"} "${RUN_FLAGS[@]}" ${SCORER+"--scorer=$SCORER"} \
   --loss_name GRPO --loss_flags "--loss_calculater GRPO --token_level_loss true"

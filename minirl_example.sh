@@ -6,8 +6,8 @@
 # SmolLM2-135M-Instruct, one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up
 # (SFT on tool-use demonstrations made with the real calculator), held-out evaluation of the warmed model, MINIRL
 # with a live status line, held-out evaluation of the final model, and a summary (runs/RUN_NAME/summary.json).
-# `agentrl run` does all of it; this script gives it the variables below, each an option of the same name in lower
-# case (`agentrl run --help` says more about each):
+# `agentrl run --preset cpu-demo` does all of it (configs/cpu-demo.toml holds the demo's values); this script gives it
+# the variables below, each an option of the same name in lower case (`agentrl run --help` says more about each):
 #
 #   MODEL              model to train and serve (Hugging Face directory; default: the embedded SmolLM2-135M)
 #   MONGO_URI          MongoDB server, e.g. mongodb://user:pass@host:27017/?replicaSet=rs0 (default: embedded, in
@@ -37,6 +37,6 @@ ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_venv.sh"
 source "$ROOT/scripts/example_lib.sh"
 run_flags "${RL_VARIABLES[@]}"
-exec "$ROOT/.venv/bin/agentrl" run ${1:+--run_name "$1"} "${RUN_FLAGS[@]}" ${SCORER+"--scorer=$SCORER"} \
+exec "$ROOT/.venv/bin/agentrl" run --preset cpu-demo ${1:+--run_name "$1"} "${RUN_FLAGS[@]}" ${SCORER+"--scorer=$SCORER"} \
   --loss_name MINIRL \
   --loss_flags "--loss_calculater MINIRL --token_level_loss false --strict_in_bound true --skip_length_normalization true"

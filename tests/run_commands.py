@@ -166,6 +166,7 @@ def run_commands(arguments: list[str], tmp: Path) -> list[dict[str, Any]]:
 
     args = build_parser().parse_args(["run", *arguments])
     config = _resolved(args)
+    assert config.run_dir is not None
     (config.run_dir / "logs").mkdir(parents=True, exist_ok=True)
     processes = RecordingProcesses(config.run_dir / "logs")
     run = RunState(config, processes)  # type: ignore[arg-type]
@@ -194,13 +195,9 @@ def run_commands(arguments: list[str], tmp: Path) -> list[dict[str, Any]]:
 
 def _resolved(args: argparse.Namespace) -> Any:
     """`agentrl run`'s configuration of the parsed ``args`` (what its ``run`` function builds)."""
-    from agentrl.config_files import build, read_config_file
-    from agentrl.config_flags import flag_values
-    from agentrl.run.config import RunConfig
+    from agentrl.run.layers import command_line_flags, resolve
 
-    given = flag_values(RunConfig, vars(args))
-    from_file = read_config_file(args.config, RunConfig) if args.config else {}
-    return build(RunConfig, from_file, given, args.config)
+    return resolve(command_line_flags(args), args.preset, args.config).config
 
 
 def scenario_commands(name: str, tmp: Path) -> list[dict[str, Any]]:

@@ -11,8 +11,10 @@ import pytest
 from agentrl.cli.eval import config_from_args as eval_config
 from agentrl.cli.main import build_parser
 from agentrl.cli.sample import config_from_args as sample_config
+from agentrl.config_flags import add_model_arguments, flag_values, given_flags, model_from_namespace, to_argv
 from agentrl.eval.runner import EvalConfig, _sampler_config
 from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConfig, ToolsConfig
+from agentrl.training.config import TrainConfig
 
 # `agentrl sample --help` and `agentrl eval --help` before the flags were generated (hand-written argparse).
 SAMPLE_FLAGS = {
@@ -156,26 +158,47 @@ def test_the_command_lines_agentrl_run_builds_parse(tmp_path: Path) -> None:
     from agentrl.run.config import RunConfig
 
     config = RunConfig(run_name="r", run_dir=tmp_path, query_prompt="Q: {query}", extra_sample_flags="--seed 3",
+                       num_eval_tasks=2,
                        extra_eval_flags="--top_p 0.9")
     processes = _RecordingProcesses()
     run = stages.RunState(config=config, processes=processes,  # type: ignore[arg-type]
-                          db_base="mongodb://127.0.0.1:1", tool_flags=["--mcp_config", "mcp.json"],
+                          db_base="mongodb://127.0.0.1:1", tools={"mcp_config": "mcp.json"},
                           inference_urls="http://127.0.0.1:2,http://127.0.0.1:3", eval_tasks=tmp_path / "t.jsonl")
     stages.start_samplers(run, "model-dir")
-    for stage in (lambda: stages.held_out_eval(run, "start", "--model_name_or_path", "m"),
+    for stage in (lambda: stages.held_out_eval(run, "start", model_name_or_path="m"),
                   lambda: stages.evaluate(run, tmp_path / "t.jsonl")):
         with pytest.raises(_Recorded):
             stage()
     sampler = sample_config(_parse(*processes.commands["sampler-0"][3:]))
     assert (sampler.train_batch_size, sampler.max_staleness, sampler.rollout.temperature) == (
-        config.train_batch_size, config.max_staleness, config.temperature)
+        config.value("train_batch_size"), config.value("max_staleness"), config.value("temperature"))
     assert sampler.inference_urls == ["http://127.0.0.1:2", "http://127.0.0.1:3"] and sampler.rollout.seed == 3
     held_out = eval_config(_parse(*processes.commands["eval-start"][3:]))
     assert held_out.engine_args == [] and held_out.force  # ENGINE_THREADS unset: the engine's own default
     run.config = config.model_copy(update={"engine_threads": 2})
     with pytest.raises(_Recorded):
-        stages.held_out_eval(run, "start", "--model_name_or_path", "m")
+        stages.held_out_eval(run, "start", model_name_or_path="m")
     assert eval_config(_parse(*processes.commands["eval-start"][3:])).engine_args == ["--num_threads", "2"]
     assert (held_out.rollout.temperature, held_out.rollout.query_prompt) == (0.0, "Q: {query}")
     evaluation = eval_config(_parse(*processes.commands["eval"][3:]))
     assert evaluation.rollout.top_p == 0.9 and evaluation.tools.mcp_config == "mcp.json"
+
+
+@pytest.mark.parametrize("model", [SamplerConfig, EvalConfig, TrainConfig])
+def test_the_command_line_of_a_configuration_gives_it_back(model: type) -> None:
+    """``to_argv(given_flags(config))`` parses to ``config``, with the same flags given (lists, comma lists, shell
+    words, repeated flags, booleans, JSON objects and none)."""
+    values = {SamplerConfig: {"inference_urls": ["http://a:1", "http://b:2"], "scorer_module": ["a.py", "b py.py"],
+                              "allow_biased_sampling": True, "top_k": 5, "max_staleness": None, "rounds": 2,
+                              "preferred_sampling_params": {"temperature": 0.5}, "query_prompt": "Q: '{query}'"},
+              EvalConfig: {"engine_args": ["--device", "cuda", "--dtype", "a b"], "inference_urls": ["http://a:1"],
+                           "force": True, "limit": 3, "temperature": 0.0, "env_server": ["babyai=http://c:3"]},
+              TrainConfig: {"report_to": ["tensorboard", "wandb"], "lora_target_modules": ["q_proj", "v_proj"],
+                            "use_peft": True, "max_grad_norm": None, "learning_rate": 2e-06, "epsilon": 0.3,
+                            "loss_calculater": "MINIRL"}}[model]
+    config = model(**flag_values(model, values))
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser, model)
+    again = model_from_namespace(model, parser.parse_args(to_argv(model, given_flags(config))), parser)
+    assert again == config and given_flags(again) == given_flags(config)
+    assert values.items() <= given_flags(config).items()  # and what they give: a preferred temperature

@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.run.config import RunConfig
+from agentrl.run.config import SECTIONS, SHORT_NAMES, RunConfig
+from agentrl.run.layers import resolve
 from agentrl.store.embedded import embedded_server
 
 pytestmark = pytest.mark.slow
@@ -31,9 +32,14 @@ def test_help_documents_every_option() -> None:
     options = done.stdout.split("\noptions:\n")[1]
     blocks = {block.split()[0].lstrip("-"): " ".join(block.split()) for block in re.split(r"\n  (?=-)", options)}
     for name, field in RunConfig.model_fields.items():
+        if name in SECTIONS:
+            assert f"--{name}.FLAG" in done.stdout, f"the {name} section is not explained"
+            continue
         assert field.description, name
         assert name in blocks, f"--{name} missing from `agentrl run --help`"
         assert "default" in blocks[name], f"--{name}: no default in its help: {blocks[name]}"
+    for name, (section, flag) in SHORT_NAMES.items():
+        assert f"--{section}.{flag}" in blocks[name], blocks[name]
 
 
 @pytest.mark.parametrize("variables", ["RL_VARIABLES", "EVAL_VARIABLES"])
@@ -49,7 +55,8 @@ def test_every_script_variable_is_an_option(variables: str) -> None:
     assert len(flags) == len(names) > 20
     for flag in flags:
         option = flag.removeprefix("--").partition("=")[0]
-        assert option in RunConfig.model_fields, f"{flag}: no such option"
+        assert option in SHORT_NAMES or (option in RunConfig.model_fields and option not in SECTIONS), \
+            f"{flag}: no such option"
     assert "SCORER" not in names or variables == "EVAL_VARIABLES"
 
 
@@ -59,27 +66,37 @@ def test_example_scripts_are_thin() -> None:
     assert len((ROOT / "scripts/example_lib.sh").read_text().splitlines()) <= 100
 
 
-def test_derived_defaults() -> None:
-    plain = RunConfig(run_name="r")
-    assert (plain.num_tasks, plain.rounds, plain.scorer, plain.warmup, plain.max_turns, plain.temperature) == (
-        48, 3, "math", 24, 2, 0.7)
-    assert (plain.learning_rate, plain.warmup_learning_rate, plain.max_new_tokens) == (2e-6, 1e-4, 48)
-    assert plain.num_eval_tasks == 32 and RunConfig(num_eval_tasks=0).num_eval_tasks == 0
+def test_the_presets_and_the_derived_defaults() -> None:
+    def config(preset: str = "cpu-demo", **flags: object) -> RunConfig:
+        return resolve(flags, preset).config
+
+    plain = config(run_name="r")
+    assert (plain.num_tasks, plain.section_value("sampler", "rounds"), plain.scorer, plain.warmup,
+            plain.value("max_turns"), plain.value("temperature")) == (48, 3, "math", 24, 2, 0.7)
+    assert (plain.section_value("trainer", "learning_rate"), plain.section_value("warmup_trainer", "learning_rate"),
+            plain.value("max_new_tokens")) == (2e-6, 1e-4, 48)
+    assert plain.num_eval_tasks == 32 and config(num_eval_tasks=0).num_eval_tasks == 0
     assert plain.run_dir == ROOT / "runs" / "r" and plain.output_dir == ROOT / "runs" / "r" / "output"
-    own_model = RunConfig(model="m")
+    own_model = config(model="m")
     assert own_model.warmup == 0 and own_model.run_name.startswith("minirl-")
-    assert own_model.scorer == "math_format" and RunConfig(model="m", warmup=8).scorer == "math"
-    env = RunConfig(env="textcraft", lora_r=8)
-    assert (env.num_tasks, env.rounds, env.scorer, env.warmup, env.warmup_epochs, env.max_turns,
-            env.temperature) == (None, 1, "", 64, 2, 12, 1.0)
-    assert (env.learning_rate, env.warmup_learning_rate, env.num_eval_tasks) == (5e-5, 2e-3, 32)
-    assert RunConfig(env="sciworld").warmup == 0
-    assert RunConfig(env="textcraft", scorer="math", warmup=0, temperature=0.5).model_dump(
+    assert own_model.scorer == "math_format" and config(model="m", warmup=8).scorer == "math"
+    env = config(env="textcraft", lora_r=8)
+    assert (env.num_tasks, env.section_value("sampler", "rounds"), env.scorer, env.warmup,
+            env.section_value("warmup_trainer", "num_train_epochs"), env.value("max_turns"),
+            env.value("temperature")) == (0, 1, "", 64, 2, 12, 1.0)
+    assert (env.section_value("trainer", "learning_rate"), env.section_value("warmup_trainer", "learning_rate"),
+            env.num_eval_tasks) == (5e-5, 2e-3, 32)
+    assert config(env="sciworld").warmup == 0
+    assert config(env="textcraft", scorer="math", warmup=0, temperature=0.5).model_dump(
         include={"scorer", "warmup", "temperature"}) == {"scorer": "math", "warmup": 0, "temperature": 0.5}
-    evaluation = RunConfig(mode="eval", env="babyai")
-    assert (evaluation.scorer, evaluation.num_eval_tasks, evaluation.max_new_tokens, evaluation.max_turns,
-            evaluation.temperature) == ("math", 8, 128, 12, 0.7)
+    evaluation = config("cpu-eval", mode="eval", env="babyai")
+    assert (evaluation.scorer, evaluation.num_eval_tasks, evaluation.value("max_new_tokens"),
+            evaluation.value("max_turns"), evaluation.value("temperature")) == ("math", 8, 128, 12, 0.7)
     assert evaluation.eval_tasks.name == "arith_tools.jsonl" and evaluation.run_name.startswith("eval-")
+    # No preset: every value is its component's default
+    bare = resolve({}).config
+    assert (bare.value("temperature"), bare.value("train_batch_size"), bare.value("max_turns"),
+            bare.section_value("trainer", "learning_rate"), bare.warmup) == (1.0, 16, 8, 1e-6, 0)
 
 
 @pytest.mark.parametrize(("flags", "message"), [
@@ -154,7 +171,8 @@ def test_a_stop_signal_stops_every_process_the_run_started(sig: signal.Signals, 
     tasks.write_text("".join(json.dumps({"id": f"t{i}", "question": "What is 9 + 10?", "answer": "19",
                                          "answer_schema": "boxed"}) + "\n" for i in range(4)))
     run_dir, db_dir = tmp_path / "run", tmp_path / "db"
-    command = [*AGENTRL, "run", "--run_name", "stop_test", "--run_dir", str(run_dir), "--db_dir", str(db_dir),
+    command = [*AGENTRL, "run", "--preset", "cpu-demo", "--run_name", "stop_test", "--run_dir", str(run_dir),
+               "--db_dir", str(db_dir),
                "--model", str(scripted_model_dir), "--tasks", str(tasks), "--eval_tasks", str(tasks),
                "--num_eval_tasks", "1" if stage == "eval" else "0", "--warmup", "0", "--engine_threads", "1",
                "--train_steps", "100", "--max_new_tokens", "40", "--max_turns", "3"]
@@ -200,7 +218,8 @@ def test_a_failing_stage_ends_the_run_with_its_message(tmp_path: Path) -> None:
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"id": "t1", "question": "What is 9 + 10?"}\n')  # no answer
     db_dir = tmp_path / "db"
-    done = subprocess.run([*AGENTRL, "run", "--run_name", "fail_test", "--run_dir", str(tmp_path / "run"),
+    done = subprocess.run([*AGENTRL, "run", "--preset", "cpu-demo", "--run_name", "fail_test",
+                           "--run_dir", str(tmp_path / "run"),
                            "--db_dir", str(db_dir), "--tasks", str(tasks), "--scorer="],
                           capture_output=True, text=True, timeout=120,
                           env={k: v for k, v in os.environ.items() if k != "AGENTRL_DB"})

@@ -1,6 +1,6 @@
 """Every place that states a default of the main job or its duration states the one the code has: the numbers in
 ``minirl_example.sh``'s header and in docs/running.md's table of variables are the options `agentrl run` resolves
-with nothing set, and the README and the script give the same duration."""
+with its preset cpu-demo and nothing else set, and the README and the script give the same duration."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.run.config import RunConfig
+from agentrl.run.config import SECTIONS, SHARED, SHORT_NAMES, RunConfig
+from agentrl.run.layers import resolve
 
 ROOT = Path(__file__).resolve().parent.parent
 NUMBER = re.compile(r"^-?\d+(\.\d+)?(e-?\d+)?$")
@@ -17,9 +18,13 @@ NUMBER = re.compile(r"^-?\d+(\.\d+)?(e-?\d+)?$")
 
 @pytest.fixture(scope="module")
 def resolved() -> dict[str, object]:
-    """The options of `agentrl run` with nothing set, by the variable that names each (``LORA_R`` → lora_r)."""
-    config = RunConfig()
-    return {name.upper(): getattr(config, name) for name in RunConfig.model_fields}
+    """The options of the example scripts with nothing set, by the variable that names each (``LORA_R`` →
+    lora_r)."""
+    config = resolve({}, "cpu-demo").config
+    values = {name.upper(): getattr(config, name) for name in RunConfig.model_fields if name not in SECTIONS}
+    values.update({name.upper(): config.value(name) for name in SHARED["rl"]})
+    values.update({name.upper(): config.section_value(*target) for name, target in SHORT_NAMES.items()})
+    return values
 
 
 def numbers_stated(text: str, pattern: str) -> dict[str, str]:

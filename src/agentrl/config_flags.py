@@ -10,6 +10,9 @@ in a help section of their own (the nested field's ``title``). A field's annotat
 line. A flag not given is absent from the namespace, so the model's default applies: a nested model whose
 defaults differ per parent is a subclass overriding them (e.g. greedy sampling in ``agentrl eval``).
 
+The inverse: :func:`given_flags` reads the flags a model instance was given back out of it, and :func:`to_argv`
+writes flags as the command line that gives them, so a process can start another with a configuration it holds.
+
 This module imports only pydantic and the standard library: any package may build flags with it.
 """
 
@@ -35,12 +38,14 @@ class Flag:
     """How a field's flag differs from the one its type gives (put it in the field's ``Annotated[...]``).
 
     ``name``: the flag's name when it is not the field's; ``parse``: turns the flag's text into the field's value
-    (e.g. a comma-separated list); ``repeat``: a list field whose flag is given once per item; ``metavar``: the
-    value's name in the help; ``aliases``: other option strings (``-k``).
+    (e.g. a comma-separated list) and ``unparse`` the value back into that text; ``repeat``: a list field whose
+    flag is given once per item; ``metavar``: the value's name in the help; ``aliases``: other option strings
+    (``-k``).
     """
 
     name: str | None = None
     parse: Callable[[str], Any] | None = None
+    unparse: Callable[[Any], str] | None = None
     repeat: bool = False
     metavar: str | None = None
     aliases: tuple[str, ...] = ()
@@ -136,22 +141,34 @@ def _help(info: FieldInfo) -> str:
     return f"{description} (default: {info.get_default(call_default_factory=True)})".strip()
 
 
-def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel]) -> None:
+def add_model_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup, model: type[BaseModel],
+                        prefix: str = "", hidden: bool = False) -> None:
     """Register one flag per field of ``model`` (see the module docstring); a flag not given is absent from the
     namespace, so that the model's default applies. The fields of a nested model are flags under their own names,
-    in a help section titled by the nested field's ``title`` (when ``parser`` is a parser, not a section)."""
+    in a help section titled by the nested field's ``title`` (when ``parser`` is a parser, not a section).
+    ``prefix`` goes before each flag and its namespace key (``--trainer.learning_rate``); ``hidden`` leaves the
+    flags out of ``--help``."""
     for name, info in model.model_fields.items():
         flag = _flag_of(info)
         if isinstance(flag, NoFlag):
             continue
         if nested := _nested_model(info.annotation):
-            titled = isinstance(parser, argparse.ArgumentParser) and info.title
-            add_model_arguments(parser.add_argument_group(info.title) if titled else parser, nested)
+            titled = isinstance(parser, argparse.ArgumentParser) and info.title and not hidden
+            add_model_arguments(parser.add_argument_group(info.title) if titled else parser, nested, prefix, hidden)
             continue
-        kwargs = _type_kwargs(name, info.annotation, flag)
-        aliases = flag.aliases if flag is not None else ()
-        parser.add_argument(f"--{flag_name(name, info)}", *aliases, default=argparse.SUPPRESS, help=_help(info),
-                            **kwargs)
+        add_flag(parser, prefix + flag_name(name, info), info, hidden=hidden, aliases=not prefix)
+
+
+def add_flag(parser: argparse.ArgumentParser | argparse._ArgumentGroup, flag: str, info: FieldInfo,
+             help: str | None = None, hidden: bool = False, aliases: bool = True) -> None:
+    """Register ``--flag`` for the field ``info`` (its type, its help or ``help``), absent from the namespace when
+    not given."""
+    meta = _flag_of(info)
+    meta = meta if isinstance(meta, Flag) else None
+    kwargs = _type_kwargs(flag.rsplit(".", 1)[-1], info.annotation, meta)
+    strings = (meta.aliases if meta is not None and aliases else ())
+    parser.add_argument(f"--{flag}", *strings, dest=flag, default=argparse.SUPPRESS,
+                        help=argparse.SUPPRESS if hidden else help or _help(info), **kwargs)
 
 
 def flag_values(model: type[BaseModel], given: dict[str, Any]) -> dict[str, Any]:
@@ -170,14 +187,18 @@ def flag_values(model: type[BaseModel], given: dict[str, Any]) -> dict[str, Any]
 
 
 def _flag_at(model: type[BaseModel], loc: tuple[int | str, ...]) -> str | None:
-    """The flag of a validation error's location (through nested models), or None for a whole model."""
+    """The flag of a validation error's location (through nested models), or None for a whole model. A nested model
+    without flags of its own (:data:`NO_FLAG`, e.g. a section of ``agentrl run``) prefixes its name: ``trainer.X``."""
+    prefix = ""
     for part in loc:
         info = model.model_fields.get(part) if isinstance(part, str) else None
         if info is None:
             return None
         nested = _nested_model(info.annotation)
         if nested is None:
-            return flag_name(str(part), info)
+            return prefix + flag_name(str(part), info)
+        if isinstance(_flag_of(info), NoFlag):
+            prefix += f"{part}."
         model = nested
     return None
 
@@ -201,3 +222,65 @@ def model_from_namespace(model: type[ModelT], args: argparse.Namespace, parser: 
         return model(**flag_values(model, vars(args)))
     except ValidationError as error:
         parser.error(describe_errors(model, error))
+
+
+def flag_fields(model: type[BaseModel]) -> dict[str, FieldInfo]:
+    """Every flag of ``model`` (those of nested models included) and the field it sets."""
+    found: dict[str, FieldInfo] = {}
+    for name, info in model.model_fields.items():
+        if isinstance(_flag_of(info), NoFlag):
+            continue
+        if nested := _nested_model(info.annotation):
+            found.update(flag_fields(nested))
+        else:
+            found[flag_name(name, info)] = info
+    return found
+
+
+def flag_items(config: BaseModel) -> dict[str, Any]:
+    """Every flag of ``config`` (through nested models) and its value."""
+    found: dict[str, Any] = {}
+    for name, info in type(config).model_fields.items():
+        if isinstance(_flag_of(info), NoFlag):
+            continue
+        value = getattr(config, name)
+        found.update(flag_items(value) if _nested_model(info.annotation) else {flag_name(name, info): value})
+    return found
+
+
+def given_flags(config: BaseModel) -> dict[str, Any]:
+    """The flags ``config`` was given (its fields set explicitly, through nested models) and their values."""
+    found: dict[str, Any] = {}
+    for name in config.model_fields_set:
+        info = type(config).model_fields[name]
+        if isinstance(_flag_of(info), NoFlag):
+            continue
+        value = getattr(config, name)
+        if _nested_model(info.annotation):
+            found.update(given_flags(value))
+        else:
+            found[flag_name(name, info)] = value
+    return found
+
+
+def to_argv(model: type[BaseModel], flags: dict[str, Any]) -> list[str]:
+    """The command-line arguments that give ``model``'s ``flags`` these values (the inverse of its parser)."""
+    fields, argv = flag_fields(model), []
+    for flag, value in flags.items():
+        info = fields[flag]
+        meta = _flag_of(info)
+        if value is None:
+            argv += [f"--{flag}", NONE_WORDS[0]]
+        elif isinstance(meta, Flag) and meta.unparse is not None:
+            argv += [f"--{flag}", meta.unparse(value)]
+        elif isinstance(meta, Flag) and meta.repeat:
+            argv += [part for item in value for part in (f"--{flag}", str(item))]
+        elif isinstance(value, bool):
+            argv += [f"--{flag}", "true" if value else "false"]
+        elif isinstance(value, list | tuple):
+            argv += [f"--{flag}", *map(str, value)] if value else []
+        elif isinstance(value, dict):
+            argv += [f"--{flag}", json.dumps(value)]
+        else:
+            argv += [f"--{flag}", str(value)]
+    return argv

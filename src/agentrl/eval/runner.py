@@ -109,10 +109,10 @@ class EvalConfig(BaseModel):
     model_name_or_path: str | None = Field(
         None, description="model directory to evaluate: an agentrl engine is started on it and stopped afterwards "
         "(default: the embedded SmolLM2 model); with --inference_urls only its tokenizer")
-    inference_urls: Annotated[list[str], Flag(parse=comma_list, metavar="URLS")] = Field(
+    inference_urls: Annotated[list[str], Flag(parse=comma_list, unparse=",".join, metavar="URLS")] = Field(
         default_factory=list, description="comma-separated URLs of live SGLang / agentrl engine services serving "
         "the model (used directly, never registered in the run)")
-    engine_args: Annotated[list[str], Flag(parse=shlex.split, metavar="ARGS")] = Field(
+    engine_args: Annotated[list[str], Flag(parse=shlex.split, unparse=shlex.join, metavar="ARGS")] = Field(
         default_factory=list, description="extra `agentrl engine` flags, e.g. '--device cuda --dtype bfloat16'")
     name: str | None = Field(None, description="label of this evaluation (default: model and task names)")
     num_samples_per_task: Annotated[int, Flag(aliases=("-k",))] = Field(1, ge=1, description="samples per task, k")

@@ -162,7 +162,7 @@ class SamplerConfig(BaseModel):
     tools: ToolsConfig = Field(default_factory=ToolsConfig, title="tools and scorers")
     concurrency: ConcurrencyConfig = Field(default_factory=ConcurrencyConfig,
                                            title="concurrency and admission control")
-    inference_urls: Annotated[list[str], Flag(parse=comma_list, metavar="URLS")] = Field(
+    inference_urls: Annotated[list[str], Flag(parse=comma_list, unparse=",".join, metavar="URLS")] = Field(
         default_factory=list, description="comma-separated SGLang URLs to register and health-check (engines "
         "register themselves)")
     max_staleness: int | None = Field(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 
+from agentrl.config_flags import comma_list
 from agentrl.run import stages
 from agentrl.run.config import RunConfig
 from agentrl.run.processes import Processes, RunFailed, Stopped, say
@@ -20,11 +21,11 @@ def train(run: RunState) -> None:
         tasks, limit = stages.use_env(run), None
     else:
         stages.use_tools(run)
-        tasks, limit = config.tasks, config.num_tasks
+        tasks, limit = config.tasks, config.num_tasks or None
     stages.upload_tasks(run, tasks, limit)
-    served = ["--inference_urls", config.sglang_urls] if config.sglang_urls else []
+    served = {"inference_urls": comma_list(config.sglang_urls)} if config.sglang_urls else {}
     if config.num_eval_tasks:
-        stages.held_out_eval(run, "before", *served, *stages.model_flags(config.model))
+        stages.held_out_eval(run, "before", **served, **stages.model_flag(config.model))
     model = config.model
     if config.warmup:
         model = str(stages.warm_up(run, config.model))
@@ -32,13 +33,13 @@ def train(run: RunState) -> None:
             stages.load_weights(model, config.sglang_urls)
     stages.use_inference(run, model)
     if config.warmup and config.num_eval_tasks:
-        stages.held_out_eval(run, "warmup", "--inference_urls", run.inference_urls, "--model_name_or_path", model)
+        stages.held_out_eval(run, "warmup", inference_urls=comma_list(run.inference_urls), model_name_or_path=model)
     stages.start_samplers(run, model)
     stages.train(run, model)
     stages.stop_samplers(run)
     if config.num_eval_tasks:
-        stages.held_out_eval(run, "after", "--inference_urls", run.inference_urls,
-                             "--model_name_or_path", str(config.output_dir / "final"))
+        stages.held_out_eval(run, "after", inference_urls=comma_list(run.inference_urls),
+                             model_name_or_path=str(config.output_dir / "final"))
     stages.drop_published_weights(run)
     stages.report(run)
     stages.summary(run)

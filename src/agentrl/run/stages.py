@@ -13,15 +13,20 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from agentrl.config_flags import comma_list, to_argv
+from agentrl.eval.runner import EvalConfig
+from agentrl.rollout.config import SamplerConfig
 from agentrl.run.config import RunConfig
 from agentrl.run.processes import Child, Processes, RunFailed, say
+from agentrl.training.config import TrainConfig
 
 AGENTRL = [sys.executable, "-m", "agentrl.cli.main"]
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
 HELD_OUT_CONCURRENCY = 64
 """Trajectories in flight in a held-out evaluation (the engine's batch limit): 64 tasks at once take 0.90x the time
-of 16 at a time (CPU, embedded model); ``EXTRA_EVAL_FLAGS`` may set another."""
+of 16 at a time (CPU, embedded model); ``--eval.max_concurrent_samples_per_process`` may set another."""
 
 
 @dataclass
@@ -33,7 +38,7 @@ class RunState:
     db_base: str = ""
     db_query: str = ""
     stop_db_dir: Path | None = None
-    tool_flags: list[str] = field(default_factory=list)
+    tools: dict[str, Any] = field(default_factory=dict)
     inference_urls: str = ""
     eval_tasks: Path | None = None
     eval_results: list[str] = field(default_factory=list)
@@ -65,6 +70,11 @@ class RunState:
 
 def model_flags(model: str | Path | None) -> list[str]:
     return ["--model_name_or_path", str(model)] if model else []
+
+
+def model_flag(model: str | Path | None) -> dict[str, str]:
+    """The flag naming ``model`` (none: the command's default, the embedded model)."""
+    return {"model_name_or_path": str(model)} if model else {}
 
 
 def call(run: RunState, name: str, command: list[str], failure: str) -> None:
@@ -118,7 +128,7 @@ def use_tools(run: RunState) -> None:
                   "args": ["tools", "serve", "calculator"]}
         Path(mcp_config).write_text(json.dumps({"servers": [server]}) + "\n", encoding="utf-8")
     say(f"tools: MCP servers of {mcp_config}")
-    run.tool_flags = ["--mcp_config", mcp_config]
+    run.tools = {"mcp_config": mcp_config}
 
 
 def use_env(run: RunState) -> Path:
@@ -133,7 +143,7 @@ def use_env(run: RunState) -> Path:
         pattern = rf"agentrl envs: serving {re.escape(config.env)} at (http\S*)"
         url = run.processes.wait_until_ready(server, pattern, 300)[1]
     say(f"environment: {config.env} at {url} (log {run.logs / 'env-server.log'})")
-    run.tool_flags = ["--env_server", f"{config.env}={url}"]
+    run.tools = {"env_server": [f"{config.env}={url}"]}
     train_tasks, test_tasks = run.dir / "env-train.jsonl", run.dir / "env-test.jsonl"
     command = [*AGENTRL, "envs", "tasks", config.env, "--split"]
     failure = f"`agentrl envs tasks {config.env}` failed"
@@ -201,24 +211,22 @@ def load_weights(model: Path, urls: str) -> None:
     say(f"inference: the SGLang servers now serve {model}")
 
 
-def held_out_eval(run: RunState, label: str, *model: str) -> None:
+def held_out_eval(run: RunState, label: str, **model: Any) -> None:
     """Score the first ``--num_eval_tasks`` held-out tasks greedily with the model the flags ``model`` name
-    (``--model_name_or_path DIR``: an engine started for it; ``--inference_urls``: live services); the result
-    goes to ``RUN_DIR/eval-LABEL.json`` and into the summary."""
+    (``model_name_or_path``: an engine started for it; ``inference_urls``: live services); the result goes to
+    ``RUN_DIR/eval-LABEL.json`` and into the summary."""
     config, started, tasks = run.config, time.monotonic(), run.eval_tasks or run.config.eval_tasks
     assert tasks is not None
     out, log = run.dir / f"eval-{label}.json", run.logs / f"eval-{label}.log"
     say(f"held-out evaluation ({label}): {config.num_eval_tasks} tasks of {tasks.name}, greedy "
         f"(log {log})")
     threads = engine_thread_flags(config)
-    done = run.processes.call(f"eval-{label}", [
-        *AGENTRL, "eval", "--tasks", str(tasks), "--limit", str(config.num_eval_tasks),
-        "--name", f"{run.name} {label}", "--db_connection_string", run.database_uri(), *run.tool_flags,
-        *run.prompt_flags, "--answer_schema", config.answer_schema, "--max_turns", str(config.max_turns),
-        "--max_new_tokens", str(config.max_new_tokens), "--temperature", "0", "--seed", str(config.eval_seed),
-        "--force", *(["--engine_args", shlex.join(threads)] if threads else []), "--output", str(out), *model,
-        "--max_concurrent_samples_per_process", str(HELD_OUT_CONCURRENCY), *shlex.split(config.extra_eval_flags)],
-        log=log)
+    flags = config.flags("eval", tasks=str(tasks), limit=config.num_eval_tasks, name=f"{run.name} {label}",
+                         db_connection_string=run.database_uri(), **run.tools, temperature=0, force=True,
+                         max_concurrent_samples_per_process=HELD_OUT_CONCURRENCY,
+                         **({"engine_args": threads} if threads else {}), **model)
+    done = run.processes.call(f"eval-{label}", [*AGENTRL, "eval", *to_argv(EvalConfig, flags), "--output", str(out),
+                                                *shlex.split(config.extra_eval_flags)], log=log)
     if done.status != 0:
         print(done.tail(20), end="", flush=True)
         raise RunFailed(f"the held-out evaluation ({label}) failed")
@@ -233,14 +241,14 @@ def held_out_eval(run: RunState, label: str, *model: str) -> None:
           f"({int(time.monotonic() - started)} s)", flush=True)
 
 
-def lora_flags(config: RunConfig) -> list[str]:
+def lora_flags(config: RunConfig) -> dict[str, Any]:
     """Rank-``--lora_r`` adapters on every linear layer, alpha 32 at every rank (the update's scale, and the
     learning rate that suits it, do not depend on the rank), no dropout (it would make the trainer's logprobs
     noisy next to the engine's); none for full fine-tuning."""
     if not config.lora_r:
-        return []
-    return ["--use_peft", "--lora_r", str(config.lora_r), "--lora_alpha", "32", "--lora_target_modules",
-            "all-linear", "--lora_dropout", "0", "--lora_publish", config.lora_publish]
+        return {}
+    return {"use_peft": True, "lora_r": config.lora_r, "lora_alpha": 32.0, "lora_target_modules": ["all-linear"],
+            "lora_dropout": 0.0, "lora_publish": config.lora_publish}
 
 
 def warm_up(run: RunState, base: str | None) -> Path:
@@ -255,20 +263,21 @@ def warm_up(run: RunState, base: str | None) -> Path:
         demos = [*AGENTRL, "envs", "demos", config.env, "--num", str(config.warmup), "--split", "train", "--seed",
                  "1", "--output", str(out / "demos.jsonl")]
     else:
-        made_with = "real tool calls" if run.tool_flags else "worked solutions"
-        lora = f"; rank-{config.lora_r} LoRA at {config.warmup_learning_rate}" if config.lora_r else ""
+        made_with = "real tool calls" if run.tools else "worked solutions"
+        rate = config.section_value("warmup_trainer", "learning_rate")
+        lora = f"; rank-{config.lora_r} LoRA at {rate}" if config.lora_r else ""
         say(f"warm-up: SFT on {config.warmup} demonstrations of {config.warmup_tasks.name} ({made_with}{lora}; "
             f"log {log})")
         demos = [*AGENTRL, "sft", "demos", str(config.warmup_tasks), "--limit", str(config.warmup),
-                 "--answer_schema", config.answer_schema, "--tools", "", *run.tool_flags, *run.prompt_flags,
+                 "--answer_schema", config.value("answer_schema"), "--tools", "",
+                 *(["--mcp_config", run.tools["mcp_config"]] if run.tools else []), *run.prompt_flags,
                  "--out", str(out / "demos.jsonl")]
     upload = [*AGENTRL, "sft", "upload", str(out / "demos.jsonl"), "--db_connection_string", warm_db,
               *model_flags(base)]
-    train = [sys.executable, "-m", "agentrl.train", "--db_connection_string", warm_db, *model_flags(base),
-             "--loss_calculater", "CrossEntropy", "--enable_sampling", "false", "--train_batch_size", "8",
-             "--num_train_epochs", str(config.warmup_epochs), "--learning_rate", str(config.warmup_learning_rate),
-             "--save_steps", "0", *lora_flags(config), "--num_threads", str(config.warmup_threads),
-             "--output_dir", str(out)]
+    flags = config.flags("warmup_trainer", db_connection_string=warm_db, **model_flag(base),
+                         loss_calculater="CrossEntropy", enable_sampling=False, save_steps=0, output_dir=str(out),
+                         **lora_flags(config))
+    train = [sys.executable, "-m", "agentrl.train", *to_argv(TrainConfig, flags)]
     log.write_bytes(b"")
     for command in (demos, upload, train):
         done = run.processes.call("warmup", command, log=log, append=True)
@@ -285,15 +294,11 @@ def warm_up(run: RunState, base: str | None) -> Path:
 def start_samplers(run: RunState, model: str | Path | None) -> None:
     """``--num_samplers`` `agentrl sample` processes on the run's tasks, tools and inference services."""
     config = run.config
+    flags = config.flags("sampler", db_connection_string=run.database_uri(), **model_flag(model), **run.tools,
+                         inference_urls=comma_list(run.inference_urls))
     for number in range(config.num_samplers):
         run.samplers.append(run.processes.start(f"sampler-{number}", [
-            *AGENTRL, "sample", "--db_connection_string", run.database_uri(), *model_flags(model), *run.tool_flags,
-            *run.prompt_flags, "--inference_urls", run.inference_urls,
-            "--max_concurrent_samples_per_process", str(config.samples_per_sampler),
-            "--max_turns", str(config.max_turns), "--max_new_tokens", str(config.max_new_tokens),
-            "--temperature", str(config.temperature), "--train_batch_size", str(config.train_batch_size),
-            "--max_staleness", str(config.max_staleness), "--rounds", str(config.rounds),
-            *shlex.split(config.extra_sample_flags)]))
+            *AGENTRL, "sample", *to_argv(SamplerConfig, flags), *shlex.split(config.extra_sample_flags)]))
     say(f"samplers: {config.num_samplers} process(es) (logs {run.logs}/sampler-*.log)")
 
 
@@ -319,19 +324,15 @@ def trainer_launcher(config: RunConfig) -> list[str]:
 def train(run: RunState, model: str | Path | None) -> None:
     """The trainer, with the live status line (`agentrl watch`) until it exits; :class:`RunFailed` if it fails."""
     config = run.config
-    lora = (f" with rank-{config.lora_r} LoRA adapters at {config.learning_rate}, published {config.lora_publish},"
+    steps, rate = config.section_value("trainer", "max_steps"), config.section_value("trainer", "learning_rate")
+    lora = (f" with rank-{config.lora_r} LoRA adapters at {rate}, published {config.lora_publish},"
             if config.lora_r else "")
-    say(f"trainer: {config.loss_name},{lora} up to {config.train_steps} steps of {config.train_batch_size} samples "
-        f"(log {run.logs / 'trainer.log'}, output {config.output_dir})")
-    time_limit = ["--max_train_time_s", str(config.train_time_s)] if config.train_time_s else []
+    say(f"trainer: {config.loss_name},{lora} up to {steps if steps > 0 else 'any number of'} steps of "
+        f"{config.value('train_batch_size')} samples (log {run.logs / 'trainer.log'}, output {config.output_dir})")
+    flags = config.flags("trainer", db_connection_string=run.database_uri(), **model_flag(model),
+                         output_dir=str(config.output_dir), **lora_flags(config))
     trainer = run.processes.start("trainer", [
-        *trainer_launcher(config), "--db_connection_string", run.database_uri(), *model_flags(model),
-        "--output_dir", str(config.output_dir), *shlex.split(config.loss_flags),
-        "--learning_rate", str(config.learning_rate), *lora_flags(config),
-        "--train_batch_size", str(config.train_batch_size), "--max_steps", str(config.train_steps),
-        "--temperature", str(config.temperature), "--max_staleness", str(config.max_staleness),
-        "--sync_every", str(config.sync_every), "--save_steps", str(config.save_steps),
-        "--save_total_limit", str(config.save_total_limit), "--num_threads", str(config.trainer_threads), *time_limit,
+        *trainer_launcher(config), *to_argv(TrainConfig, flags), *shlex.split(config.loss_flags),
         *shlex.split(config.extra_train_flags)])
     watch = run.processes.start("watch", [*AGENTRL, "watch", "--db_connection_string", run.database_uri(),
                                           "--until_pid", str(trainer.pid), "--label", config.loss_name], log=None)
@@ -348,9 +349,10 @@ def train(run: RunState, model: str | Path | None) -> None:
 def report(run: RunState) -> None:
     """`agentrl report`: the summary of the run with its held-out evaluations, also in ``RUN_DIR/summary.json``."""
     print(flush=True)
+    steps = run.config.section_value("trainer", "max_steps")
     call(run, "report", [*AGENTRL, "report", "--db_connection_string", run.database_uri(), *run.eval_results,
                          "--wall_s", str(int(time.monotonic() - run.started)), "--out", str(run.dir / "summary.json"),
-                         "--train_steps", str(run.config.train_steps)],
+                         *(["--train_steps", str(steps)] if steps > 0 else [])],
          "`agentrl report` failed")
 
 
@@ -404,18 +406,12 @@ def summary(run: RunState) -> None:
 def evaluate(run: RunState, tasks: Path) -> None:
     """--mode eval: one `agentrl eval` of ``--model`` on ``tasks``, its output shown and in ``logs/eval.log``."""
     config = run.config
-    limit = ["--limit", str(config.num_eval_tasks)] if config.num_eval_tasks else []
-    judge = ["--agent_config_path", str(config.agent_config)] if config.agent_config else []
-    done = run.processes.call_showing("eval", [
-        *AGENTRL, "eval", "--db_connection_string", run.database_uri(), *model_flags(config.model),
-        "--inference_urls", run.inference_urls, *run.tool_flags, *run.prompt_flags, "--tasks", str(tasks),
-        "--scorer", str(config.scorer), "--answer_schema", config.answer_schema,
-        "--num_samples_per_task", str(config.eval_samples_per_task), "--repeats", str(config.eval_repeats),
-        "--temperature", str(config.temperature), "--seed", str(config.eval_seed),
-        "--max_turns", str(config.max_turns), "--max_new_tokens", str(config.max_new_tokens),
-        "--max_concurrent_samples_per_process", str(config.samples_per_sampler), "--name", run.name,
-        "--output", str(run.dir / "eval.json"), *(["--force"] if config.force else []), *judge, *limit,
-        *shlex.split(config.extra_eval_flags)])
+    flags = config.flags("eval", db_connection_string=run.database_uri(), **model_flag(config.model),
+                         inference_urls=comma_list(run.inference_urls), **run.tools, tasks=str(tasks),
+                         **({"scorer": config.scorer} if config.scorer is not None else {}), name=run.name,
+                         **({"limit": config.num_eval_tasks} if config.num_eval_tasks else {}))
+    done = run.processes.call_showing("eval", [*AGENTRL, "eval", *to_argv(EvalConfig, flags), "--output",
+                                               str(run.dir / "eval.json"), *shlex.split(config.extra_eval_flags)])
     if done.status != 0:
         raise RunFailed(f"the evaluation failed (log {run.logs / 'eval.log'})")
     say(f"result: {run.dir / 'eval.json'}; database {run.name}, collection Eval (agentrl status "
