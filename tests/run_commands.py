@@ -128,8 +128,9 @@ def _parsed(command: list[str]) -> dict[str, Any]:
     equal, but a value given and one left to the run's record do not); for the others the parsed flags."""
     from agentrl import train
     from agentrl.cli.main import build_parser
-    from agentrl.config_flags import flag_values
+    from agentrl.config_flags import flag_items, flag_values
     from agentrl.eval.runner import EvalConfig
+    from agentrl.inference.engine_config import EngineCommandConfig
     from agentrl.rollout.config import SamplerConfig
 
     python = sys.executable
@@ -149,6 +150,9 @@ def _parsed(command: list[str]) -> dict[str, Any]:
         given = resolved.run_values() if isinstance(resolved, SamplerConfig) else {}
         return {"launcher": launcher, "flags": _json({**resolved.model_dump(), "given": given})}
     flags = {key: value for key, value in vars(args).items() if key not in ("func", "_parser", "command", "wall_s")}
+    if launcher[-1] == "engine":  # every flag's value (its parser once had them all in its namespace)
+        config = EngineCommandConfig(**flag_values(EngineCommandConfig, flags))
+        flags = {**flag_items(config), "verbose": flags.get("verbose", False)}
     return {"launcher": launcher, "flags": _json(flags)}
 
 

@@ -13,6 +13,7 @@ from agentrl.cli.main import build_parser
 from agentrl.cli.sample import config_from_args as sample_config
 from agentrl.config_flags import add_model_arguments, flag_values, given_flags, model_from_namespace, to_argv
 from agentrl.eval.runner import EvalConfig, _sampler_config
+from agentrl.inference.engine_config import EngineCommandConfig
 from agentrl.rollout.config import ConcurrencyConfig, RolloutConfig, SamplerConfig, ToolsConfig
 from agentrl.training.config import TrainConfig
 
@@ -175,7 +176,7 @@ def test_the_command_lines_agentrl_run_builds_parse(tmp_path: Path) -> None:
     assert sampler.inference_urls == ["http://127.0.0.1:2", "http://127.0.0.1:3"] and sampler.rollout.seed == 3
     held_out = eval_config(_parse(*processes.commands["eval-start"][3:]))
     assert held_out.engine_args == [] and held_out.force  # ENGINE_THREADS unset: the engine's own default
-    run.config = config.model_copy(update={"engine_threads": 2})
+    run.config = config.model_copy(update={"engine": EngineCommandConfig(num_threads=2)})
     with pytest.raises(_Recorded):
         stages.held_out_eval(run, "start", model_name_or_path="m")
     assert eval_config(_parse(*processes.commands["eval-start"][3:])).engine_args == ["--num_threads", "2"]

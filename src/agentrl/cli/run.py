@@ -9,7 +9,8 @@ from pathlib import Path
 SECTIONS_HELP = (
     "Sections: every flag of the processes the run starts is an option too, as --SECTION.FLAG: --sampler.FLAG "
     "(`agentrl sample`), --trainer.FLAG (`agentrl train`), --warmup_trainer.FLAG (the warm-up's `agentrl train`), "
-    "--eval.FLAG (`agentrl eval`, every evaluation of the run), e.g. --trainer.weight_decay 0.1; in a --config file "
+    "--eval.FLAG (`agentrl eval`, every evaluation of the run), --engine.FLAG (`agentrl engine`, the engines the run "
+    "and its evaluations start), e.g. --trainer.weight_decay 0.1; in a --config file "
     "the key of a [SECTION] table. --print_config shows them all with their values.")
 
 

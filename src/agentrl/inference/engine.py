@@ -26,10 +26,9 @@ import time
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, Literal, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
-from pydantic import BaseModel, Field, field_validator
 
 from agentrl import __version__
 from agentrl.inference.adapter_endpoints import AdapterEndpoints
@@ -39,6 +38,7 @@ from agentrl.inference.batching import (
     ContinuousBatcher,
     GenerationAborted,
 )
+from agentrl.inference.engine_config import EngineConfig
 from agentrl.inference.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -50,7 +50,6 @@ from agentrl.inference.protocol import (
     SamplingParams,
 )
 from agentrl.inference.request_rules import (
-    check_supported,
     finish_reason,
     output_text,
     request_sampling,
@@ -63,40 +62,6 @@ from agentrl.inference.weight_endpoints import WeightEndpoints
 logger = logging.getLogger(__name__)
 
 HEALTH_GENERATE_TIMEOUT_S = 20.0
-
-
-class EngineConfig(BaseModel):
-    """What the engine serves and how (the ``agentrl engine`` flags)."""
-
-    model_name_or_path: str
-    served_model_name: str | None = Field(None, description="model name reported to clients (default: dir name)")
-    device: str | None = Field(None, description="cpu, cuda, cuda:1 ... (default: cuda if available, else cpu)")
-    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    weight_version: str = "0"
-    weight_update_mode: Literal["in_place", "drain"] = Field(
-        "in_place", description="in_place: new weights are swapped in between two decoding steps and running "
-        "requests go on with them (each token keeps its version); drain: running requests finish on the old "
-        "weights while new ones wait")
-    max_total_tokens: int = Field(32768, gt=0, description="KV cache capacity in tokens, all requests together")
-    max_batch_tokens: int = Field(2048, gt=0, description="tokens per forward pass (prefill chunk size)")
-    max_running_requests: int = Field(64, gt=0)
-    page_size: int = Field(32, ge=4, description="tokens per KV-cache page (prefix sharing granularity)")
-    disable_cuda_graph: bool = Field(False, description="on CUDA, run decode steps eagerly instead of replaying "
-                                     "them as CUDA graphs captured per batch size")
-    cuda_graph_max_bs: int = Field(64, gt=0, description="the largest decode batch run as a CUDA graph (larger "
-                                   "ones run eagerly)")
-    enable_lora: bool = Field(False, description="serve LoRA adapters loaded at run time (turns prefix sharing off)")
-    weight_update_timeout_s: float = Field(
-        120.0, gt=0, description="how long joining a weight-update group, and each of its transfers, may take")
-    preferred_sampling_params: dict[str, Any] | None = Field(
-        None, description="values of the sampling parameters a request omits (SGLang's --preferred-sampling-params)")
-
-    @field_validator("preferred_sampling_params")
-    @classmethod
-    def _valid_sampling(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
-        if value is not None:
-            check_supported(SamplingParams.model_validate(value))
-        return value
 
 
 def resolve_device(device: str | None) -> torch.device:

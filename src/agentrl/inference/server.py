@@ -33,11 +33,12 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from agentrl.inference.batching import EngineStopped
-from agentrl.inference.engine import EngineConfig, InferenceEngine
+from agentrl.inference.engine import InferenceEngine
+from agentrl.inference.engine_config import EngineConfig, EngineServerConfig
 from agentrl.inference.protocol import (
     BadRequest,
     BeginWeightUpdateRequest,
@@ -260,17 +261,6 @@ def create_app(engine: InferenceEngine, registration: ServiceRegistration | None
     _add_weight_routes(app, engine, registration)
     _add_memory_routes(app, engine)
     return app
-
-
-class EngineServerConfig(BaseModel):
-    """Where the engine listens, whom it tells and whom it serves."""
-
-    host: str = "127.0.0.1"
-    api_key: SecretStr | None = Field(None, description="requests must bring 'Authorization: Bearer KEY'")
-    port: int = Field(30000, ge=0, le=65535, description="0 picks a free port")
-    db_connection_string: str | None = None
-    heartbeat_interval_s: float = Field(5.0, gt=0)
-    advertise_url: str | None = Field(None, description="URL registered in the database (default: from host/port)")
 
 
 def advertised_url(host: str, port: int) -> str:

@@ -8,7 +8,8 @@ section per process the run starts, each that process's own configuration model.
   unset, a shared value is its first section's default, declared on that component.
 - **Sections** — ``sampler`` (`agentrl sample`'s :class:`SamplerConfig`), ``trainer`` (:class:`TrainConfig`),
   ``warmup_trainer`` (the warm-up's :class:`TrainConfig`), ``eval`` (`agentrl eval`'s :class:`EvalConfig`, every
-  evaluation of the run): any flag of that command as ``--SECTION.FLAG`` (``--trainer.weight_decay 0.1``), a key of
+  evaluation of the run), ``engine`` (`agentrl engine`'s :class:`EngineCommandConfig`: the engines the run and
+  its evaluations start): any flag of that command as ``--SECTION.FLAG`` (``--trainer.weight_decay 0.1``), a key of
   a ``[SECTION]`` table in a file, or a short name of :data:`SHORT_NAMES` (``--learning_rate`` is
   ``--trainer.learning_rate``). The run starts each process with the flags of its section, the shared values and
   what the run itself wires in (:data:`WIRED`: database, inference URLs, model, tools, output), generated from the
@@ -34,6 +35,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from agentrl.config_flags import NO_FLAG, flag_fields, given_flags
 from agentrl.eval.runner import EvalConfig
+from agentrl.inference.engine_config import EngineCommandConfig
 from agentrl.rollout.config import SamplerConfig
 from agentrl.training.config import TrainConfig
 
@@ -46,7 +48,8 @@ MINIRL_FLAGS = ("--loss_calculater MINIRL --token_level_loss false --strict_in_b
                 "--skip_length_normalization true")
 
 SECTIONS: dict[str, type[BaseModel]] = {"sampler": SamplerConfig, "trainer": TrainConfig,
-                                        "warmup_trainer": TrainConfig, "eval": EvalConfig}
+                                        "warmup_trainer": TrainConfig, "eval": EvalConfig,
+                                        "engine": EngineCommandConfig}
 """Section → the configuration model of the process it configures (its flags are the section's keys)."""
 
 SHARED: dict[str, dict[str, tuple[tuple[str, str], ...]]] = {
@@ -84,6 +87,7 @@ SHORT_NAMES: dict[str, tuple[str, str]] = {
     "eval_seed": ("eval", "seed"),
     "force": ("eval", "force"),
     "agent_config": ("eval", "agent_config_path"),
+    "engine_threads": ("engine", "num_threads"),
 }
 """The example scripts' names of section flags (``LEARNING_RATE`` → ``--learning_rate`` → ``trainer.learning_rate``)."""
 
@@ -97,6 +101,8 @@ WIRED: dict[str, frozenset[str]] = {
                                  "lora_publish", "loss_calculater", "enable_sampling", "save_steps"}),
     "eval": frozenset({"db_connection_string", "model_name_or_path", "inference_urls", "mcp_config", "env_server",
                        "tasks", "split", "limit", "name", "engine_args", "scorer"}),
+    "engine": frozenset({"model_name_or_path", "port", "db_connection_string", "enable_lora", "no_register",
+                         "api_key"}),  # a key goes by $AGENTRL_INFERENCE_API_KEY, never on a command line
 }
 """Per section, the flags the run sets itself from its options and what it started (a section may not set them)."""
 
@@ -135,9 +141,6 @@ class RunConfig(BaseModel):
     sglang_urls: str | None = Field(
         None, description="comma-separated SGLang servers serving --model (default: an `agentrl engine` started "
         "here, serving the warmed-up model)")
-    engine_threads: int | None = Field(
-        None, ge=1, description="CPU threads of the engines started here (default: the engine's, one less than the "
-        "CPUs this machine gives it)")
     engine_startup_s: float = Field(600.0, gt=0, description="how long the engine may take to start")
 
     # ---------------------------------------------------------------------------------- tools, environments
@@ -219,6 +222,7 @@ class RunConfig(BaseModel):
     trainer: Annotated[TrainConfig, NO_FLAG] = Field(default_factory=TrainConfig)
     warmup_trainer: Annotated[TrainConfig, NO_FLAG] = Field(default_factory=TrainConfig)
     eval: Annotated[EvalConfig, NO_FLAG] = Field(default_factory=EvalConfig)
+    engine: Annotated[EngineCommandConfig, NO_FLAG] = Field(default_factory=EngineCommandConfig)
 
     @model_validator(mode="after")
     def _check_and_derive(self) -> RunConfig:

@@ -3,12 +3,12 @@
 printed with where each value came from (``--print_config``).
 
 A file's top-level keys are the run's flags without ``--`` (run options, shared values, short names such as
-``learning_rate``); a ``[sampler]``, ``[trainer]``, ``[warmup_trainer]`` or ``[eval]`` table holds flags of that
-process. A table ``[with_env]``, ``[with_lora]`` or ``[with_model]`` applies only with ``--env``, ``--lora_r`` > 0
-or ``--model`` (these taken from every layer), after the file's own keys and in the order written; inside
-``[with_env]`` a table named after an environment (``[with_env.sciworld]``) applies only to it, and tables nest
-(``[with_env.with_lora]``). The printed view is itself such a file: ``--print_config > my.toml`` then ``--config
-my.toml`` runs the same configuration.
+``learning_rate``); a ``[sampler]``, ``[trainer]``, ``[warmup_trainer]``, ``[eval]`` or ``[engine]`` table holds
+flags of that process. A table ``[with_env]``, ``[with_lora]`` or ``[with_model]`` applies only with ``--env``,
+``--lora_r`` > 0 or ``--model`` (these taken from every layer), after the file's own keys and in the order written;
+inside ``[with_env]`` a table named after an environment (``[with_env.sciworld]``) applies only to it, and tables
+nest (``[with_env.with_lora]``). The printed view is itself such a file: ``--print_config > my.toml`` then
+``--config my.toml`` runs the same configuration.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def preset_path(name: str) -> Path:
 
 def _command(section: str) -> str:
     """The `agentrl` command of ``section``'s process."""
-    return {"sampler": "sample", "eval": "eval"}.get(section, "train")
+    return {"sampler": "sample", "eval": "eval", "engine": "engine"}.get(section, "train")
 
 
 def _run_option(key: str) -> bool:
@@ -93,7 +93,8 @@ def _keys(table: dict[str, Any], where: str) -> dict[Key, tuple[Any, str]]:
             found[(None, key)] = (value, f"{where}{key}")
         else:
             raise ConfigFileError(f"{where}{key}: no option named {key} (the keys are `agentrl run`'s flags without "
-                                  "the leading --, and [sampler], [trainer], [warmup_trainer], [eval] tables)")
+                                  "the leading --, and [sampler], [trainer], [warmup_trainer], [eval], [engine] "
+                                  "tables)")
     return found
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from agentrl.config_flags import comma_list, to_argv
+from agentrl.config_flags import comma_list, given_flags, to_argv
 from agentrl.eval.runner import EvalConfig
+from agentrl.inference.engine_config import EngineCommandConfig
 from agentrl.rollout.config import SamplerConfig
 from agentrl.run.config import RunConfig
 from agentrl.run.processes import Child, Processes, RunFailed, say
@@ -176,9 +177,9 @@ def upload_tasks(run: RunState, tasks: Path, limit: int | None = None) -> None:
          f"the upload of {tasks} failed")
 
 
-def engine_thread_flags(config: RunConfig) -> list[str]:
-    """``agentrl engine``'s thread flag for ``--engine_threads`` (none: the engine's default)."""
-    return [] if config.engine_threads is None else ["--num_threads", str(config.engine_threads)]
+def engine_flags(config: RunConfig) -> list[str]:
+    """The engine section's flags, for the engines `agentrl eval` starts itself (none: the engine's defaults)."""
+    return to_argv(EngineCommandConfig, given_flags(config.engine))
 
 
 def use_inference(run: RunState, model: str | Path | None) -> None:
@@ -188,10 +189,9 @@ def use_inference(run: RunState, model: str | Path | None) -> None:
         run.inference_urls = config.sglang_urls
         say(f"inference: SGLang at {config.sglang_urls}")
         return
-    lora = ["--enable_lora"] if config.lora_publish == "adapter" else []
-    engine = run.processes.start("engine", [
-        *AGENTRL, "engine", *model_flags(model), "--port", "0", "--db_connection_string", run.database_uri(),
-        *engine_thread_flags(config), "--max_running_requests", "64", *lora])
+    flags = config.flags("engine", **model_flag(model), port=0, db_connection_string=run.database_uri(),
+                         **({"enable_lora": True} if config.lora_publish == "adapter" else {}))
+    engine = run.processes.start("engine", [*AGENTRL, "engine", *to_argv(EngineCommandConfig, flags)])
     say(f"inference: starting agentrl engine on {model or EMBEDDED_MODEL} (log {engine.log})")
     ready = run.processes.wait_until_ready(engine, r"agentrl engine ready at (http:\S*).*", config.engine_startup_s)
     run.inference_urls = ready[1]
@@ -220,11 +220,11 @@ def held_out_eval(run: RunState, label: str, **model: Any) -> None:
     out, log = run.dir / f"eval-{label}.json", run.logs / f"eval-{label}.log"
     say(f"held-out evaluation ({label}): {config.num_eval_tasks} tasks of {tasks.name}, greedy "
         f"(log {log})")
-    threads = engine_thread_flags(config)
+    engine = engine_flags(config)
     flags = config.flags("eval", tasks=str(tasks), limit=config.num_eval_tasks, name=f"{run.name} {label}",
                          db_connection_string=run.database_uri(), **run.tools, temperature=0, force=True,
                          max_concurrent_samples_per_process=HELD_OUT_CONCURRENCY,
-                         **({"engine_args": threads} if threads else {}), **model)
+                         **({"engine_args": engine} if engine else {}), **model)
     done = run.processes.call(f"eval-{label}", [*AGENTRL, "eval", *to_argv(EvalConfig, flags), "--output", str(out),
                                                 *shlex.split(config.extra_eval_flags)], log=log)
     if done.status != 0:
