@@ -81,6 +81,8 @@ def test_the_view_reads_back_as_the_same_configuration(capsys: pytest.CaptureFix
     (["--trainer.nope", "1"], "unrecognized arguments: --trainer.nope"),
     (["--preset", "gpu-giant"], "--preset gpu-giant: no such preset (presets: cpu-demo, cpu-eval"),
     (["--sampler.top_p", "0.9"], "top_p 0.9 on the train split"),
+    (["--learning_rate", "0"], "--learning_rate: Input should be greater than 0"),
+    (["--trainer.learning_rate", "0"], "--trainer.learning_rate: Input should be greater than 0"),
 ])
 def test_bad_section_flags_are_usage_errors_naming_them(capsys: pytest.CaptureFixture, argv: list[str],
                                                          message: str) -> None:

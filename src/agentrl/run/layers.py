@@ -118,7 +118,8 @@ def resolve(flags: dict[str, Any], preset: str | None = None, config_file: Path 
             for key, (value, label) in _keys(table, table_where).items():
                 values[key] = value
                 resolved.origins[key] = origin
-                resolved.labels[key] = label if origin != "flag" else "--" + ".".join(filter(None, key))
+                resolved.labels[key] = label if origin != "flag" else "--" + (
+                    ".".join(filter(None, key)) if key[0] and label.startswith("[") else label)
     run = {flag: value for (section, flag), value in values.items() if section is None}
     sections = {name: flag_values(model, {flag: value for (section, flag), value in values.items()
                                           if section == name}) for name, model in SECTIONS.items()}
