@@ -5,7 +5,8 @@
 # embedded SmolLM2-135M-Instruct and the built-in calculator MCP server; it evaluates the first LIMIT tasks of
 # the built-in task set and prints the result table (stored in the run's `Eval` collection and written as JSON).
 # Running it again with the same RUN_NAME reuses the stored result (FORCE=1 recomputes it). `agentrl run --mode
-# eval` does all of it; this script gives it these variables (`agentrl run --help` names each one's option):
+# eval --preset cpu-eval` does all of it (configs/cpu-eval.toml holds the values below); this script gives it these
+# variables (`agentrl run --help` names each one's option):
 #
 #   MODEL              model to evaluate (Hugging Face directory or checkpoint; default: the embedded SmolLM2);
 #                      with SGLANG_URLS it only names the tokenizer

@@ -6,8 +6,8 @@
 # one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up (SFT on tool-use
 # demonstrations made with the real calculator), held-out evaluation of the warmed model, GRPO with a live
 # status line, held-out evaluation of the final model, and a summary (runs/RUN_NAME/summary.json).
-# `agentrl run` does all of it; this script gives it the same variables as minirl_example.sh (listed there;
-# `agentrl run --help` says more about each), e.g. LORA_R=8 TRAIN_STEPS=16 ./grpo_example.sh my_run.
+# `agentrl run --preset cpu-demo` does all of it; this script gives it the same variables as minirl_example.sh
+# (listed there; `agentrl run --help` says more about each), e.g. LORA_R=8 TRAIN_STEPS=16 ./grpo_example.sh my_run.
 set -euo pipefail
 ROOT=$(cd "$(dirname "$0")" && pwd)
 "$ROOT/scripts/setup_venv.sh"

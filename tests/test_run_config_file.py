@@ -82,6 +82,8 @@ def test_the_view_reads_back_as_the_same_configuration(capsys: pytest.CaptureFix
     (["--preset", "gpu-giant"], "--preset gpu-giant: no such preset (presets: cpu-demo, cpu-eval"),
     (["--sampler.top_p", "0.9"], "top_p 0.9 on the train split"),
     (["--learning_rate", "0"], "--learning_rate: Input should be greater than 0"),
+    (["--preset", "cpu-demo", "--trainer.sync_sampling", "true"],  # the preset's max_staleness 2, pushed down
+     "--sync_sampling trains only on current-version samples: it contradicts --max_staleness 2"),
     (["--trainer.learning_rate", "0"], "--trainer.learning_rate: Input should be greater than 0"),
 ])
 def test_bad_section_flags_are_usage_errors_naming_them(capsys: pytest.CaptureFixture, argv: list[str],

@@ -31,9 +31,9 @@ import time
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from agentrl.config_flags import NO_FLAG, flag_fields, given_flags
+from agentrl.config_flags import NO_FLAG, describe_errors, flag_fields, flag_values, given_flags
 from agentrl.eval.runner import EvalConfig
 from agentrl.inference.engine_config import EngineCommandConfig
 from agentrl.rollout.config import SamplerConfig
@@ -242,6 +242,11 @@ class RunConfig(BaseModel):
                     raise ValueError(f"--{section}.{flag}: the run sets it (from its own options and what it starts)")
                 if flag in shared:
                     raise ValueError(f"--{section}.{flag}: a value several processes share: set --{shared[flag]}")
+            model = SECTIONS[section]
+            try:  # the section as its process will get it: with the shared values
+                model(**flag_values(model, self.flags(section)))
+            except ValidationError as error:
+                raise ValueError(describe_errors(model, error, lambda flag, at=section: f"--{at}.{flag}")) from None
         evaluating = self.mode == "eval"
         self.run_name = self.run_name or time.strftime(f"{'eval' if evaluating else self.loss_name.lower()}"
                                                        "-%Y%m%d-%H%M%S")
