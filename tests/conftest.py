@@ -1,10 +1,10 @@
 """Shared fixtures: a real MongoDB-protocol server process for the whole session.
 
 By default the embedded NX-27017 server is started on a free port in a temporary directory. ``--mongo-server
-secantus`` starts a SecantusDB server instead (``secantus_fixtures.py``; ``scripts/test.sh`` runs the store, rollout
-and resume tests so). Set ``AGENTRL_TEST_MONGO_URI`` (e.g. ``mongodb://localhost:27017``) to run the same tests
-against another server, such as a real MongoDB. Each test gets its own database name, so tests never see each
-other's data.
+secantus`` starts a SecantusDB server instead (``secantus_fixtures.py``); ``--also-secantus`` (``scripts/test.sh``)
+runs the store and resume tests on both, each test that uses a database once per server. Set
+``AGENTRL_TEST_MONGO_URI`` (e.g. ``mongodb://localhost:27017``) to run the same tests against another server, such
+as a real MongoDB. Each test gets its own database name, so tests never see each other's data.
 """
 
 from __future__ import annotations
@@ -44,11 +44,30 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--mongo-server", choices=["embedded", "secantus"], default="embedded",
                      help="the server that mongo_server_uri starts: NX-27017 (default) or SecantusDB "
                           "(AGENTRL_TEST_MONGO_URI, when set, names a running server instead)")
+    parser.addoption("--also-secantus", action="store_true",
+                     help="run the store and resume tests that use a database on NX-27017 and again on SecantusDB")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("AGENTRL_TEST_MONGO_URI") and config.getoption("--mongo-server") != "embedded":
         raise pytest.UsageError("--mongo-server and AGENTRL_TEST_MONGO_URI both name a server: use one")
+    if config.getoption("--also-secantus") and (os.environ.get("AGENTRL_TEST_MONGO_URI")
+                                                or config.getoption("--mongo-server") != "embedded"):
+        raise pytest.UsageError("--also-secantus runs on both servers: it takes neither --mongo-server nor "
+                                "AGENTRL_TEST_MONGO_URI")
+
+
+def on_both_servers(module: str) -> bool:
+    """The modules ``--also-secantus`` runs on SecantusDB too: the store's (every command the other processes send
+    goes through it), but for the one that uses SecantusDB's failpoints itself, and the trainer's resume."""
+    return (module.startswith("test_store_") and module != "test_store_secantus_faults") or \
+        module == "test_trainer_resume"
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if (metafunc.config.getoption("--also-secantus") and "mongo_server_uri" in metafunc.fixturenames
+            and on_both_servers(metafunc.module.__name__)):
+        metafunc.parametrize("mongo_server_uri", ["embedded", "secantus"], indirect=True, scope="session")
 
 
 # Session fixtures that take a minute or more to build: under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the
@@ -101,7 +120,7 @@ def mongo_server_uri(tmp_path_factory: pytest.TempPathFactory, request: pytest.F
     if external:
         yield external
         return
-    if request.config.getoption("--mongo-server") == "secantus":
+    if getattr(request, "param", request.config.getoption("--mongo-server")) == "secantus":
         yield request.getfixturevalue("secantus_server_uri")
         return
     server = EmbeddedServer(data_dir=Path(tmp_path_factory.mktemp("nx27017")), port=free_port())
