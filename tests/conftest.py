@@ -114,15 +114,19 @@ def group_node_id(item: pytest.Item, group: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def mongo_server_uri(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Iterator[str]:
-    """Connection string (no database) of the session's server."""
+def mongo_server_uri(request: pytest.FixtureRequest) -> str:
+    """Connection string (no database) of the session's server (of the test's, under ``--also-secantus``)."""
     external = os.environ.get("AGENTRL_TEST_MONGO_URI")
     if external:
-        yield external
-        return
+        return external
     if getattr(request, "param", request.config.getoption("--mongo-server")) == "secantus":
-        yield request.getfixturevalue("secantus_server_uri")
-        return
+        return request.getfixturevalue("secantus_server_uri")
+    return request.getfixturevalue("embedded_server_uri")
+
+
+@pytest.fixture(scope="session")
+def embedded_server_uri(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """Connection string (no database) of the session's NX-27017 server, one for every test that uses it."""
     server = EmbeddedServer(data_dir=Path(tmp_path_factory.mktemp("nx27017")), port=free_port())
     server.start()
     try:

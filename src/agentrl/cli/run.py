@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     short = parser.add_argument_group("short names of section flags (the example scripts' variables)")
     for name, (section, flag) in SHORT_NAMES.items():
         info = flag_fields(SECTIONS[section])[flag]
-        add_flag(short, name, info, help=f"--{section}.{flag}: {info.description or ''}".rstrip(": "))
+        add_flag(short, name, info, help=f"--{section}.{flag}: {info.description or ''}".rstrip(": "), aliases=False)
     for section, model in SECTIONS.items():
         add_model_arguments(parser, model, prefix=f"{section}.", hidden=True)
     parser.set_defaults(func=run, _parser=parser)
