@@ -35,18 +35,28 @@ SUBCOMMANDS: tuple[str, ...] = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every sub-command, or of ``command`` alone (a module named after it in ``SUBCOMMANDS``): a
+    command's process then imports only its own module, not every command's options."""
     parser = argparse.ArgumentParser(
         prog="agentrl", description="AgentRL: asynchronous reinforcement learning for multi-turn tool-using LLM agents")
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for module_name in SUBCOMMANDS:
-        importlib.import_module(module_name).add_parser(sub)
+        if command is None or module_name == f"agentrl.cli.{command}":
+            importlib.import_module(module_name).add_parser(sub)
     return parser
 
 
+def _command(argv: list[str]) -> str | None:
+    """The sub-command ``argv`` names, if it names one (its first word that is not an option)."""
+    word = next((arg for arg in argv if not arg.startswith("-")), None)
+    return word if f"agentrl.cli.{word}" in SUBCOMMANDS else None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     setup_logging(verbose=args.verbose)
     try:
