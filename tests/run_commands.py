@@ -82,6 +82,7 @@ def script_arguments(script: str, variables: dict[str, str], tmp: Path) -> list[
 class _Child:
     name: str
     log: Path | None
+    command: list[str]
     status: int = 0
     pid: int = 1
 
@@ -103,7 +104,7 @@ class RecordingProcesses:
             out = Path(command[command.index("--output") + 1])
             out.write_text(json.dumps({"metrics": {"accuracy": 0.5, "correct": 1, "valid_samples": 2,
                                                    "mean_reward": 0.5, "errors": 0}}))
-        return _Child(name, self.log_dir / f"{name}.log")
+        return _Child(name, self.log_dir / f"{name}.log", list(command))
 
     call = call_showing = start
 
@@ -111,10 +112,11 @@ class RecordingProcesses:
         return 0
 
     def wait_until_ready(self, child: _Child, pattern: str, timeout_s: float) -> re.Match[str]:
-        url = "http://127.0.0.1:30000" if child.name == "engine" else "http://127.0.0.1:36000"
-        line = {"engine": f"agentrl engine ready at {url}", "env-server": f"agentrl envs: serving babyai at {url}"}
-        match = re.search(pattern, line[child.name].replace("babyai", pattern.split("serving ")[-1].split(" at")[0]
-                                                            .replace("\\", "")))
+        if child.name == "engine":
+            line = "agentrl engine ready at http://127.0.0.1:30000"
+        else:  # `agentrl envs serve NAME ...`
+            line = f"agentrl envs: serving {child.command[child.command.index('serve') + 1]} at http://127.0.0.1:36000"
+        match = re.search(pattern, line)
         assert match, (pattern, child.name)
         return match
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -35,8 +35,8 @@ class Resolved:
     """A configuration and, for each key some layer set, that layer's name and how it named the key."""
 
     config: RunConfig
-    origins: dict[Key, str] = field(default_factory=dict)
-    labels: dict[Key, str] = field(default_factory=dict)
+    origins: dict[Key, str]
+    labels: dict[Key, str]
 
 
 def preset_path(name: str) -> Path:
@@ -111,26 +111,25 @@ def resolve(flags: dict[str, Any], preset: str | None = None, config_file: Path 
     for _, _, data in layers:
         plain.update({key: value for key, value in data.items() if not key.startswith("with_")})
     conditions = {"env": plain.get("env"), "lora": bool(plain.get("lora_r")), "model": plain.get("model")}
-    resolved = Resolved(RunConfig.model_construct())
     values: dict[Key, Any] = {}
+    origins: dict[Key, str] = {}
+    labels: dict[Key, str] = {}
     for origin, where, data in layers:
         for table_where, table in _tables(data, where if origin != "flag" else "", conditions):
             for key, (value, label) in _keys(table, table_where).items():
-                values[key] = value
-                resolved.origins[key] = origin
-                resolved.labels[key] = label if origin != "flag" else "--" + (
+                values[key], origins[key] = value, origin
+                labels[key] = label if origin != "flag" else "--" + (
                     ".".join(filter(None, key)) if key[0] and label.startswith("[") else label)
     run = {flag: value for (section, flag), value in values.items() if section is None}
     sections = {name: flag_values(model, {flag: value for (section, flag), value in values.items()
                                           if section == name}) for name, model in SECTIONS.items()}
     try:
-        resolved.config = RunConfig(**run, **sections)
+        return Resolved(RunConfig(**run, **sections), origins, labels)
     except ValidationError as error:
         def label(flag: str) -> str:
             section, _, name = flag.rpartition(".")
-            return resolved.labels.get((section or None, name), f"--{flag}")
+            return labels.get((section or None, name), f"--{flag}")
         raise ConfigFileError(describe_errors(RunConfig, error, label)) from None
-    return resolved
 
 
 def command_line_flags(args: argparse.Namespace) -> dict[str, Any]:
@@ -159,10 +158,11 @@ def _extra_flags(config: RunConfig) -> dict[str, tuple[dict[str, Any], str]]:
         else:
             parser = argparse.ArgumentParser(add_help=False)
             add_model_arguments(parser, SECTIONS[section])
+        flags = flag_fields(SECTIONS[section])
         for name in names:
             args, _ = parser.parse_known_args(shlex.split(getattr(config, name)))
             for flag, value in vars(args).items():
-                if flag in flag_fields(SECTIONS[section]):
+                if flag in flags:
                     found[f"{section}.{flag}"] = ({flag: value}, name)
     return found
 
