@@ -67,7 +67,7 @@ def _tool_manager(args: argparse.Namespace):
 def _load_tokenizer(path: str | None, url: str | None, err) -> object:
     from pathlib import Path
 
-    from agentrl.inference.embedded_model import policy_tokenizer
+    from agentrl.inference.policy_tokenizer import policy_tokenizer
 
     if path is None and url is not None:
         import asyncio

@@ -75,7 +75,7 @@ def run_upload(args: argparse.Namespace) -> int:
         print("error: --truncate needs --max_length", file=sys.stderr)
         return 2
     try:
-        from agentrl.inference.embedded_model import policy_tokenizer
+        from agentrl.inference.policy_tokenizer import policy_tokenizer
 
         tokenizer = policy_tokenizer(args.model_name_or_path)
     except (OSError, ValueError) as error:

@@ -73,7 +73,7 @@ class TokenTexts:
         key = model or ""
         with self._lock:
             if key not in self._tokenizers:
-                from agentrl.inference.embedded_model import policy_tokenizer
+                from agentrl.inference.policy_tokenizer import policy_tokenizer
 
                 try:
                     self._tokenizers[key] = policy_tokenizer(model)

@@ -20,7 +20,6 @@ import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from filelock import FileLock
 
@@ -66,13 +65,6 @@ def default_model_path() -> Path:
 def default_tokenizer_path() -> Path:
     """A cached directory with only the embedded model's tokenizer and chat template (converts in seconds)."""
     return _cached(TOKENIZER_DIR_NAME, _convert_tokenizer)
-
-
-def policy_tokenizer(model_name_or_path: str | Path | None = None) -> Any:
-    """The tokenizer (and chat template) of ``model_name_or_path``; ``None``: the embedded model's."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_name_or_path or default_tokenizer_path()))
 
 
 def _cached(name: str, convert: Callable[[Path, Path], None]) -> Path:

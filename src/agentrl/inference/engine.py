@@ -119,14 +119,16 @@ class InferenceEngine:
     """A loaded model, its tokenizer and the continuous batcher, plus the weight version and admission gate."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoModelForCausalLM
+
+        from agentrl.inference.policy_tokenizer import policy_tokenizer
 
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         path = config.model_name_or_path
         self.model_name = config.served_model_name or Path(path.rstrip("/")).name
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = policy_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
         self.model = model.to(self.device).eval()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])

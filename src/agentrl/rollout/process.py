@@ -16,7 +16,7 @@ import httpx
 from pymongo.errors import PyMongoError
 
 from agentrl.envs.pool import EnvPool, parse_env_servers
-from agentrl.inference.embedded_model import policy_tokenizer
+from agentrl.inference.policy_tokenizer import policy_tokenizer
 from agentrl.log import redact
 from agentrl.rollout.agent import AgentResources
 from agentrl.rollout.config import SamplerConfig
