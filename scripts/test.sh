@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Install everything into .venv (idempotent) and run the test suite. Extra arguments go to pytest (one run).
-# Without arguments: ruff, then the whole suite on the embedded NX-27017 server on three worker processes
+# Without arguments: ruff, then the whole suite on the embedded NX-27017 server on four worker processes
 # (AGENTRL_TEST_WORKERS), the store and resume tests also on SecantusDB, a second MongoDB implementation.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,10 +24,10 @@ if [ "$#" -gt 0 ]; then
 fi
 echo "=== ruff (pyproject.toml [tool.ruff]) ==="
 .venv/bin/ruff check --quiet --output-format concise . || { echo "ruff found the problems above (ruff check --fix fixes many)" >&2; exit 1; }
-# Three worker processes on 2 cores: most tests also wait on the servers, engines and trainers they start
+# Four worker processes on 2 cores: most tests also wait on the servers, engines and trainers they start
 # (conftest.py keeps the tests of a module-scoped fixture on one worker and spreads the rest).
 # The store and resume tests run on SecantusDB too, in the same pass (--also-secantus), unless AGENTRL_TEST_MONGO_URI
 # names the one server to use.
-parallel=(-n "${AGENTRL_TEST_WORKERS:-3}" --dist loadgroup --durations=30)
+parallel=(-n "${AGENTRL_TEST_WORKERS:-4}" --dist loadgroup --durations=30)
 [ -n "${AGENTRL_TEST_MONGO_URI:-}" ] || parallel+=(--also-secantus)
 exec .venv/bin/python -m pytest "${parallel[@]}"
