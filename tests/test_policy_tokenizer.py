@@ -87,6 +87,13 @@ def test_only_what_auto_tokenizer_loads_as_the_generic_class_takes_the_shortcut(
     assert loads_as_generic(_variant(tmp_path, tiny_model_dir, tokenizer, config)) is generic
 
 
+def test_an_adapter_directory_goes_through_auto_tokenizer(tmp_path: Path, tiny_model_dir: Path) -> None:
+    """AutoConfig follows a LoRA adapter to its base model, whose type may have a tokenizer class of its own."""
+    adapter = _variant(tmp_path, tiny_model_dir, {}, None)
+    (adapter / "adapter_config.json").write_text(json.dumps({"base_model_name_or_path": "Qwen/Qwen2.5-0.5B"}))
+    assert not loads_as_generic(adapter)
+
+
 def test_a_hub_name_a_missing_directory_or_unreadable_configuration_goes_through_auto_tokenizer(
         tmp_path: Path, tiny_model_dir: Path) -> None:
     assert not loads_as_generic(Path("HuggingFaceTB/SmolLM2-135M-Instruct"))

@@ -1,11 +1,12 @@
 """The policy's tokenizer, loaded as ``AutoTokenizer`` loads it, without importing torch where that gives the same.
 
-``AutoTokenizer`` imports transformers' configuration classes, and those import torch: ~2 CPU-seconds and ~300 MB
+``AutoTokenizer`` imports transformers' configuration classes, and those import torch: ~1.9 CPU-seconds and ~170 MB
 in every process that only tokenizes (a sampler, an evaluation, ``agentrl sft upload``, the dashboard). For a model
-directory whose ``tokenizer_config.json`` declares the generic ``TokenizersBackend`` class, with no remote code, and
-whose ``config.json`` names no model type or one that transformers maps to no tokenizer class of its own,
-``AutoTokenizer.from_pretrained`` returns exactly ``TokenizersBackend.from_pretrained(path)``: this module calls
-that directly. Every other model, and every name that is not a local directory, goes through ``AutoTokenizer``.
+directory whose ``tokenizer_config.json`` declares the generic ``TokenizersBackend`` class, with no remote code,
+whose ``config.json`` names no model type or one that transformers maps to no tokenizer class of its own, and that
+is no LoRA adapter (whose base model's type would count), ``AutoTokenizer.from_pretrained`` returns exactly
+``TokenizersBackend.from_pretrained(path)``: this module calls that directly. Every other model, and every name
+that is not a local directory, goes through ``AutoTokenizer``.
 Engines, samplers and evaluations all load through :func:`policy_tokenizer`, so they tokenize alike by construction.
 """
 
@@ -50,4 +51,5 @@ def loads_as_generic(path: Path) -> bool:
     model_type = model_config.get("model_type")
     return (tokenizer_config.get("tokenizer_class") == GENERIC_CLASS and (path / "tokenizer.json").is_file()
             and "auto_map" not in tokenizer_config and "auto_map" not in model_config
-            and (model_type is None or model_type in GENERIC_MODEL_TYPES))
+            and (model_type is None or model_type in GENERIC_MODEL_TYPES)
+            and not (path / "adapter_config.json").exists())  # AutoConfig would read the base model's type
