@@ -46,9 +46,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                           "(AGENTRL_TEST_MONGO_URI, when set, names a running server instead)")
     parser.addoption("--also-secantus", action="store_true",
                      help="run the store and resume tests that use a database on NX-27017 and again on SecantusDB")
+    parser.addoption("--cpu-report", action="store_true",
+                     help="print the CPU time of each test module, its own and its child processes' (cpu_report.py)")
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--cpu-report"):
+        import cpu_report
+
+        config.pluginmanager.register(cpu_report, "cpu_report")
     if os.environ.get("AGENTRL_TEST_MONGO_URI") and config.getoption("--mongo-server") != "embedded":
         raise pytest.UsageError("--mongo-server and AGENTRL_TEST_MONGO_URI both name a server: use one")
     if config.getoption("--also-secantus") and (os.environ.get("AGENTRL_TEST_MONGO_URI")
