@@ -46,8 +46,10 @@ def test_the_shortcut_tokenizes_and_renders_chats_exactly_as_auto_tokenizer(whic
         assert ours.encode(text) == auto.encode(text), text
         assert ours.encode(text, add_special_tokens=False) == auto.encode(text, add_special_tokens=False), text
     for end in range(1, len(MESSAGES) + 1):
-        assert (ours.apply_chat_template(MESSAGES[:end], add_generation_prompt=True, tokenize=False)
-                == auto.apply_chat_template(MESSAGES[:end], add_generation_prompt=True, tokenize=False))
+        for tokenize in (False, True):
+            rendered = [tokenizer.apply_chat_template(MESSAGES[:end], add_generation_prompt=True, tokenize=tokenize,
+                                                      return_dict=False) for tokenizer in (ours, auto)]
+            assert rendered[0] == rendered[1] and len(rendered[0]) > 0, (end, tokenize)
 
 
 def test_a_process_that_only_tokenizes_does_not_import_torch(tiny_model_dir: Path) -> None:
