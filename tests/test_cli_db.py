@@ -66,3 +66,26 @@ def test_connection_strings_are_redacted_in_logs(caplog) -> None:
     caplog.handler.addFilter(RedactingFilter())
     logger.warning("connecting to %s", secret)
     assert "hunter2" not in caplog.text and "***@db.example" in caplog.text
+
+
+def test_the_log_handler_writes_to_the_stderr_of_the_moment() -> None:
+    """A run started in-process (a notebook, a test) whose stderr is replaced afterwards logs to the new stderr, not
+    to the stream that was current at set-up (which may be closed by then)."""
+    import contextlib
+    import io
+
+    from agentrl.log import StderrHandler
+
+    logger = logging.getLogger("agentrl.test.stderr")
+    handler = StderrHandler()
+    logger.addHandler(handler)
+    try:
+        first, second = io.StringIO(), io.StringIO()
+        with contextlib.redirect_stderr(first):
+            logger.warning("one")
+        first.close()
+        with contextlib.redirect_stderr(second):
+            logger.warning("two")
+        assert second.getvalue() == "two\n"
+    finally:
+        logger.removeHandler(handler)

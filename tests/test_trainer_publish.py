@@ -165,8 +165,8 @@ def test_publishing_adapters_serves_the_trainers_policy_by_name(db_uri: str, tin
     assert not torch.allclose(torch.tensor(result.output_token_logprobs), base_expected, atol=1e-4)
 
 
-def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(db_uri: str, tiny_model_dir: Path,
-                                                                           tmp_path: Path) -> None:
+def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """A crash after the engine loaded policy-v2 but before the Run named it: the resumed trainer publishes version
     2 again, and the engine's leftover adapter of that name is replaced, not an error."""
     engine = start_engine(tiny_model_dir, "--enable_lora", "--db_connection_string", db_uri,
@@ -178,9 +178,9 @@ def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(db_u
                              "all-linear", "--lora_publish", "adapter", "--publish_retries", "0")
         crashed = run_trainer(flags, env={ENV: "publish.before_bump=exit@2"})
         assert crashed.returncode == EXIT_CODE, crashed.stdout
-        resumed = run_trainer([*flags, "--resume_from_checkpoint", "latest"])
-        assert resumed.returncode == 0, resumed.stdout
-        assert "did not load them" not in resumed.stdout, resumed.stdout
+        with caplog.at_level(logging.INFO, logger="agentrl"):  # resumed in this process (only the crash needs one)
+            assert main([*flags, "--resume_from_checkpoint", "latest"]) == 0
+        assert "resumed from" in caplog.text and "did not load them" not in caplog.text, caplog.text
         client = sync_client(db_uri)
         try:
             run = client.get_default_database().Run.find_one()
@@ -345,8 +345,8 @@ def test_an_engine_that_cannot_load_the_runs_published_weights_does_not_serve(db
         client.close()
 
 
-def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tiny_model_dir: Path,
-                                                                tmp_path: Path) -> None:
+def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tiny_model_dir: Path, tmp_path: Path,
+                                                                caplog: pytest.LogCaptureFixture) -> None:
     """The ``weights.replace`` failpoints: a resumed trainer publishes again a version whose directory a crashed
     publish left (``publish.before_bump``), and is killed after renaming that directory aside, then after putting the
     new one in place. Meanwhile the Run's weights stay loadable (a restarted engine catches up to them); the next
@@ -375,9 +375,10 @@ def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tin
         assert crashed.returncode == EXIT_CODE, crashed.stdout
         assert sorted(p.name for p in weights.iterdir()) == [".2.old", "1", "2"]
 
-        finished = run_trainer(resume)
-        assert finished.returncode == 0, finished.stdout
-        assert "did not load them" not in finished.stdout and "policy probe" not in finished.stdout, finished.stdout
+        with caplog.at_level(logging.INFO, logger="agentrl"):  # in this process: only the crashes need their own
+            assert main(resume) == 0
+        assert "resumed from" in caplog.text, caplog.text  # the log is captured: the next line can fail
+        assert "did not load them" not in caplog.text and "policy probe" not in caplog.text, caplog.text
         client = sync_client(db_uri)
         try:
             run = client.get_default_database().Run.find_one()

@@ -1,9 +1,11 @@
 """Exact resume: a trainer killed with SIGKILL and resumed trains every sample exactly once, and ends with the
-same weights as a run that was never interrupted."""
+same weights as a run that was never interrupted. The killed trainer is a process of its own; the resumed one runs
+in the test's process."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import time
 from collections import Counter
@@ -12,12 +14,12 @@ from pathlib import Path
 import pytest
 
 from agentrl.store import sync_client
+from agentrl.train import main
 from trainer_fixtures import (
     enqueue,
     load_weights,
     make_samples,
     max_weight_difference,
-    run_trainer,
     start_trainer,
     train_uninterrupted,
     trainer_args,
@@ -52,8 +54,9 @@ def _kill_after_step(process, db_uri: str, step: int) -> None:
     assert process.returncode == -signal.SIGKILL
 
 
-def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo_server_uri: str,
-                                                               tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo_server_uri: str, tiny_model_dir: Path,
+                                                               tmp_path: Path, caplog: pytest.LogCaptureFixture
+                                                               ) -> None:
     samples = make_samples(tiny_model_dir, groups=STEPS * BATCH // 4)
     asyncio.run(enqueue(db_uri, samples))
     out = tmp_path / "killed"
@@ -66,10 +69,9 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
         at_kill = Counter(doc["status"] for doc in db.DBRecordData.find())
         assert at_kill["queued"] > 0, f"the run had nearly finished when killed: {at_kill}"
 
-        resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint",
-                                           "latest"))
-        assert resumed.returncode == 0, resumed.stdout
-        assert "resumed from" in resumed.stdout, resumed.stdout
+        with caplog.at_level(logging.INFO, logger="agentrl.training"):
+            assert main(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest")) == 0
+        assert "resumed from" in caplog.text, caplog.text
 
         docs = list(db.DBRecordData.find())
         assert len(docs) == len(samples) and {d["status"] for d in docs} == {"trained"}, at_kill
@@ -92,15 +94,16 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
     assert difference < 1e-6, difference
 
 
-def test_a_resume_removes_the_lost_steps_from_the_ledger(db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_a_resume_removes_the_lost_steps_from_the_ledger(db_uri: str, tiny_model_dir: Path, tmp_path: Path,
+                                                        caplog: pytest.LogCaptureFixture) -> None:
     """Killed after step 3 with checkpoint 2: step 3's update is lost, so its Metric (and ledger) must go, even when
     the resumed run never reaches step 3 again."""
     asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=4)))
     out = tmp_path / "out"
     flags = ("--train_batch_size", "2", "--save_steps", "2", "--enable_sampling", "false")
     _kill_after_step(start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "8")), db_uri, 3)
-    resumed = run_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "2",
-                                       "--resume_from_checkpoint", "latest"))
-    assert resumed.returncode == 0, resumed.stdout
-    assert "their Metric documents are removed from the ledger" in resumed.stdout
+    with caplog.at_level(logging.INFO, logger="agentrl.training"):
+        assert main(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "2",
+                                 "--resume_from_checkpoint", "latest")) == 0
+    assert "their Metric documents are removed from the ledger" in caplog.text, caplog.text
     assert sorted(_trained_steps(db_uri)) == [1, 2]

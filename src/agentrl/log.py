@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import logging
 import re
+import sys
+from typing import TextIO
 
 _USERINFO = re.compile(r"(?P<scheme>[a-zA-Z][a-zA-Z0-9+.\-]*://)(?P<userinfo>[^/@\s]+)@")
 _SECRET_PARAM = re.compile(
@@ -31,12 +33,26 @@ class RedactingFilter(logging.Filter):
         return True
 
 
+class StderrHandler(logging.StreamHandler):
+    """A stream handler on the ``sys.stderr`` of the moment each record is written, not the one at set-up: a run
+    started in a process whose stderr is later replaced (``contextlib.redirect_stderr``, pytest's capture) logs to
+    the new one, never to a closed stream."""
+
+    @property
+    def stream(self) -> TextIO:
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value: TextIO) -> None:  # StreamHandler.__init__ assigns one: ignored
+        pass
+
+
 def setup_logging(verbose: bool = False) -> None:
     """Configure the root logger once: timestamped lines on stderr, credentials redacted."""
     root = logging.getLogger()
     if any(isinstance(f, RedactingFilter) for h in root.handlers for f in h.filters):
         return
-    handler = logging.StreamHandler()
+    handler = StderrHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s", "%H:%M:%S"))
     handler.addFilter(RedactingFilter())
     root.addHandler(handler)
