@@ -117,3 +117,43 @@ def test_math_scorer_reference_forms() -> None:
     assert math_score("\\boxed{1.01}", "1", {"rel_tol": 1e-3}) == 0.0
     with pytest.raises(ValueError, match="needs a reference answer"):
         math_score("\\boxed{1}", None)
+
+
+NUMBERS = ["0", "-0", "0.0", "-0.0", "42", "+42", "-42", "42.0", "41.99999", "42.00001", "4200", "0.42", ".5", "5.",
+           "1e3", "1000", "1E-3", "0.001", "3.141592653589793238", "3.141592653589793", "0.1", "0.30000000000000004",
+           "9" * 40, "9" * 39 + "8", "1" + "0" * 400, "1e400", "1e308", "007", "00", "1_000", "2.5e-320", "-2.5"]
+
+
+@pytest.mark.parametrize("percent", [False, True])
+def test_plain_numbers_compare_as_sympy_compares_them(percent: bool) -> None:
+    """Plain literals skip sympy; every pair (and sign, exponent, overflow, leading-zero and underscore edge case)
+    gets the answer the sympy path gives."""
+    from agentrl.scoring.math_equiv import REL_TOL, _numbers_equal, plain_number, to_sympy
+
+    checked = 0
+    for a in NUMBERS:
+        for b in NUMBERS:
+            fast_a, fast_b = plain_number(a), plain_number(b)
+            slow_a, slow_b = to_sympy(a), to_sympy(b)
+            if fast_a is None or fast_b is None:  # not taken: sympy decides, as before
+                continue
+            assert slow_a is not None and slow_b is not None and slow_a.is_number and slow_b.is_number, (a, b)
+            assert fast_a == slow_a and fast_b == slow_b, (a, b)
+            assert _numbers_equal(fast_a, fast_b, percent, REL_TOL) == _numbers_equal(slow_a, slow_b, percent,
+                                                                                      REL_TOL), (a, b)
+            checked += 1
+    assert checked > 500
+    assert plain_number("1e400") is None and plain_number("007") is None and plain_number("2*3") is None
+
+
+def test_numeric_answers_are_scored_without_importing_sympy() -> None:
+    import subprocess
+    import sys
+
+    code = ("import sys; from agentrl.scoring.math_equiv import math_score; "
+            "assert math_score('\\\\boxed{42}', '42') == 1.0 and math_score('it is \\\\boxed{41.5}', '42') == 0.0; "
+            "assert math_score('\\\\boxed{50\\\\%}', '0.5') == 1.0; "
+            "assert 'sympy' not in sys.modules; "
+            "assert math_score('\\\\boxed{\\\\frac{1}{2}}', '0.5') == 1.0 and 'sympy' in sys.modules")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
