@@ -79,6 +79,7 @@ def test_the_log_handler_writes_to_the_stderr_of_the_moment() -> None:
     logger = logging.getLogger("agentrl.test.stderr")
     handler = StderrHandler()
     logger.addHandler(handler)
+    logger.propagate = False  # only this handler (an in-process run before may have set up the root logger's)
     try:
         first, second = io.StringIO(), io.StringIO()
         with contextlib.redirect_stderr(first):
@@ -89,3 +90,4 @@ def test_the_log_handler_writes_to_the_stderr_of_the_moment() -> None:
         assert second.getvalue() == "two\n"
     finally:
         logger.removeHandler(handler)
+        logger.propagate = True
