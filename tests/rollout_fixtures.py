@@ -6,11 +6,11 @@ Registered as a plugin by ``conftest.py``.
 
 from __future__ import annotations
 
+import concurrent.futures
 import hashlib
 import json
 import os
 import shutil
-import subprocess
 import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -86,10 +86,14 @@ def run_env() -> dict[str, str]:
 
 
 def upload(db_uri: str, tasks_file: Path, *args: str) -> None:
-    done = subprocess.run(agentrl_cmd("tasks", "upload", str(tasks_file), "--db_connection_string", db_uri,
-                                      "--scorer", "math", "--answer_schema", "boxed", *args),
-                          capture_output=True, text=True, env=run_env(), timeout=120)
-    assert done.returncode == 0, done.stderr
+    """``agentrl tasks upload`` in this process (the command's own tests, ``test_cli_tasks.py``, start processes),
+    on a thread of its own: it runs its own event loop, and some callers are inside one."""
+    from agentrl.cli.main import main
+
+    argv = ["tasks", "upload", str(tasks_file), "--db_connection_string", db_uri, "--scorer", "math",
+            "--answer_schema", "boxed", *args]
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        assert pool.submit(main, argv).result(timeout=120) == 0, f"agentrl {' '.join(argv)} failed (see the log)"
 
 
 def sample_args(db_uri: str, model_dir: Path, engine_url: str | None, mcp_config: Path, *extra: str) -> list[str]:

@@ -26,7 +26,7 @@ from agentrl.store import InferenceService, Store, database_name, sync_client
 from agentrl.store.summary import run_summary
 from agentrl.train import main
 from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+from trainer_fixtures import enqueue, make_samples, trainer_args
 
 pytestmark = pytest.mark.slow
 
@@ -170,7 +170,7 @@ def test_return_fires_once_and_only_where_an_operation_is_guarded(monkeypatch: p
 
 
 def test_when_every_service_fails_the_probe_the_trainer_publishes_again_then_stops_the_run(
-        db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+        db_uri: str, tiny_model_dir: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """The only service (an SGLang stand-in: no model, fixed logprobs) never serves the trainer's policy: no sampler
     may use it, so no sample would ever come. The trainer publishes once more, then stops with a clear error
     instead of waiting for samples forever."""
@@ -178,11 +178,12 @@ def test_when_every_service_fails_the_probe_the_trainer_publishes_again_then_sto
 
     with StandInProcess(reply_ids=[5, 6, 2]) as standin:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=4), services=[standin.url]))
-        result = run_trainer(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4",
-                                          "--max_steps", "4", "--save_steps", "0", "--max_staleness", "none"))
+        with caplog.at_level(logging.INFO, logger="agentrl"):
+            code = main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4",
+                                     "--max_steps", "4", "--save_steps", "0", "--max_staleness", "none"))
         loads = standin.requests("/update_weights_from_disk")
-    assert result.returncode != 0, result.stdout
-    assert "publishing the trainer's weights again" in result.stdout
+    assert code != 0, caplog.text
+    assert "publishing the trainer's weights again" in caplog.text
     assert "every inference service failed the policy probe after weights version 2, published 2 times" \
-        in result.stdout and "stopping the run" in result.stdout, result.stdout
+        in caplog.text and "stopping the run" in caplog.text, caplog.text
     assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]
