@@ -68,9 +68,9 @@ def test_minirl_example_runs_to_its_summary_and_stops_what_it_started(minirl_exa
 
 
 def test_eval_example_evaluates_and_reuses_its_stored_result(tmp_path: Path, scripted_model_dir: Path) -> None:
-    """`eval_example.sh` (`agentrl run --mode eval`) on its embedded path: engine, tools, one `agentrl eval` shown
-    on the terminal and in logs/eval.log; run again under the same name it reuses the stored result, and FORCE=1
-    recomputes it. Each time the database and engine it started are stopped."""
+    """`eval_example.sh` (`agentrl run --mode eval`) on its embedded path: tools and one `agentrl eval` (which starts
+    its engine) shown on the terminal and in logs/eval.log; run again under the same name it reuses the stored
+    result without starting an engine, and FORCE=1 recomputes it. Each time the database it started is stopped."""
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text(json.dumps({"id": "add", "question": "What is 12 + 30?", "answer": "42"}) + "\n"
                      + json.dumps({"id": "mul", "question": "What is 7 * 8?", "answer": "56"}) + "\n")
@@ -91,3 +91,5 @@ def test_eval_example_evaluates_and_reuses_its_stored_result(tmp_path: Path, scr
         assert "accuracy" in (run_dir / "logs" / "eval.log").read_text()  # the output, also in the log
     assert "reusing the stored result" not in outputs[0]
     assert "reusing the stored result" in outputs[1] and "reusing the stored result" not in outputs[2]
+    # an engine only where something is sampled: the reuse starts none
+    assert ["serving at" in output for output in outputs] == [True, False, True], outputs

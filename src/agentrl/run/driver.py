@@ -46,13 +46,16 @@ def train(run: RunState) -> None:
 
 
 def evaluate(run: RunState) -> None:
-    """--mode eval: `agentrl eval` of the model on the tasks, through the run's database, inference and tools."""
+    """--mode eval: `agentrl eval` of the model on the tasks, through the run's database and tools; on
+    ``--sglang_urls``, else on the engine `agentrl eval` starts itself once it knows it has something to sample (a
+    stored result is reused without one)."""
     stages.use_database(run)
     if run.config.env:
         stages.use_env(run)
     else:
         stages.use_tools(run)
-    stages.use_inference(run, run.config.model)
+    if run.config.sglang_urls:
+        stages.use_inference(run, run.config.model)
     stages.evaluate(run, run.eval_tasks or run.config.eval_tasks)
 
 

@@ -404,10 +404,14 @@ def summary(run: RunState) -> None:
 
 
 def evaluate(run: RunState, tasks: Path) -> None:
-    """--mode eval: one `agentrl eval` of ``--model`` on ``tasks``, its output shown and in ``logs/eval.log``."""
+    """--mode eval: one `agentrl eval` of ``--model`` on ``tasks`` (on the run's services, else on an engine of its
+    own with the engine section's flags), its output shown and in ``logs/eval.log``."""
     config = run.config
+    engine = engine_flags(config)
+    served = ({"inference_urls": comma_list(run.inference_urls)} if run.inference_urls
+              else {"engine_args": engine} if engine else {})
     flags = config.flags("eval", db_connection_string=run.database_uri(), **model_flag(config.model),
-                         inference_urls=comma_list(run.inference_urls), **run.tools, tasks=str(tasks),
+                         **served, **run.tools, tasks=str(tasks),
                          **({"scorer": config.scorer} if config.scorer is not None else {}), name=run.name,
                          **({"limit": config.num_eval_tasks} if config.num_eval_tasks else {}))
     done = run.processes.call_showing("eval", [*AGENTRL, "eval", *to_argv(EvalConfig, flags), "--output",
