@@ -8,7 +8,7 @@ an expression that Python's ``ast`` parses, and the tree is turned into sympy ob
 model output is ever evaluated as code (sympy's own string parser uses ``eval``).
 
 Two plain numeric literals (``42``, ``-0.5``, ``1e3``: most answers) are compared as exact fractions with the same
-values and rules sympy would give them, without sympy: it is imported at the first answer that needs it (~0.4 CPU-s
+values and rules sympy would give them, without sympy: it is imported at the first answer that needs it (~0.3 CPU-s
 a sampler or evaluation process does not spend when its answers are numbers).
 """
 
