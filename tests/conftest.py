@@ -9,6 +9,7 @@ as a real MongoDB. Each test gets its own database name, so tests never see each
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import socket
@@ -20,6 +21,7 @@ import pytest
 from pymongo import MongoClient
 from pymongo.uri_parser import parse_uri
 
+from agentrl.log import StderrHandler
 from agentrl.store.embedded import EmbeddedServer
 
 try:
@@ -32,6 +34,17 @@ pytest_plugins = ["inference_fixtures", "rollout_fixtures", "env_fixtures", "sec
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+@pytest.fixture(autouse=True)
+def _no_log_handler_left_behind() -> Iterator[None]:
+    """A run started in the test's process (``agentrl.train.main``, the CLI's ``main``) sets up the root logger's
+    stderr handler (``agentrl.log.setup_logging``); it goes with the test, so that a record a background thread
+    writes later is not printed outside any test, and the next in-process run sets up its own."""
+    yield
+    root = logging.getLogger()
+    for handler in [h for h in root.handlers if isinstance(h, StderrHandler)]:
+        root.removeHandler(handler)
 
 
 def free_port() -> int:
