@@ -77,7 +77,7 @@ def test_a_crash_at_each_trainer_failpoint_loses_and_repeats_nothing(point: str,
     "trainer.skip.after_abandon=exit",  # not reached: the control run of the same flags
 ])
 def test_without_checkpoints_a_crash_leaves_every_trained_sample_in_the_ledger_once(
-        point: str, db_uri: str, tiny_model_dir: Path, tmp_path: Path) -> None:
+        point: str, db_uri: str, tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """``--save_steps 0``: samples become trained once their step's Metric lists them; a killed trainer's successor
     starts fresh, marks the claims its ledger lists trained, returns the others and numbers its steps after the
     logged ones."""
@@ -85,8 +85,14 @@ def test_without_checkpoints_a_crash_leaves_every_trained_sample_in_the_ledger_o
     asyncio.run(enqueue(db_uri, samples))
     flags = trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", str(BATCH), "--max_steps",
                          str(STEPS), "--save_steps", "0", "--max_staleness", "none")
-    if point.startswith("trainer.skip"):  # the control: never reached, so the run needs no process of its own
-        assert main(flags) == 0
+    if point.startswith("trainer.skip"):  # the control, armed but never reached: in-process, raising if it were
+        monkeypatch.setenv(ENV, point.removesuffix("=exit"))
+        reset()
+        try:
+            assert main(flags) == 0
+        finally:
+            monkeypatch.delenv(ENV)
+            reset()
     else:
         first = run_trainer(flags, env={ENV: point})
         assert first.returncode == EXIT_CODE, first.stdout
