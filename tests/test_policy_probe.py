@@ -26,7 +26,7 @@ from agentrl.store import InferenceService, Store, database_name, sync_client
 from agentrl.store.summary import run_summary
 from agentrl.train import main
 from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, trainer_args
+from trainer_fixtures import enqueue, make_samples, train_here, trainer_args
 
 pytestmark = pytest.mark.slow
 
@@ -178,12 +178,11 @@ def test_when_every_service_fails_the_probe_the_trainer_publishes_again_then_sto
 
     with StandInProcess(reply_ids=[5, 6, 2]) as standin:
         asyncio.run(enqueue(db_uri, make_samples(tiny_model_dir, groups=4), services=[standin.url]))
-        with caplog.at_level(logging.INFO, logger="agentrl"):
-            code = main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4",
-                                     "--max_steps", "4", "--save_steps", "0", "--max_staleness", "none"))
+        code, log = train_here(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", "--train_batch_size", "4",
+                                            "--max_steps", "4", "--save_steps", "0", "--max_staleness", "none"), caplog)
         loads = standin.requests("/update_weights_from_disk")
-    assert code != 0, caplog.text
-    assert "publishing the trainer's weights again" in caplog.text
+    assert code != 0, log
+    assert "publishing the trainer's weights again" in log
     assert "every inference service failed the policy probe after weights version 2, published 2 times" \
-        in caplog.text and "stopping the run" in caplog.text, caplog.text
+        in log and "stopping the run" in log, log
     assert [r["body"]["weight_version"] for r in loads] == ["1", "2"]

@@ -121,7 +121,8 @@ def test_math_scorer_reference_forms() -> None:
 
 NUMBERS = ["0", "-0", "0.0", "-0.0", "42", "+42", "-42", "42.0", "41.99999", "42.00001", "4200", "0.42", ".5", "5.",
            "1e3", "1000", "1E-3", "0.001", "3.141592653589793238", "3.141592653589793", "0.1", "0.30000000000000004",
-           "9" * 40, "9" * 39 + "8", "1" + "0" * 400, "1e400", "1e308", "007", "00", "1_000", "2.5e-320", "-2.5"]
+           "9" * 40, "9" * 39 + "8", "1" + "0" * 400, "1e400", "1e308", "007", "00", "1_000", "2.5e-320", "-2.5",
+           "(42)", "4.2e1", "1e-400", "--42", "nan", "inf", "oo", "42 or 43", "[42]", "42, 43", "42 == 42", "x"]
 
 
 @pytest.mark.parametrize("percent", [False, True])
@@ -144,6 +145,16 @@ def test_plain_numbers_compare_as_sympy_compares_them(percent: bool) -> None:
             checked += 1
     assert checked > 500
     assert plain_number("1e400") is None and plain_number("007") is None and plain_number("2*3") is None
+
+
+@pytest.mark.parametrize("answer", ["\\boxed{42 or 43}", "\\boxed{[42]}", "\\boxed{42 == 42}", "\\boxed{inf}",
+                                    "\\boxed{nan}", "\\boxed{1e400}", "\\boxed{4200}", "\\boxed{41.9}",
+                                    "\\boxed{42.01}", "\\boxed{" + "4" * 400 + "}", "\\boxed{42}\\boxed{43}"])
+def test_the_numeric_path_accepts_no_answer_that_is_not_the_number(answer: str) -> None:
+    """What a policy might try against a numeric reference: alternatives, containers, comparisons, infinities, the
+    reference ×100 without a percent sign, near misses beyond the tolerance, an over-long answer, a second box."""
+    assert math_score(answer, "42") == 0.0, answer
+    assert math_score("\\boxed{42}", "42") == 1.0 and math_score("\\boxed{4.2e1}", "42") == 1.0
 
 
 def test_numeric_answers_are_scored_without_importing_sympy() -> None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import sys
 from pathlib import Path
 
@@ -25,6 +24,7 @@ from trainer_fixtures import (
     max_weight_difference,
     run_trainer,
     sft_samples,
+    train_here,
     train_uninterrupted,
     trainer_args,
 )
@@ -214,11 +214,7 @@ def test_bad_lora_flags_are_refused(flags: tuple[str, ...], message: str, db_uri
                                     caplog: pytest.LogCaptureFixture) -> None:
     """Refused with the message and a non-zero exit code (``python -m agentrl.train`` exits with what ``main``
     returns; run here, in the test's process: an exception would escape and fail the test)."""
-    with caplog.at_level(logging.INFO, logger="agentrl"):
-        try:
-            code = main(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", *FLAGS, *flags))
-        except SystemExit as exit_:  # a flag error: argparse exits with 2
-            code = exit_.code
-    output = capsys.readouterr().err + caplog.text
-    assert code not in (0, None) and message in output, output
+    code, log = train_here(trainer_args(db_uri, tiny_model_dir, tmp_path / "out", *FLAGS, *flags), caplog)
+    output = capsys.readouterr().err + log
+    assert code != 0 and message in output, output
     assert "Traceback" not in output, output

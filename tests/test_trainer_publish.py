@@ -21,7 +21,7 @@ from agentrl.inference.process import EngineStartError
 from agentrl.store import Store, sync_client
 from agentrl.train import main
 from inference_fixtures import start_engine
-from trainer_fixtures import enqueue, make_samples, run_trainer, trainer_args
+from trainer_fixtures import enqueue, make_samples, run_trainer, train_here, trainer_args
 
 pytestmark = pytest.mark.slow(start_rank=5)
 
@@ -178,9 +178,8 @@ def test_an_adapter_publish_that_crashed_before_its_bump_is_published_again(
                              "all-linear", "--lora_publish", "adapter", "--publish_retries", "0")
         crashed = run_trainer(flags, env={ENV: "publish.before_bump=exit@2"})
         assert crashed.returncode == EXIT_CODE, crashed.stdout
-        with caplog.at_level(logging.INFO, logger="agentrl"):  # resumed in this process (only the crash needs one)
-            assert main([*flags, "--resume_from_checkpoint", "latest"]) == 0
-        assert "resumed from" in caplog.text and "did not load them" not in caplog.text, caplog.text
+        code, log = train_here([*flags, "--resume_from_checkpoint", "latest"], caplog)
+        assert code == 0 and "resumed from" in log and "did not load them" not in log, log
         client = sync_client(db_uri)
         try:
             run = client.get_default_database().Run.find_one()
@@ -375,10 +374,9 @@ def test_a_crash_while_replacing_published_weights_is_recovered(db_uri: str, tin
         assert crashed.returncode == EXIT_CODE, crashed.stdout
         assert sorted(p.name for p in weights.iterdir()) == [".2.old", "1", "2"]
 
-        with caplog.at_level(logging.INFO, logger="agentrl"):  # in this process: only the crashes need their own
-            assert main(resume) == 0
-        assert "resumed from" in caplog.text, caplog.text  # the log is captured: the next line can fail
-        assert "did not load them" not in caplog.text and "policy probe" not in caplog.text, caplog.text
+        code, log = train_here(resume, caplog)
+        assert code == 0 and "resumed from" in log, log  # the log is captured: the next line can fail
+        assert "did not load them" not in log and "policy probe" not in log, log
         client = sync_client(db_uri)
         try:
             run = client.get_default_database().Run.find_one()

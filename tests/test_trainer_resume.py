@@ -5,7 +5,6 @@ in the test's process."""
 from __future__ import annotations
 
 import asyncio
-import logging
 import signal
 import time
 from collections import Counter
@@ -14,13 +13,13 @@ from pathlib import Path
 import pytest
 
 from agentrl.store import sync_client
-from agentrl.train import main
 from trainer_fixtures import (
     enqueue,
     load_weights,
     make_samples,
     max_weight_difference,
     start_trainer,
+    train_here,
     train_uninterrupted,
     trainer_args,
 )
@@ -69,9 +68,9 @@ def test_sigkill_then_resume_trains_every_sample_exactly_once(db_uri: str, mongo
         at_kill = Counter(doc["status"] for doc in db.DBRecordData.find())
         assert at_kill["queued"] > 0, f"the run had nearly finished when killed: {at_kill}"
 
-        with caplog.at_level(logging.INFO, logger="agentrl.training"):
-            assert main(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest")) == 0
-        assert "resumed from" in caplog.text, caplog.text
+        code, log = train_here(trainer_args(db_uri, tiny_model_dir, out, *flags, "--resume_from_checkpoint", "latest"),
+                               caplog)
+        assert code == 0 and "resumed from" in log, log
 
         docs = list(db.DBRecordData.find())
         assert len(docs) == len(samples) and {d["status"] for d in docs} == {"trained"}, at_kill
@@ -102,8 +101,7 @@ def test_a_resume_removes_the_lost_steps_from_the_ledger(db_uri: str, tiny_model
     out = tmp_path / "out"
     flags = ("--train_batch_size", "2", "--save_steps", "2", "--enable_sampling", "false")
     _kill_after_step(start_trainer(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "8")), db_uri, 3)
-    with caplog.at_level(logging.INFO, logger="agentrl.training"):
-        assert main(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "2",
-                                 "--resume_from_checkpoint", "latest")) == 0
-    assert "their Metric documents are removed from the ledger" in caplog.text, caplog.text
+    code, log = train_here(trainer_args(db_uri, tiny_model_dir, out, *flags, "--max_steps", "2",
+                                        "--resume_from_checkpoint", "latest"), caplog)
+    assert code == 0 and "their Metric documents are removed from the ledger" in log, log
     assert sorted(_trained_steps(db_uri)) == [1, 2]

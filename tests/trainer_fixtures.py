@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
 import random
 import subprocess
@@ -19,6 +20,7 @@ import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
+import pytest
 import torch
 
 from agentrl.store import DBRecordData, Store, sync_client, with_database
@@ -128,6 +130,21 @@ def run_trainer(args: Sequence[str], *, launcher: Sequence[str] = (), timeout_s:
         output, _ = process.communicate()
         raise AssertionError(f"the trainer did not finish in {timeout_s}s:\n{output}") from None
     return subprocess.CompletedProcess(process.args, process.returncode, output, "")
+
+
+def train_here(args: Sequence[str], caplog: pytest.LogCaptureFixture) -> tuple[int, str]:
+    """``agentrl.train.main(args)`` in this process — a resumed, control or reference run: only a crash, a signal or
+    a launcher needs a process of its own, and a trainer process spends ~4 CPU-seconds importing — with the
+    ``agentrl`` log captured: ``(exit code, log)``. A flag error's ``SystemExit`` gives its code (argparse's message
+    is on stderr: ``capsys``)."""
+    from agentrl.train import main
+
+    with caplog.at_level(logging.INFO, logger="agentrl"):
+        try:
+            code = main(list(args))
+        except SystemExit as exit_:
+            code = exit_.code
+    return int(code or 0), caplog.text
 
 
 def train_uninterrupted(mongo_server_uri: str, samples: Sequence[DBRecordData], model_dir: Path, output_dir: Path,
