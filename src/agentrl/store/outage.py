@@ -12,7 +12,8 @@ How an outage reaches our code, and what handles it:
   the same answer) are decorated with :func:`retry_on_reconnect`; the others (claims, counters) are left to their
   callers, whose protocol recovers an unknown outcome (an orphaned claim is an expiring lease).
 - ``OutageLog`` (a PyMongo heartbeat listener) logs one line when the server becomes unreachable, one every
-  ``LOG_EVERY_S`` while it stays so, and one when it is back, so an operator sees why a process stalls.
+  ``LOG_EVERY_S`` while it stays so, and one when it is back, so an operator sees why a process stalls; when it is
+  back it also calls ``on_back`` (the ``Store`` measures the server's clock again: ``agentrl.store.clock``).
 """
 
 from __future__ import annotations
@@ -85,8 +86,9 @@ class OutageLog(monitoring.ServerHeartbeatListener):
     server heartbeats. (A heartbeat listener only: a ``ServerListener`` makes PyMongo re-open topologies in a forked
     child, which prints errors when an MCP server is spawned with a ``preexec_fn``.)"""
 
-    def __init__(self, tolerance_s: float):
+    def __init__(self, tolerance_s: float, on_back: Callable[[], None] | None = None):
         self.tolerance_s = tolerance_s
+        self.on_back = on_back
         self.down_since: float | None = None
         self._last_line = 0.0
 
@@ -98,6 +100,8 @@ class OutageLog(monitoring.ServerHeartbeatListener):
             logger.warning("database %s:%s reachable again after %.1f s", *event.connection_id,
                            time.monotonic() - self.down_since)
             self.down_since = None
+            if self.on_back is not None:
+                self.on_back()
 
     def failed(self, event: monitoring.ServerHeartbeatFailedEvent) -> None:
         now = time.monotonic()

@@ -52,7 +52,7 @@ class Store:
         if client is None:
             tolerance_s = outage_tolerance_s()
             client_kwargs.setdefault("serverSelectionTimeoutMS", int(tolerance_s * 1000))
-            client_kwargs.setdefault("event_listeners", [OutageLog(tolerance_s)])
+            client_kwargs.setdefault("event_listeners", [OutageLog(tolerance_s, on_back=self._database_back)])
             client_kwargs["event_listeners"] = [*client_kwargs["event_listeners"], self.commands]
             client = AsyncMongoClient(uri, tz_aware=True, **client_kwargs)
         self.client: AsyncMongoClient = client
@@ -65,6 +65,10 @@ class Store:
         self.services = ServiceRegistry(self.db, clock=self.clock)
         self.runs = Runs(self.db)
         self.evals = Evals(self.db)
+
+    def _database_back(self) -> None:
+        """The outage log's word that the database is reachable again: its clock is measured again."""
+        self.clock.remeasure()
 
     async def connect(self) -> None:
         """Check that the database answers (measuring its clock) and create the indexes, waiting for it up to
@@ -84,6 +88,7 @@ class Store:
         await ensure_indexes(self.db)
 
     async def close(self) -> None:
+        await self.clock.close()
         if self._owns_client:
             await self.client.close()
 
