@@ -21,6 +21,7 @@ is retried after ``RETRY_S``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -142,8 +143,6 @@ class ServerClock:
         """Stop a background measurement (before the client closes)."""
         if self._background is not None and not self._background.done():
             self._background.cancel()
-            try:
+            with contextlib.suppress(asyncio.CancelledError, PyMongoError):
                 await self._background
-            except (asyncio.CancelledError, PyMongoError):
-                pass
         self._background = None
