@@ -30,7 +30,8 @@ except ImportError:  # older pytest reads item._nodeid, which xdist sets itself
     NodeId = None
 
 # shared session fixtures (tiny models, engines, the SecantusDB server)
-pytest_plugins = ["inference_fixtures", "rollout_fixtures", "env_fixtures", "secantus_fixtures", "example_fixtures"]
+pytest_plugins = ["inference_fixtures", "rollout_fixtures", "env_fixtures", "secantus_fixtures", "example_fixtures",
+                  "emulated_kernels"]
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -9,8 +9,10 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM
 
+from agentrl.inference import packed_linear
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
-from agentrl.inference.packed_linear import PackedLinear, pack_linears, packing_supported
+from agentrl.inference.packed_linear import ROW_BLOCK, PackedLinear, RowLayout, pack_linears, packing_supported
+from emulated_kernels import count_kernel, position_kernel, single_row_kernel
 
 torch.set_num_threads(1)
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2, 198]
@@ -101,3 +103,63 @@ def test_a_row_gets_the_same_bits_alone_or_among_others(in_features: int, out_fe
             alone = torch.cat([layer(rows[i:i + count]) for i in range(0, 12 - count + 1, count)])
             assert torch.equal(alone, together[:alone.shape[0]]), count
         assert torch.equal(layer(rows[None, :1]), together[None, :1])  # [batch, tokens, features] as the model calls
+
+
+@pytest.mark.parametrize("bf16_matmuls", [False, True])
+@pytest.mark.parametrize(("kernel", "expected"), [
+    (lambda real: count_kernel(16, real), RowLayout(block_rows=ROW_BLOCK)),  # AMX-like: by the row count
+    (single_row_kernel, RowLayout(pad_single_row=True)),
+    (position_kernel, RowLayout(block_rows=ROW_BLOCK, exact=False)),
+])
+def test_the_probe_finds_a_layout_under_which_kernels_that_depend_on_the_rows_agree(
+        kernel, expected: RowLayout, bf16_matmuls: bool, emulate_matmul) -> None:
+    # Kernels emulated (tests/emulated_kernels.py): this machine's do not depend on the row count, a Xeon's with AMX
+    # do. Before, only a single row was probed, so a count-dependent kernel went unnoticed and a prompt's last token
+    # computed alone (after cached pages) got other bits than among the prompt's other tokens.
+    if bf16_matmuls and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        pytest.skip("this CPU has no bf16 matrix instructions")
+    emulate_matmul(kernel)
+    torch.manual_seed(0)
+    layer = nn.Sequential(nn.Linear(256, 384))
+    pack_linears(layer, bf16_matmuls=bf16_matmuls)
+    assert layer[0].row_layout == expected
+    rows = torch.randn(70, 256)
+    with torch.no_grad():
+        together = layer(rows)
+        same = [torch.equal(layer(rows[start:start + count]), together[start:start + count])
+                for count in (1, 2, 5, 16, 33, 40) for start in (0, 1, 17, 30)]
+    assert all(same) is expected.exact
+
+
+def test_every_row_count_agrees_on_this_cpu_as_probed(tiny_model_dir: Path) -> None:
+    """On the real kernels of this machine: whatever layout the probe chose, every count agrees at every offset."""
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    pack_linears(model, bf16_matmuls=torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    layers = {(m.in_features, m.out_features, m.matmul_dtype): m for m in model.modules()
+              if isinstance(m, PackedLinear)}
+    assert all(m.row_layout.exact for m in layers.values())
+    for layer in layers.values():
+        rows = torch.randn(80, layer.in_features)
+        with torch.no_grad():
+            together = layer(rows)
+            for count in (1, 2, 3, 7, 16, 31, 33, 64):
+                for start in (0, 3, 16):
+                    assert torch.equal(layer(rows[start:start + count]), together[start:start + count]), (
+                        layer.in_features, layer.out_features, count, start, layer.row_layout)
+
+
+def test_blocks_multiply_every_call_with_the_same_number_of_rows(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+    real = packed_linear.packed_matmul
+    monkeypatch.setattr(packed_linear, "packed_matmul",
+                        lambda rows, packed, bias: calls.append(rows.shape[0]) or real(rows, packed, bias))
+    layer = nn.Sequential(nn.Linear(64, 48))
+    pack_linears(layer)
+    layer[0].row_layout = RowLayout(block_rows=ROW_BLOCK)
+    rows = torch.randn(1, 70, 64)
+    with torch.no_grad():
+        calls.clear()
+        out = layer(rows)
+        assert calls == [ROW_BLOCK] * 3 and out.shape == (1, 70, 48)
+        calls.clear()
+        assert torch.equal(layer(rows[:, 40:41]), out[:, 40:41]) and calls == [ROW_BLOCK]

@@ -17,6 +17,7 @@ from agentrl.inference import paged_attention
 from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
 from agentrl.inference.consistency import logprob_mismatch
 from agentrl.inference.paged_attention import supports
+from emulated_kernels import count_kernel, long_query_sdpa
 
 torch.set_num_threads(1)
 GREEDY = RequestSampling(top_k=1)
@@ -72,7 +73,7 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
     # bucket (CUDA's setting, here on the CPU) the decode group's keys are padded to its multiples, masked.
     monkeypatch.setattr(paged_attention, "DECODE_KEY_BUCKET", {"cpu": bucket})
     padded = bucket == 1
-    monkeypatch.setattr(paged_attention, "PREFILL_QUERY_MULTIPLE", {"cpu": 32} if padded else {})
+    monkeypatch.setattr(paged_attention, "PREFILL_QUERY_BLOCK", {"cpu": 32} if padded else {})
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32, attn_implementation="sdpa")
     batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048, max_batch_tokens=16,
                                                       max_running_requests=8, page_size=16))
@@ -94,7 +95,7 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
     cached = [c for c in prefill if c["mask"]]
     assert len({c["key"][2] for c in cached}) >= 3 and 57 in {c["key"][2] for c in cached}
     if padded:  # explicit masks and whole blocks of queries: the same kernels cached or not
-        assert cached == prefill and all(c["query"][2] % 32 == 0 for c in prefill)
+        assert cached == prefill and all(c["query"][2] == 32 for c in prefill)
         assert not any(c["is_causal"] for c in engine_calls)
     else:  # prompts with nothing cached keep the causal flag (CUDA's flash kernel)
         assert any(c["is_causal"] for c in engine_calls) and any(c["query"][2] % 32 for c in prefill)
@@ -103,13 +104,21 @@ async def test_mixed_steps_match_a_full_forward_pass(tiny_model_dir: Path, sdpa_
     assert bucket > 1 or any(c["key"][2] % 16 for c in decode)  # unpadded, the lengths are not all multiples
 
 
+@pytest.mark.parametrize("kernels", ["this CPU's", "by row count (emulated)"])
 @pytest.mark.parametrize("bf16_matmuls", [False, True])
 async def test_a_prompt_from_the_prefix_cache_gets_the_bits_it_gets_computed_whole(
-        tiny_model_dir: Path, bf16_matmuls: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+        tiny_model_dir: Path, bf16_matmuls: bool, kernels: str, monkeypatch: pytest.MonkeyPatch,
+        emulate_matmul) -> None:
     # Before: a prompt whose last 1-3 tokens followed cached pages took other kernels (its last token even joined
     # the decode group), and the embedded model's second identical greedy request differed from its 7th token.
+    # Then on a Xeon with AMX, whose kernels depend on the row count (here emulated, tests/emulated_kernels.py:
+    # matmuls of fewer than 16 rows and SDPA calls of 64 query rows or more one float step off), the same
+    # request differed again: the packed layers took a prompt's rows in one call, SDPA its queries in one call.
     if bf16_matmuls and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
         pytest.skip("this CPU has no bf16 matrix instructions")
+    if kernels != "this CPU's":
+        emulate_matmul(lambda real: count_kernel(16, real))
+        long_query_sdpa(64, monkeypatch)
     cached: list[bool] = []  # per prefill, whether its first keys came from the prefix cache
     from_batch = paged_attention.StepLayout.from_batch.__func__
 
@@ -124,7 +133,7 @@ async def test_a_prompt_from_the_prefix_cache_gets_the_bits_it_gets_computed_who
                                                       bf16_matmuls=bf16_matmuls))
     batcher.start()
     try:
-        for length in (17, 18, 19, 20, 35, 47):  # 1, 2, 3, 4, 3 and 15 tokens after whole cached pages
+        for length in (17, 18, 19, 20, 35, 47, 200):  # 1, 2, 3, 4, 3, 15 and 8 tokens after whole cached pages
             ids = prompt(length, length)
             runs = []
             for fresh in (True, False, True):

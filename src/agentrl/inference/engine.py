@@ -39,6 +39,7 @@ from agentrl.inference.batching import (
     GenerationAborted,
 )
 from agentrl.inference.engine_config import EngineConfig
+from agentrl.inference.packed_linear import ROW_BLOCK, row_layouts
 from agentrl.inference.protocol import (
     BadRequest,
     ChatCompletionRequest,
@@ -86,6 +87,17 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     from agentrl.precision import resolve_dtype as resolve
 
     return torch.float32 if dtype == "auto" and device.type != "cuda" else resolve(dtype, device)
+
+
+def row_layout_note(model: torch.nn.Module) -> str:
+    """What the start-up line says of the packed layers' row layouts (nothing when every layer takes its rows as they
+    come): the cost of answers that do not depend on the prefix cache on this CPU, or that they do."""
+    layouts = row_layouts(model)
+    if any(not layout.exact for layout in layouts):
+        return ", NOT cache-invariant (this CPU's kernels give a row other bits beside other rows)"
+    if any(layout.block_rows for layout in layouts):
+        return f", rows in blocks of {ROW_BLOCK} (this CPU's kernels depend on the row count)"
+    return ""
 
 
 def bf16_matmuls(dtype: str, device: torch.device) -> bool:
@@ -142,7 +154,7 @@ class InferenceEngine:
             decode_graph_max_requests=config.cuda_graph_max_bs), version=config.weight_version)
         graphs = self.batcher.graphs
         self.precision = str(self.dtype).removeprefix("torch.") + (
-            ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "") + (
+            ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "") + row_layout_note(self.model) + (
             f", CUDA graphs up to {graphs.sizes[-1]} requests" if graphs is not None and graphs.capture
             else ", eager decode")
         self.gate = AdmissionGate()

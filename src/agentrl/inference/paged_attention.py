@@ -26,9 +26,10 @@ its call: otherwise a prompt served from the prefix cache (its last few tokens c
 than the same prompt computed whole, and in ``bf16_matmuls`` mode such float-rounding differences grow through the
 layers into a different greedy token (measured: the second identical "Say hello." request differed from the first
 from its 7th token). CPU SDPA computes query rows in blocks and takes another GEMM kernel for a block of fewer than
-4 rows (or a call of 1 or 3), so on the CPU each prefill's queries are padded to a multiple of 32 rows
-(:data:`PREFILL_QUERY_MULTIPLE`; repeats of its last row, dropped after) and always given an explicit mask: a row's
-output is then the same bits for any split of the prompt (``tests/test_inference_paged_attention.py``).
+4 rows (or a call of 1 or 3) and blocks of 64 or 256 rows for long calls, so on the CPU each prefill's queries are
+padded to a multiple of 32 rows (repeats of its last row, dropped after) and attend in calls of exactly 32
+(:data:`PREFILL_QUERY_BLOCK`), always with an explicit mask: a row's output is then the same bits for any split of
+the prompt (``tests/test_inference_paged_attention.py``).
 
 Outside such a step (e.g. the engine's prompt-logprob pass) it is exactly transformers' ``sdpa``, masks included.
 """
@@ -53,9 +54,10 @@ PAGED_ATTENTION = "agentrl_paged_sdpa"
 
 _FULL_ATTENTION = "full_attention"
 
-PREFILL_QUERY_MULTIPLE = {"cpu": 32}
-"""Per device type, the multiple a prefill's query rows are padded to, always with an explicit mask (see the module
-doc): every block CPU SDPA splits them into (32, 64 or 256 rows) is then full-sized. Where absent (CUDA) a prefill
+PREFILL_QUERY_BLOCK = {"cpu": 32}
+"""Per device type, the query rows of each SDPA call of a prefill: its queries are padded to a multiple of it and
+attend in calls of exactly that many rows, always with an explicit mask (see the module doc), so CPU SDPA, whose
+query blocks are 32, 64 or 256 rows by the call's length, splits every prompt alike. Where absent (CUDA) a prefill
 with nothing cached keeps ``is_causal``, whose flash kernel an explicit mask would rule out."""
 
 DECODE_KEY_BUCKET = {"cuda": 64}
@@ -145,8 +147,14 @@ class StepLayout:
             else:
                 k = k_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
                 v = v_cache.index_select(0, prefill.slots).transpose(0, 1).unsqueeze(0)
-            attended = torch.nn.functional.scaled_dot_product_attention(
-                q, k, v, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scaling, enable_gqa=True)
+            if prefill.queries is None:
+                attended = torch.nn.functional.scaled_dot_product_attention(
+                    q, k, v, attn_mask=prefill.mask, is_causal=prefill.mask is None, scale=scaling, enable_gqa=True)
+            else:  # calls of exactly PREFILL_QUERY_BLOCK rows: the same kernel blocks for any length of prompt
+                block = PREFILL_QUERY_BLOCK[q.device.type]
+                attended = torch.cat([torch.nn.functional.scaled_dot_product_attention(
+                    q[:, :, start:start + block], k, v, attn_mask=prefill.mask[:, :, start:start + block],
+                    scale=scaling, enable_gqa=True) for start in range(0, q.shape[2], block)], dim=2)
             out[prefill.rows] = attended[0, :, :prefill.rows.stop - prefill.rows.start].transpose(0, 1)
         return out.unsqueeze(0)
 
@@ -178,9 +186,9 @@ class DecodeLayout:
 
 def _prefill(rows: slice, past: int, slots: torch.Tensor | None, device: torch.device) -> _Prefill:
     """A request computing the tokens ``rows`` after ``past`` cached ones: its queries padded and masked where the
-    device needs it (:data:`PREFILL_QUERY_MULTIPLE`), else masked only when keys precede them."""
+    device needs it (:data:`PREFILL_QUERY_BLOCK`), else masked only when keys precede them."""
     new = rows.stop - rows.start
-    multiple = PREFILL_QUERY_MULTIPLE.get(device.type)
+    multiple = PREFILL_QUERY_BLOCK.get(device.type)
     queries = None if multiple is None else torch.arange(-(-new // multiple) * multiple, device=device).clamp(
         max=new - 1)
     if queries is None and past == 0:
