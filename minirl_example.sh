@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # MINIRL on the built-in calculator task: ./minirl_example.sh [RUN_NAME]
 #
-# With nothing configured it runs on this machine alone, in about 8½ minutes on 2 CPU cores with the install: the
+# With nothing configured it runs on this machine alone, in about 10 minutes on 2 CPU cores with the install: the
 # embedded database, the built-in calculator MCP server and task sets, `agentrl engine` serving the embedded
 # SmolLM2-135M-Instruct, one sampler and the trainer. The run: held-out evaluation of the starting model, a warm-up
 # (SFT on tool-use demonstrations made with the real calculator), held-out evaluation of the warmed model, MINIRL
@@ -16,17 +16,17 @@
 #   MCP_CONFIG         MCP servers file (default: the built-in calculator over stdio; none: no tools)
 #   ENV, ENV_SERVER    textcraft | babyai | sciworld: train on that AgentGym environment instead (MAX_TURNS 12,
 #                      TEMPERATURE 1.0, the environment's reward, WARMUP 64 oracle demonstrations for 2 epochs)
-#   TASKS, NUM_TASKS, ROUNDS   RL task file (assets/tasks/arith_tools.jsonl), its first N tasks (48), and the
-#                      rounds each is sampled in (3; the curriculum mostly skips tasks always or never solved)
+#   TASKS, NUM_TASKS, ROUNDS   RL task file (assets/tasks/arith_tools.jsonl), its first N tasks (200), and the
+#                      rounds each is sampled in (1; from the second the curriculum skips tasks always or never solved)
 #   SCORER             scorer of every RL task (math; math_format without a warm-up; empty: the tasks' own)
 #   EVAL_TASKS, NUM_EVAL_TASKS   held-out tasks (assets/tasks/arith_heldout.jsonl), the first N scored greedily
-#                      before and after training (32; 0: no evaluation)
-#   WARMUP             demonstrations to fine-tune on before RL (24 with the embedded model, 0 with MODEL);
+#                      before and after training (64; 0: no evaluation)
+#   WARMUP             demonstrations to fine-tune on before RL (32 with the embedded model, 0 with MODEL);
 #                      WARMUP_TASKS, WARMUP_EPOCHS (1), WARMUP_LEARNING_RATE (1e-4; 3e-3 with LORA_R), WARMUP_THREADS
 #   ENGINE_THREADS (one less than the CPUs), ENGINE_STARTUP_S (600), NUM_GENERATIONS (4), NUM_SAMPLERS (1),
 #   SAMPLES_PER_SAMPLER (16), MAX_TURNS (2), MAX_NEW_TOKENS (48), TEMPERATURE (0.7), QUERY_PROMPT, SAVE_STEPS (8),
-#   SAVE_TOTAL_LIMIT (1), TRAIN_STEPS (32), TRAIN_TIME_S, TRAIN_BATCH_SIZE (4), LEARNING_RATE (2e-6; 5e-5 with
-#   LORA_R), MAX_STALENESS (2), SYNC_EVERY (2: publish every 2 steps), TRAINER_THREADS
+#   SAVE_TOTAL_LIMIT (1), TRAIN_STEPS (100), TRAIN_TIME_S (330: RL is bounded by time), TRAIN_BATCH_SIZE (4),
+#   LEARNING_RATE (2e-6; 5e-5 with LORA_R), MAX_STALENESS (2), SYNC_EVERY (2: publish every 2 steps), TRAINER_THREADS
 #   LORA_R, LORA_PUBLISH   LoRA rank (0: full fine-tuning) and what RL publishes: merged (default) or adapter
 #   ACCELERATE_CONFIG  e.g. assets/accelerate/fsdp2.yml: launch the trainer with `accelerate launch` (GPUs)
 #   NPROC              trainer processes with torchrun on CPU (gloo), when ACCELERATE_CONFIG is not set (1)
