@@ -2,8 +2,9 @@
 
 Run by exactly one sampler per Task (the store's group-stage lease). For the ``train`` split, in order:
 
-1. zero-variance drop: a group whose rewards span less than ``zero_variance_threshold`` teaches nothing;
-2. samples without a verdict on the policy (``failed_error``, ``env_start_error``, ``env_error``) are dropped;
+1. samples without a verdict on the policy (``failed_error``, ``env_start_error``, ``env_error``) are dropped;
+2. zero-variance drop: a group whose verdict scores and shaped rewards (3.) span less than
+   ``zero_variance_threshold`` teaches nothing;
    with ``balance_sample`` at most ``min(#wrong, #right) + 1`` wrong and ``+ 2`` right samples are kept (shortest
    first); else right samples with at most ``min_turns`` turns are dropped (anti-shortcut) and at most
    ``reserve_context_error_count`` length/turns-limit samples are kept;
@@ -109,26 +110,30 @@ def efficiency_shifts(turns: list[float], prefer_short: bool, spread: float = 0.
     return [sign * (rank - mean) * spread / (n - 1) for rank in ranks]
 
 
-def zero_variance(records: list[Record], cfg: GroupConfig) -> bool:
-    """Whether a group's rewards span less than ``zero_variance_threshold`` (or fewer than two were scored): all
-    solved or all failed, it teaches nothing."""
-    scores = [r.score for r in records if r.score is not None]
-    return len(scores) < 2 or max(scores) - min(scores) < cfg.zero_variance_threshold
+def zero_variance(rewards: Sequence[float], cfg: GroupConfig) -> bool:
+    """Whether rewards span less than ``zero_variance_threshold`` (or fewer than two): all solved or all failed
+    alike, they teach nothing."""
+    return len(rewards) < 2 or max(rewards) - min(rewards) < cfg.zero_variance_threshold
+
+
+def with_verdict(records: list[Record]) -> list[Record]:
+    """The scored records that judge the policy: not those whose infrastructure failed (scored 0 without a say)."""
+    return [r for r in records if r.outcome not in NO_VERDICT_OUTCOMES]
 
 
 def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
-    """``(kept, dropped, rewards)`` for the scored records of one train group (ids → decision / reason / reward)."""
+    """``(kept, dropped, rewards)`` for the scored records of one train group (ids → decision / reason / reward).
+
+    The zero-variance gate drops a group only when neither its scores nor the rewards its advantages are computed
+    from (the kept members', after ``efficient_rewarding``'s shifts) vary: an all-solved group whose members took
+    different numbers of turns can teach. Samples without a verdict never count (before, three successes and an
+    ``env_error`` scored 0 passed the gate and trained with advantages 0)."""
     kept: dict[str, str] = {}
-    dropped: dict[str, str] = {}
-    if zero_variance(records, cfg):
-        return {}, {r.id: ZERO_VARIANCE_DECISION for r in records}, {}
+    dropped: dict[str, str] = {r.id: str(r.outcome) for r in records if r.outcome in NO_VERDICT_OUTCOMES}
+    candidates = with_verdict(records)
+    if not candidates:
+        return {}, dropped, {}
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
-    candidates = []
-    for record in records:
-        if record.outcome in NO_VERDICT_OUTCOMES:
-            dropped[record.id] = str(record.outcome)
-        else:
-            candidates.append(record)
     right = [r for r in candidates if r.score >= SUCCESS_SCORE]
     wrong = [r for r in candidates if r.score < SUCCESS_SCORE]
     if cfg.balance_sample:
@@ -157,6 +162,9 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
             members = [r for r in group if r.id in kept]
             for record, shift in zip(members, efficiency_shifts([r.num_turns for r in members], prefer_short)):
                 rewards[record.id] += shift
+    if zero_variance(list(rewards.values()), cfg) and zero_variance([r.score for r in candidates], cfg):
+        dropped.update({r.id: ZERO_VARIANCE_DECISION for r in candidates})
+        return {}, dropped, {}
     return kept, dropped, rewards
 
 
@@ -216,8 +224,8 @@ async def _schedule_next_round(store: Store, task: Task, scored: list[Record], c
     """Create the Task of the round its content is sampled in next, if any (``agentrl.rollout.curriculum``);
     returns what the closing Task records: its pass rate, next round, the rounds skipped until then and whether
     the group taught anything."""
-    solved = [r.score >= SUCCESS_SCORE for r in scored if r.score is not None]
-    taught = not zero_variance(scored, cfg)
+    solved = [r.score >= SUCCESS_SCORE for r in with_verdict(scored) if r.score is not None]
+    taught = not zero_variance([r.score for r in with_verdict(scored) if r.score is not None], cfg)
     following = next_round(curriculum, task.first_round_id or task.id, task.round, taught)
     if following is not None:
         await store.slots.add_task(round_task(task, following))

@@ -1,0 +1,48 @@
+"""The group stage's decisions (agentrl.rollout.group_stage.decide) on Records in memory: which samples train."""
+
+from __future__ import annotations
+
+from agentrl.rollout.config import GroupConfig
+from agentrl.rollout.group_stage import decide
+from agentrl.store import Record
+from agentrl.store.models import ZERO_VARIANCE_DECISION, utcnow
+
+
+def records(*members: tuple[str, float, int]) -> list[Record]:
+    """Scored Records of one Task: ``(outcome, score, turns)`` each."""
+    return [Record(id=f"t/{slot}/0", task_id="t", slot=slot, attempt=0, lease_id="l", lease_owner="s",
+                   lease_expires_at=utcnow(), outcome=outcome, score=score, num_turns=turns)
+            for slot, (outcome, score, turns) in enumerate(members)]
+
+
+def test_an_infrastructure_failure_does_not_make_a_solved_group_teach() -> None:
+    # Before: three successes and an env_error (scored 0) passed the zero-variance gate, the error was dropped and
+    # the successes trained with advantages [0, 0, 0]; the Task counted as taught.
+    group = records(("answer", 1.0, 2), ("answer", 1.0, 2), ("answer", 1.0, 3), ("env_error", 0.0, 1))
+    kept, dropped, rewards = decide(group, GroupConfig())
+    assert kept == {} and rewards == {}
+    assert dropped == {"t/0/0": ZERO_VARIANCE_DECISION, "t/1/0": ZERO_VARIANCE_DECISION,
+                       "t/2/0": ZERO_VARIANCE_DECISION, "t/3/0": "env_error"}
+
+
+def test_a_mixed_group_with_an_infrastructure_failure_keeps_the_others() -> None:
+    group = records(("answer", 1.0, 2), ("answer", 0.0, 2), ("failed_error", 0.0, 1))
+    kept, dropped, rewards = decide(group, GroupConfig())
+    assert set(kept) == {"t/0/0", "t/1/0"} and dropped == {"t/2/0": "failed_error"}
+    assert rewards == {"t/0/0": 1.0, "t/1/0": 0.0}
+
+
+def test_efficient_rewarding_acts_on_an_all_solved_group() -> None:
+    # Before: the gate looked at the raw scores only, so the shifts by turn count never reached such a group.
+    group = records(("answer", 1.0, 1), ("answer", 1.0, 2), ("answer", 1.0, 3), ("answer", 1.0, 4))
+    assert decide(group, GroupConfig())[0] == {}
+    kept, dropped, rewards = decide(group, GroupConfig(efficient_rewarding=True))
+    assert len(kept) == 4 and not dropped
+    assert rewards["t/0/0"] > rewards["t/1/0"] > rewards["t/2/0"] > rewards["t/3/0"]  # fewer turns, more reward
+    same_turns = records(("answer", 1.0, 2), ("answer", 1.0, 2))
+    assert decide(same_turns, GroupConfig(efficient_rewarding=True))[0] == {}  # nothing varies: nothing to teach
+
+
+def test_only_failures_of_the_infrastructure_keep_their_own_reason() -> None:
+    group = records(("env_start_error", 0.0, 0), ("env_error", 0.0, 1))
+    assert decide(group, GroupConfig()) == ({}, {"t/0/0": "env_start_error", "t/1/0": "env_error"}, {})
