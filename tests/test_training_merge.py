@@ -8,8 +8,9 @@ from dataclasses import replace
 import pytest
 import torch
 
-from agentrl.store.models import CallStatus, DispatchedSamplingTask
+from agentrl.store.models import CallStatus, DBRecordData, DispatchedSamplingTask
 from agentrl.training.batching import collate, pack_micro_batches, plan_micro_batches
+from agentrl.training.data import to_merged
 from agentrl.training.logprobs import model_token_logprobs, token_logprobs
 from agentrl.trajectory.merge import (
     CallTokens,
@@ -273,3 +274,19 @@ def test_logprobs_of_the_scored_tokens_only_equal_the_full_pass_and_their_gradie
     assert nothing.eq(0).all() and nothing.requires_grad
     nothing.sum().backward()
     assert all(p.grad is not None and p.grad.eq(0).all() for p in model.parameters() if p.requires_grad)
+
+
+@pytest.mark.parametrize("name", ["plain", "broken", "mixed", "full"])
+def test_turns_survive_the_database_round_trip(name: str) -> None:
+    # Before: to_merged dropped the turns, so collate(sequence_unit="turn") of a stored sample gave every token the
+    # sequence id -1 (and LossInput.sequences raised).
+    merged = merge_trajectory(trajectories()[name]).samples
+    stored = [to_merged(DBRecordData(
+        id=f"r#b{i}", record_id="r", task_id="t", split="train", branch=i, seq=0, input_ids=s.input_ids,
+        loss_mask=s.loss_mask, logprobs=s.logprobs, versions=s.versions, advantages=s.advantages, reward=1.0,
+        turn_boundaries=s.turn_boundaries, num_tokens=s.num_tokens)) for i, s in enumerate(merged)]
+    direct, round_trip = (collate(samples, sequence_unit="turn") for samples in (merged, stored))
+    assert round_trip.num_sequences == direct.num_sequences == sum(t.trained for s in merged for t in s.turns)
+    assert torch.equal(round_trip.seq_ids, direct.seq_ids)
+    assert [[(t.start, t.output_start, t.output_end) for t in s.turns if t.trained] for s in stored] == [
+        [(t.start, t.output_start, t.output_end) for t in s.turns if t.trained] for s in merged]

@@ -34,7 +34,7 @@ from agentrl.store import DBRecordData, InvalidTransition, NotFound, RecordStatu
 from agentrl.store.models import FailureClass
 from agentrl.training.aio import LoopThread
 from agentrl.training.parallel import ParallelState
-from agentrl.trajectory.merge import MergedSample
+from agentrl.trajectory.merge import MergedSample, TurnSpan
 
 logger = logging.getLogger(__name__)
 
@@ -81,7 +81,7 @@ def tokens_if_unmerged(sample: DBRecordData) -> int:
 
 
 def to_merged(sample: DBRecordData) -> MergedSample:
-    """The stored sample as a ``MergedSample`` for ``agentrl.training.batching`` (one sequence per sample)."""
+    """The stored sample as a ``MergedSample`` for ``agentrl.training.batching``, its turns included."""
     n = len(sample.input_ids)
     for name in ("loss_mask", "logprobs", "versions", "advantages"):
         if len(getattr(sample, name)) != n:
@@ -89,7 +89,19 @@ def to_merged(sample: DBRecordData) -> MergedSample:
                              f"{n} input_ids")
     return MergedSample(input_ids=list(sample.input_ids), loss_mask=list(sample.loss_mask),
                         logprobs=list(sample.logprobs), versions=list(sample.versions),
-                        advantages=list(sample.advantages))
+                        advantages=list(sample.advantages), turns=stored_turns(sample))
+
+
+def stored_turns(sample: DBRecordData) -> list[TurnSpan]:
+    """The sample's turns from its ``turn_boundaries`` and loss mask (a trained turn's output is its run of loss
+    tokens; an untrained one's output is not stored and spans nothing), for ``collate(sequence_unit="turn")``."""
+    bounds = sorted(sample.turn_boundaries) or [0]
+    turns = []
+    for index, (start, end) in enumerate(zip(bounds, [*bounds[1:], len(sample.input_ids)])):
+        trained = [i for i in range(start, end) if sample.loss_mask[i]]
+        output = (trained[0], trained[-1] + 1) if trained else (end, end)
+        turns.append(TurnSpan(f"{sample.id}:{index}", start, *output, trained=bool(trained)))
+    return turns
 
 
 def split_shares(total: int, parts: int) -> list[int]:
