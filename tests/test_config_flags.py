@@ -19,18 +19,20 @@ from agentrl.training.config import TrainConfig
 
 # `agentrl sample --help` and `agentrl eval --help` before the flags were generated (hand-written argparse).
 SAMPLE_FLAGS = {
-    "--adv_scaling", "--agent_config_path", "--allow_biased_sampling", "--balance_sample", "--curriculum",
+    "--adv_estimator", "--adv_scaling", "--agent_config_path", "--allow_biased_sampling", "--balance_sample",
+    "--curriculum",
     "--curriculum_by_type",
     "--curriculum_revisit_prob",
     "--db_connection_string", "--drop_zero_advantage", "--efficient_rewarding", "--env_server", "--exit_when_done",
-    "--frequency_penalty", "--help", "--inference_urls", "--lease_s", "--leave_one_out",
+    "--frequency_penalty", "--gamma", "--gigpo_mode", "--help", "--inference_urls", "--lease_s", "--leave_one_out",
     "--max_concurrent_samples_per_process", "--max_consecutive_failures", "--max_new_tokens", "--max_prompt_tokens",
     "--max_staleness", "--max_turns", "--mcp_auth_token", "--mcp_config", "--mcp_manager_url", "--mcp_server_name",
     "--min_p", "--min_turns", "--minimal_advantage", "--model_name_or_path", "--new_context",
     "--preferred_sampling_params", "--presence_penalty", "--query_prompt", "--repetition_early_stop_times",
     "--request_timeout", "--reserve_context_error_count", "--rounds", "--sampler_id", "--scale_rewards",
-    "--scorer_module", "--seed", "--split", "--target_concurrency", "--temperature", "--tool_call_parser",
-    "--tool_timeout", "--top_k", "--top_p", "--train_batch_size", "--zero_variance_threshold", "-h"}
+    "--scorer_module", "--seed", "--split", "--step_advantage_w", "--target_concurrency", "--temperature",
+    "--tool_call_parser", "--tool_timeout", "--top_k", "--top_p", "--train_batch_size", "--zero_variance_threshold",
+    "-h"}
 EVAL_FLAGS = {
     "--agent_config_path", "--answer_schema", "--db_connection_string", "--engine_args", "--env_server", "--force",
     "--frequency_penalty", "--help", "--inference_urls", "--json", "--lease_s", "--limit", "--max_attempts",

@@ -13,14 +13,18 @@ from collections import defaultdict
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from pymongo import MongoClient
 
 from agentrl.envs.local import start_local_server
 from agentrl.store.models import EPOCH
+from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator
+from agentrl.trajectory.step_credit import Episode, Step, step_credits
 from env_fixtures import EPISODE_TASKS
 from rollout_fixtures import agentrl_cmd, documents, run_env
 from test_rollout_sampler import full_prompts
+from test_step_credit import verl_agent_gigpo
 
 pytestmark = pytest.mark.slow(start_rank=7)
 
@@ -175,3 +179,47 @@ def test_a_sampler_killed_in_an_instance_window_leaves_nothing_open(
             time.sleep(0.2)
     finally:
         stop()
+
+
+@pytest.mark.parametrize("estimator", ["turn_loo", "gigpo"])
+def test_a_per_turn_estimator_credits_each_turn_of_an_episode(
+        db_uri: str, tmp_path: Path, textcraft_model_dir: Path, textcraft_engine_url: str, textcraft_server: str,
+        estimator: str) -> None:
+    # Before: every call of a trajectory got the trajectory's advantage; the step rewards were stored, never read.
+    upload_env_tasks(db_uri, write_env_tasks(tmp_path / "tasks.jsonl", EPISODE_TASKS), generations=6)
+    done = subprocess.run(sample_cmd(db_uri, textcraft_model_dir, textcraft_engine_url, textcraft_server,
+                                     "--max_turns", "2", "--temperature", "1", "--seed", "3",
+                                     "--adv_estimator", estimator, "--exit_when_done", "true"),
+                          capture_output=True, text=True, env=run_env(), timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    records = {r["_id"]: r for r in documents(db_uri, "Record")}
+    calls = defaultdict(list)
+    for call in sorted(documents(db_uri, "DispatchedSamplingTask"), key=lambda c: c["turn"]):
+        calls[call["record_id"]].append(call)
+    samples = {s["record_id"]: s for s in documents(db_uri, "DBRecordData")}
+    assert samples, "no group was kept"
+    for record_id, own in calls.items():
+        # Each turn: the reward of its step, whether it ended the episode, the state it acted in (TextCraft's own
+        # key: the goal and the inventory, empty before the first action).
+        assert [c["step_reward"] for c in own] == [c["env_step"]["reward"] for c in own]
+        assert [c["done"] for c in own] == [c["env_step"]["done"] for c in own]
+        assert own[0]["state_key"].endswith("|") and own[1]["state_key"].startswith(own[0]["state_key"])
+        assert own[1]["state_key"] != own[0]["state_key"]  # the first action got something
+        if record_id in samples:  # each turn's tokens carry its own advantage, as written on its call
+            sample = samples[record_id]
+            trained = [a for a, m in zip(sample["advantages"], sample["loss_mask"]) if m]
+            assert trained == pytest.approx([c["advantage"] for c in own for _ in c["output_ids"]], abs=1e-6)
+            assert all(c["step_return"] is not None for c in own)
+    by_task = defaultdict(list)
+    for record_id in samples:
+        by_task[records[record_id]["task_id"]].append(record_id)
+    assert any(calls[rid][0]["advantage"] != calls[rid][1]["advantage"] for rid in samples), "no turn differed"
+    for members in by_task.values():  # the stored inputs give the stored advantages, as verl-agent computes them
+        episodes = [Episode(records[rid]["score"], [Step(c["step_reward"], c["state_key"]) for c in calls[rid]])
+                    for rid in members]
+        stored = [c["advantage"] for rid in members for c in calls[rid]]
+        if estimator == "gigpo":
+            np.testing.assert_allclose(stored, verl_agent_gigpo(episodes, 0.95, 1.0, "mean_norm"), atol=1e-6)
+        else:
+            expected = step_credits(episodes, AdvantageConfig(adv_estimator=AdvEstimator.TURN_LOO))
+            assert stored == pytest.approx([c.advantage for row in expected for c in row], abs=1e-9)

@@ -492,12 +492,17 @@ def test_textcraft_conformance(textcraft_url: str, http: httpx.Client) -> None:
     assert get(http, textcraft_url, "/") == "This is environment TextCraft."
     created = post(http, textcraft_url, "/create", {})
     instance = created["id"]
-    assert set(created) == {"id", "observation", "done", "reward"}
-    assert created["observation"] == spec.factory().reset(instance % spec.num_tasks)  # AgentGym: task = id
+    # AgentGym's fields, and ours: the state's key (the goal and the inventory), which AgentGym's clients ignore
+    assert set(created) == {"id", "observation", "done", "reward", "state_key"}
+    local = spec.factory()
+    assert created["observation"] == local.reset(instance % spec.num_tasks)  # AgentGym: task = id
+    assert created["state_key"] == local.state_key()
     reset = post(http, textcraft_url, "/reset", {"id": instance})  # data_idx defaults to 0, as AgentGym's
-    assert set(reset) == {"id", "observation", "done", "reward"} and reset["observation"] == spec.factory().reset(0)
-    step = post(http, textcraft_url, "/step", {"id": instance, "action": "inventory"})
-    assert set(step) == {"observation", "reward", "done"}
+    assert set(reset) == {"id", "observation", "done", "reward", "state_key"}
+    assert reset["observation"] == local.reset(0) and reset["state_key"] == local.state_key()
+    step = post(http, textcraft_url, "/step", {"id": instance, "action": "get 1 oak logs"})
+    assert set(step) == {"observation", "reward", "done", "state_key"}
+    assert step["observation"] == local.step("get 1 oak logs").observation and step["state_key"] == local.state_key()
     assert get(http, textcraft_url, "/observation", id=instance) == step["observation"]
     assert post(http, textcraft_url, "/create", {"commands": "craft 1 x using 1 y", "goal": "x"})["error"]
     assert post(http, textcraft_url, "/close", {"id": instance}) is True
@@ -513,11 +518,11 @@ async def test_textcraft_oracle_episode_over_http_equals_in_process(textcraft_ur
     local = spec.factory()
     async with AgentGymClient("textcraft", textcraft_url) as client:
         instance = await client.create()
-        assert await client.reset(instance, data_idx) == local.reset(data_idx)
+        assert await client.reset_keyed(instance, data_idx) == (local.reset(data_idx), local.state_key())
         steps = []
         for action in spec.oracle(data_idx):
             steps.append(await client.step(instance, action))
-            assert steps[-1] == local.step(action)
+            assert steps[-1] == local.step(action).model_copy(update={"info": {"state_key": local.state_key()}})
         assert steps[-1].done and episode_reward(steps) == spec.success_reward
         with pytest.raises(EnvServerError, match="has finished"):
             await client.step(instance, "inventory")
@@ -534,15 +539,16 @@ async def test_babyai_conformance(babyai_url: str, http: httpx.Client) -> None:
     data_idx = spec.split("train")[0]
     actions = spec.oracle(data_idx)
     reset = post(http, babyai_url, "/reset", {"id": instance, "data_idx": data_idx})
-    assert set(reset) == {"observation", "reward", "score", "deleted", "done"}
-    assert reset["observation"] == spec.factory().reset(data_idx)
+    assert set(reset) == {"observation", "reward", "score", "deleted", "done", "state_key"}
+    local = spec.factory()
+    assert reset["observation"] == local.reset(data_idx) and reset["state_key"] == local.state_key()
     assert set(get(http, babyai_url, "/observation", id=instance)) == {"observation", "reward", "score", "done",
-                                                                       "deleted"}
+                                                                       "deleted", "state_key"}
     async with AgentGymClient("babyai", babyai_url) as client:
         steps = [await client.step(instance, action) for action in actions]
     assert set(post(http, babyai_url, "/reset", {"id": instance, "data_idx": data_idx})) == set(reset)
     steps_again = [post(http, babyai_url, "/step", {"id": instance, "action": a}) for a in actions]
-    assert all(set(s) == {"observation", "reward", "score", "done"} for s in steps_again)
+    assert all(set(s) == {"observation", "reward", "score", "done", "state_key"} for s in steps_again)
     assert steps[-1].done and "score" in steps[-1].info
     assert episode_reward(steps) >= spec.success_reward
     finished = {"error": f"The task with environment {instance} has finished."}
@@ -629,3 +635,14 @@ def test_stop_ends_the_server() -> None:
         pid = server.process.pid
     assert not alive(pid) and server.process.returncode == 0
     server.stop()  # idempotent
+
+
+def test_a_server_without_state_keys_gets_its_states_keyed_by_the_observation() -> None:
+    """AgentGym's own servers send no ``state_key``: the client keys a state by a hash of the observation text (two
+    different states behind one text share a key, which the per-turn estimators then treat as one state)."""
+    from agentrl.envs.protocol import state_key_of
+
+    assert state_key_of("Got 1 oak logs", {"observation": "Got 1 oak logs", "state_key": "goal|oak:1"}) == "goal|oak:1"
+    plain = state_key_of("Got 1 oak logs", {"observation": "Got 1 oak logs", "reward": 0})
+    assert plain.startswith("observation:") and plain == state_key_of("Got 1 oak logs", "Got 1 oak logs")
+    assert plain != state_key_of("Got 2 oak logs", {}) and state_key_of("x", {"state_key": ""}).startswith("obs")

@@ -20,16 +20,8 @@ import numpy as np
 import pytest
 import torch
 
-from agentrl.trajectory.advantages import AdvantageConfig, group_advantages
-from agentrl.trajectory.step_credit import (
-    AdvEstimator,
-    Episode,
-    GigpoMode,
-    Step,
-    StepCreditConfig,
-    step_credits,
-    step_returns,
-)
+from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator, GigpoMode, group_advantages
+from agentrl.trajectory.step_credit import Episode, Step, step_credits, step_returns
 
 # ------------------------------------------------------------------------------------------------ small MDPs
 
@@ -150,12 +142,12 @@ def expected_gradient(paths: list[Trajectory], theta: dict[str, np.ndarray], n: 
 
 
 def ours(omega: float) -> Estimator:
-    config = StepCreditConfig(adv_estimator=AdvEstimator.TURN_LOO, gamma=1.0, step_advantage_w=omega)
+    config = AdvantageConfig(adv_estimator=AdvEstimator.TURN_LOO, gamma=1.0, step_advantage_w=omega)
     return lambda episodes: [[c.advantage for c in row] for row in step_credits(episodes, config)]
 
 
 def gigpo(omega: float = 1.0) -> Estimator:
-    config = StepCreditConfig(adv_estimator=AdvEstimator.GIGPO, gamma=1.0, step_advantage_w=omega)
+    config = AdvantageConfig(adv_estimator=AdvEstimator.GIGPO, gamma=1.0, step_advantage_w=omega)
     return lambda episodes: [[c.advantage for c in row] for row in step_credits(episodes, config)]
 
 
@@ -217,7 +209,7 @@ def test_grpo_is_unbiased_and_the_per_turn_constructions_of_others_are_not(name:
     n = 3
     paths, theta = setup(name, 0)
     truth = true_gradient(paths, theta)
-    grpo = StepCreditConfig(adv_estimator=AdvEstimator.GRPO)
+    grpo = AdvantageConfig()
     grpo_estimate = expected_gradient(paths, theta, n, lambda eps: [[c.advantage for c in row]
                                                                    for row in step_credits(eps, grpo)])
     np.testing.assert_allclose(grpo_estimate, (n - 1) * truth, rtol=1e-9, atol=1e-12)  # mean baseline: (n-1)/n
@@ -243,11 +235,11 @@ def test_omega_zero_is_leave_one_out_grpo_and_grpo_is_todays_computation() -> No
     episodes = [Episode(1.0, [Step(0.0, "a"), Step(1.0, "b")]), Episode(0.0, [Step(0.0, "a")]),
                 Episode(0.5, [Step(0.2, "a"), Step(0.0, "c"), Step(0.3, "b")])]
     loo = group_advantages([e.score for e in episodes], AdvantageConfig(leave_one_out=True))
-    credits = step_credits(episodes, StepCreditConfig(adv_estimator=AdvEstimator.TURN_LOO, step_advantage_w=0.0))
+    credits = step_credits(episodes, AdvantageConfig(adv_estimator=AdvEstimator.TURN_LOO, step_advantage_w=0.0))
     assert [[c.advantage for c in row] for row in credits] == [[a] * len(e.steps) for a, e in zip(loo, episodes)]
     for config in (AdvantageConfig(), AdvantageConfig(scale_rewards=True)):
         grpo = group_advantages([e.score for e in episodes], config)
-        credits = step_credits(episodes, StepCreditConfig(), grpo=config)
+        credits = step_credits(episodes, config)
         assert [[c.advantage for c in row] for row in credits] == [[a] * len(e.steps) for a, e in zip(grpo, episodes)]
 
 
@@ -255,7 +247,7 @@ def test_turn_loo_baselines_fall_back_from_the_state_to_the_turn_index_to_nothin
     episodes = [Episode(1.0, [Step(0.0, "x"), Step(1.0, "seen")]),
                 Episode(0.0, [Step(0.0, "x"), Step(0.0, "alone"), Step(0.0, "last")]),
                 Episode(0.0, [Step(0.0, "seen")])]
-    [first, second, third] = step_credits(episodes, StepCreditConfig(adv_estimator=AdvEstimator.TURN_LOO,
+    [first, second, third] = step_credits(episodes, AdvantageConfig(adv_estimator=AdvEstimator.TURN_LOO,
                                                                      gamma=1.0))
     episode_terms = [1.0 - 0.0, 0.0 - 0.5, 0.0 - 0.5]
     assert [c.step_return for c in first] == [1.0, 1.0] and [c.step_return for c in second] == [0.0, 0.0, 0.0]
@@ -265,12 +257,12 @@ def test_turn_loo_baselines_fall_back_from_the_state_to_the_turn_index_to_nothin
     assert [c.advantage for c in second] == [episode_terms[1] - 1.0, episode_terms[1] - 1.0, episode_terms[1]]
     # third, turn 0 in "seen": the first's step there returned 1
     assert [c.advantage for c in third] == [episode_terms[2] - 1.0]
-    assert step_credits([episodes[0]], StepCreditConfig(adv_estimator=AdvEstimator.TURN_LOO))[0][0].advantage == 0.0
+    assert step_credits([episodes[0]], AdvantageConfig(adv_estimator=AdvEstimator.TURN_LOO))[0][0].advantage == 0.0
 
 
 def test_an_infinite_reward_is_refused_with_the_episode_named() -> None:
     with pytest.raises(ValueError, match="episode 1 of the group"):
-        step_credits([Episode(1.0, [Step(0.0, "a")]), Episode(0.0, [Step(math.inf, "a")])], StepCreditConfig())
+        step_credits([Episode(1.0, [Step(0.0, "a")]), Episode(0.0, [Step(math.inf, "a")])], AdvantageConfig())
 
 
 # --------------------------------------------------------------------------------------- GiGPO = verl-agent
@@ -323,7 +315,7 @@ def test_gigpo_equals_verl_agents_math(mode: str, gamma: float, omega: float) ->
         episodes = [Episode(float(rng.integers(0, 2)),
                             [Step(float(rng.choice([0.0, 0.0, 0.5, 1.0])), f"s{rng.integers(0, 4)}")
                              for _ in range(int(rng.integers(1, 5)))]) for _ in range(int(rng.integers(1, 5)))]
-        config = StepCreditConfig(adv_estimator=AdvEstimator.GIGPO, gamma=gamma, step_advantage_w=omega,
+        config = AdvantageConfig(adv_estimator=AdvEstimator.GIGPO, gamma=gamma, step_advantage_w=omega,
                                   gigpo_mode=GigpoMode(mode))
         ours_flat = [c.advantage for row in step_credits(episodes, config) for c in row]
         np.testing.assert_allclose(ours_flat, verl_agent_gigpo(episodes, gamma, omega, mode), rtol=0, atol=1e-6)

@@ -59,6 +59,7 @@ level go to stderr.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 import sys
@@ -447,6 +448,16 @@ class BabyAIEnv(Environment):
         self._view = _perceive(self._game.unwrapped)
         self._observation = f"Your goal: {self._game.unwrapped.mission}\n{self._view.description}{self._listing()}"
         return self._observation
+
+    def state_key(self) -> str | None:
+        """The level's task, the grid (doors opened, objects moved), the agent's pose and what it carries."""
+        if self._game is None:
+            return None
+        world = self._game.unwrapped
+        grid = hashlib.sha256(world.grid.encode().tobytes()).hexdigest()[:16]
+        carrying = f"{world.carrying.color} {world.carrying.type}" if world.carrying else "nothing"
+        pose = f"{tuple(int(v) for v in world.agent_pos)}|{world.agent_dir}"
+        return f"{self._level}:{self._seed}|{grid}|{pose}|{carrying}"
 
     def step(self, action: str) -> StepResult:
         game = self.game

@@ -54,6 +54,12 @@ class Environment(ABC):
     def observation(self) -> str:
         """The current observation (the last one returned)."""
 
+    def state_key(self) -> str | None:
+        """A key of the current state, equal for two states that are the same to the agent's next action (TextCraft:
+        goal and inventory), for per-turn credit (``agentrl.trajectory.step_credit``); None: the environment has
+        none, and clients key the state by its observation text (which may alias different states)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional: an environment that holds nothing frees nothing
         """Free the instance's resources (a JVM, a game)."""
 

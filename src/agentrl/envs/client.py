@@ -36,6 +36,7 @@ from agentrl.envs.protocol import (
     read_observation,
     read_step,
     reset_body,
+    state_key_of,
     step_body,
     wire_format,
 )
@@ -94,9 +95,14 @@ class AgentGymClient:
 
     async def reset(self, instance: int, data_idx: int) -> str:
         """Load task ``data_idx`` into ``instance``; returns the episode's first observation."""
+        return (await self.reset_keyed(instance, data_idx))[0]
+
+    async def reset_keyed(self, instance: int, data_idx: int) -> tuple[str, str]:
+        """:meth:`reset`, and the key of the first state (``agentrl.envs.protocol.state_key_of``)."""
         response = await self._request("POST", "/reset", json=reset_body(self.format, instance, data_idx),
                                        idempotent=True)
-        return self._read(first_observation, self.format, response)
+        observation = self._read(first_observation, self.format, response)
+        return observation, state_key_of(observation, response)
 
     async def step(self, instance: int, action: str) -> StepResult:
         """Apply ``action``: ``reward`` is this step's; ``info["score"]`` the cumulative score where reported."""

@@ -23,6 +23,10 @@ our TextCraft refuses step, where AgentGym's keeps accepting actions). SciWorld'
 ``task_description + "\\n" + observation`` (AgentGym's client joins them), so our server sends the environment's
 first observation with that prefix removed: a SciWorld environment's first observation must start with it.
 
+Our server adds ``state_key`` to every response that carries an observation, where the environment has one
+(``Environment.state_key``: the state the next action acts in, for per-turn credit); AgentGym's clients ignore the
+field, and for a server without it :func:`state_key_of` keys the state by a hash of the observation text.
+
 Other AgentGym servers are reached with the client only (``served=False``): their id and task fields come from the
 same table (``env_idx`` for WebShop, SQLGym and SearchQA; ALFWorld's reset takes ``game`` and ``world_type``) and
 their responses are read leniently (an observation under ``observation`` or ``state``, or a bare string, or the
@@ -31,6 +35,7 @@ first item of a list; ``reward`` 0 and ``done`` false when absent).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,6 +49,9 @@ ERROR_NOT_RESET = "The task with environment {id} has not been reset: call /rese
 """Ours: AgentGym has no message for a step before the first reset (its servers fail with an internal error)."""
 
 ROUTES_REFUSED_WHEN_DONE = ("step", "observation", "detail")
+
+STATE_KEY_FIELD = "state_key"
+"""Ours: the environment's key of the state an observation shows (an extra field of reset and step responses)."""
 
 
 @dataclass(frozen=True)
@@ -202,6 +210,14 @@ def read_step(response: Any) -> StepResult:
     info = {key: value for key, value in response.items()
             if key not in ("observation", "state", "reward", "done") and value is not None}
     return StepResult(observation=observation, reward=reward, done=bool(response.get("done", False)), info=info)
+
+
+def state_key_of(observation: str, response: Any) -> str:
+    """The key of the state a response shows: the server's ``state_key``, else a hash of the observation text."""
+    key = response.get(STATE_KEY_FIELD) if isinstance(response, dict) else None
+    if isinstance(key, str) and key:
+        return key
+    return "observation:" + hashlib.sha256(observation.encode()).hexdigest()[:24]
 
 
 def episode_reward(steps: Iterable[StepResult]) -> float:

@@ -35,11 +35,12 @@ from typing import Any
 from fastapi import FastAPI, Query
 from pydantic import BaseModel, create_model
 
-from agentrl.envs.base import EnvError, Environment, EnvSpec
+from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 from agentrl.envs.protocol import (
     ERROR_FINISHED,
     ERROR_NOT_RESET,
     ERROR_NOT_VALID,
+    STATE_KEY_FIELD,
     ProtocolError,
     WireFormat,
     payload,
@@ -131,12 +132,12 @@ class InstancePool:
             if error:
                 return error
             try:
-                result = await self._call(instance.env.step, action)
+                result, key = await self._call(_step_env, instance.env, action)
             except Exception as error:  # noqa: BLE001
                 return self._failure("step", instance_id, error)
             score = result.info.get("score", instance.state["score"] + result.reward)
             instance.state.update(observation=result.observation, reward=result.reward, score=float(score),
-                                  done=result.done)
+                                  done=result.done, **{STATE_KEY_FIELD: key})
             return self._respond(self.fmt.step_fields, instance, "step")
 
     async def observation(self, instance_id: int) -> Any:
@@ -230,8 +231,12 @@ class InstancePool:
         instance.has_task = True
 
     def _respond(self, fields: tuple[str, ...], instance: Instance, what: str) -> dict[str, Any]:
+        """The response of ``fields``; one that carries an observation also carries the environment's state key
+        (an extra field AgentGym clients ignore), where it has one."""
+        key = instance.state.get(STATE_KEY_FIELD)
+        extra = {STATE_KEY_FIELD: key} if key is not None and "observation" in fields else {}
         try:
-            return payload(fields, instance.state, what=what)
+            return {**payload(fields, instance.state, what=what), **extra}
         except ProtocolError as error:
             logger.error("%s instance %d: %s", self.spec.name, instance.id, error)
             return {"error": f"environment {self.spec.name}: {error}"}
@@ -267,7 +272,11 @@ class InstancePool:
 
 def _reset_env(env: Environment, data_idx: int) -> tuple[str, dict[str, Any]]:
     observation = env.reset(data_idx)
-    return observation, env.detail()
+    return observation, {**env.detail(), STATE_KEY_FIELD: env.state_key()}
+
+
+def _step_env(env: Environment, action: str) -> tuple[StepResult, str | None]:
+    return env.step(action), env.state_key()
 
 
 def create_app(spec: EnvSpec, *, instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S,

@@ -341,6 +341,12 @@ class TextCraftEnv(Environment):
     def observation(self) -> str:
         return self._observation
 
+    def state_key(self) -> str | None:
+        """The goal and the inventory: everything the next action's outcome depends on."""
+        if self.task is None:
+            return None
+        return f"{self.task.goal}|" + ",".join(f"{item}:{n}" for item, n in sorted(self.inventory.items()) if n)
+
     def detail(self) -> dict[str, Any]:
         if self.task is None:
             return {}

@@ -9,7 +9,9 @@ AgentGym HTTP protocol (:mod:`agentrl.envs.client`). The episode:
    the model generates, its action is parsed (:func:`agentrl.envs.actions.parse_action`) and stepped, and the
    observation is appended as the next user turn — the token delta, exactly as tool results are, so every call's
    prompt extends the previous prompt + output. A turn without an action is told so and stepped no further (the
-   call is labelled ``formaterror``). Each call stores its step: ``env_step: {action, observation, reward, done}``;
+   call is labelled ``formaterror``). Each call stores its step: ``env_step: {action, observation, reward, done}``,
+   and for per-turn credit its ``step_reward`` (scaled by ``reward_scale``, as the score), ``done`` and the
+   ``state_key`` of the state it acted in (the server's, else a hash of the observation it answered);
 3. ends on ``done`` (outcome ``done``), the turn limit (the Task's ``env.max_turns`` capped by ``--max_turns``) or
    the context limit; the score is the episode's reward
    (the latest cumulative ``score`` where the server reports one, else the sum of step rewards) times the
@@ -39,7 +41,7 @@ from typing import Any
 from agentrl.envs.actions import NO_ACTION_HINT, episode_messages, observation_message, parse_action
 from agentrl.envs.base import EnvError, EnvSpec, StepResult
 from agentrl.envs.client import EnvServerError
-from agentrl.envs.protocol import episode_reward
+from agentrl.envs.protocol import episode_reward, state_key_of
 from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import AgentResources, GenerationFailed, TrajectoryResult, TurnState, generate_turn
 from agentrl.rollout.conversation import TokenConversation
@@ -90,16 +92,16 @@ async def run_episode(res: AgentResources, lease: SlotLease, calls: CallLog) -> 
         try:
             await res.store.records.set_env_instance(lease.record_id, lease.lease_id,
                                                      {"name": name, "url": client.base_url, "id": instance})
-            observation = await client.reset(instance, episode.data_idx)
+            observation, state_key = await client.reset_keyed(instance, episode.data_idx)
         except EnvServerError as error:
             return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, episode, f"environment reset failed: {error}")
-        return await _play(res, lease, calls, client, instance, observation, state, episode)
+        return await _play(res, lease, calls, client, instance, observation, state_key, state, episode)
     finally:
         await asyncio.shield(_close(res, lease.record_id, client, instance))
 
 
 async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: Any, instance: int, observation: str,
-                state: TurnState, episode: Episode) -> TrajectoryResult:
+                state_key: str, state: TurnState, episode: Episode) -> TrajectoryResult:
     cfg, task, spec = res.config.rollout, lease.task, episode.spec
     env = episode_of(task.metadata) or {}
     action_format = env.get("action_format") or spec.action_format
@@ -115,7 +117,8 @@ async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: A
         if action is None:
             observation, done = NO_ACTION_HINT[action_format], False
             calls.relabel(generated.call_id, CallStatus.FORMATERROR, error="no action in the reply",
-                          env_step={"action": None, "observation": observation, "reward": 0.0, "done": False})
+                          env_step={"action": None, "observation": observation, "reward": 0.0, "done": False},
+                          step_reward=0.0, done=False, state_key=state_key)
         else:
             await res.store.slots.fence(lease)  # a retired attempt steps no environment
             try:
@@ -127,7 +130,9 @@ async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: A
             observation, done = step.observation, step.done
             calls.annotate(generated.call_id, env_step={
                 "action": action, "observation": observation, "reward": step.reward, "done": done,
-                **({"score": step.info["score"]} if "score" in step.info else {})})
+                **({"score": step.info["score"]} if "score" in step.info else {})},
+                step_reward=step.reward * spec.reward_scale, done=done, state_key=state_key)
+            state_key = state_key_of(observation, step.info)
         if done:
             return _ended(TrajectoryOutcome.DONE, turn + 1, state, episode, None)
         state.appended(conversation.append(generated.output_ids, generated.text, [observation_message(observation)]))

@@ -10,7 +10,10 @@ Run by exactly one sampler per Task (the store's group-stage lease). For the ``t
    ``reserve_context_error_count`` length/turns-limit samples are kept;
 3. ``efficient_rewarding`` shifts rewards by turn-count rank (shorter right and longer wrong samples gain, ±0.1);
 4. advantages are computed over the kept samples from the (shifted) rewards, so every decision above reaches
-   the advantages the trainer uses (in the original they did not);
+   the advantages the trainer uses (in the original they did not); with a per-turn ``adv_estimator`` each call
+   gets its own (``agentrl.trajectory.step_credit``), written on the call documents (``advantage``,
+   ``step_return``) before the Records move, and a group of equal scores is kept when its turns are credited
+   unequally;
 5. each kept trajectory is merged into DBRecordData samples (one per branch); its Record becomes ``ready`` (with
    ``advantage`` and ``reward``) and then its samples are queued for the trainer. The others become
    ``abandoned`` with the reason and a failure class (how the trajectory ended, else ``filtered``; a kept one
@@ -34,6 +37,7 @@ its id is deterministic); the trainer may train the queued samples in either win
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import random
@@ -59,8 +63,10 @@ from agentrl.store import (
 )
 from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
 from agentrl.store.transitions import sources_of
-from agentrl.trajectory.advantages import AdvantageConfig, call_advantages, group_advantages
-from agentrl.trajectory.merge import CallTokens, merge_trajectory
+from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator, call_advantages, group_advantages
+from agentrl.trajectory.merge import CallTokens, full_prompts, merge_trajectory
+from agentrl.trajectory.step_credit import Episode as StepEpisode
+from agentrl.trajectory.step_credit import Step, step_credits
 
 logger = logging.getLogger(__name__)
 
@@ -186,13 +192,25 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
         await store.slots.complete_group(group)
         return outcome
     kept, dropped, rewards = decide(scored, cfg)
+    per_turn = adv_cfg.adv_estimator != AdvEstimator.GRPO
+    calls = await store.calls.for_records([r.id for r in scored if r.id in kept or (per_turn and r.id in dropped)])
+    if per_turn and not kept:  # all alike in score, but the turns may still differ in credit
+        kept, dropped, rewards = _kept_for_turns(scored, dropped, calls, adv_cfg)
     advantages = dict(zip(rewards, group_advantages(list(rewards.values()), adv_cfg)))
-    calls = await store.calls.for_records([r.id for r in scored if r.id in kept])
+    turn_advantages: dict[str, list[float]] = {}
+    if per_turn and kept:
+        members = list(rewards)
+        credits = step_credits([turn_episode(calls[rid], rewards[rid]) for rid in members], adv_cfg)
+        turn_advantages = {rid: [c.advantage for c in row] for rid, row in zip(members, credits)}
+        await store.calls.set_credits({call.id: (advantage, credit.step_return) for rid, row in zip(members, credits)
+                                       for call, credit, advantage in zip(calls[rid], row, call_advantages(
+                                           turn_advantages[rid], [str(c.status) for c in calls[rid]], adv_cfg))})
     abandon: dict[str, dict] = {}
     for record in scored:
         failure = OUTCOME_FAILURES.get(str(record.outcome), FailureClass.FILTERED)
         if record.id in kept:
-            samples = _convert(record, calls[record.id], advantages[record.id], rewards[record.id], adv_cfg, outcome)
+            samples = _convert(record, calls[record.id], turn_advantages.get(record.id, advantages[record.id]),
+                               rewards[record.id], adv_cfg, outcome)
             too_large = max((_oversize(sample) for sample in samples), default=0)
             if samples and too_large <= MAX_SAMPLE_BYTES:
                 await _move_many(store, RecordStatus.READY, {record.id: {
@@ -234,9 +252,37 @@ async def _schedule_next_round(store: Store, task: Task, scored: list[Record], c
             "rounds_skipped": max(skipped, 0), "taught": taught}
 
 
-def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float, reward: float,
+def turn_episode(calls: list[DispatchedSamplingTask], score: float) -> StepEpisode:
+    """A trajectory's calls as steps for per-turn credit: each call's ``step_reward`` and ``state_key`` (an
+    environment episode's); for calls without (tool tasks) the score is the last call's reward and the state is
+    the call's whole prompt (identical histories are one state)."""
+    rewarded = any(call.step_reward is not None for call in calls)
+    prompts = full_prompts([CallTokens.from_document(call, None) for call in calls])
+    steps = [Step(reward=float(call.step_reward or 0.0) if rewarded else (score if t == len(calls) - 1 else 0.0),
+                  state_key=call.state_key or "prompt:" + hashlib.sha256(str(prompt).encode()).hexdigest()[:24])
+             for t, (call, prompt) in enumerate(zip(calls, prompts))]
+    return StepEpisode(score=score, steps=steps)
+
+
+def _kept_for_turns(scored: list[Record], dropped: dict[str, str], calls: dict[str, list[DispatchedSamplingTask]],
+                    adv_cfg: AdvantageConfig) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
+    """A group dropped for equal scores is kept whole when the per-turn estimator credits some of its turns (every
+    member solved it, in different numbers of turns)."""
+    members = [r for r in with_verdict(scored) if dropped.get(r.id) == ZERO_VARIANCE_DECISION]
+    if len(members) < 2:
+        return {}, dropped, {}
+    credits = step_credits([turn_episode(calls[r.id], float(r.score)) for r in members], adv_cfg)
+    if all(abs(credit.advantage) < 1e-12 for row in credits for credit in row):
+        return {}, dropped, {}
+    return ({r.id: "kept (turn credit)" for r in members}, {rid: reason for rid, reason in dropped.items()
+                                                           if reason != ZERO_VARIANCE_DECISION},
+            {r.id: float(r.score) for r in members})
+
+
+def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float | list[float], reward: float,
              adv_cfg: AdvantageConfig, outcome: GroupOutcome) -> list[DBRecordData]:
-    """Merge a kept trajectory into DBRecordData samples (one per branch)."""
+    """Merge a kept trajectory into DBRecordData samples (one per branch); ``advantage``: the trajectory's, or one
+    per call (a per-turn estimator)."""
     per_call = call_advantages(advantage, [str(c.status) for c in calls], adv_cfg)
     merged = merge_trajectory([CallTokens.from_document(c, a) for c, a in zip(calls, per_call)],
                               adv_cfg.trainable_statuses)

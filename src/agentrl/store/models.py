@@ -318,6 +318,14 @@ class DispatchedSamplingTask(Document):
     created_at: UTCDatetime = Field(default_factory=utcnow)
     finished_at: UTCDatetime | None = None
     latency_s: float | None = None
+    step_reward: float | None = Field(None, description="the reward of the step this call's action made (scaled as "
+                                      "the episode's score); None: no per-turn reward")
+    done: bool | None = Field(None, description="whether this call's step ended the episode")
+    state_key: str | None = Field(None, description="key of the state this call acted in, before its action (the "
+                                  "environment's, else a hash of the observation text or of the prompt)")
+    advantage: float | None = Field(None, description="this call's advantage, set by the group stage")
+    step_return: float | None = Field(None, description="the return to go the advantage was computed from "
+                                      "(per-turn estimators)")
 
 
 # ---------------------------------------------------------------------------------------------------- DBRecordData

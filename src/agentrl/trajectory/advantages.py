@@ -7,7 +7,8 @@ Pure functions on plain floats (no database, no tensors). The pipeline per group
    unbiased (Bessel, ``n - 1``) standard deviation, as ``torch.std`` computes it in verl and TRL (the original AgentRL
    never divided its advantage by a std, so there is nothing of it to follow). A group of one has std 0 and
    advantage 0.
-2. ``call_advantages``: every LLM call of a trajectory inherits its trajectory's advantage; calls whose status
+2. ``call_advantages``: every LLM call of a trajectory inherits its trajectory's advantage (or, with a per-turn
+   ``adv_estimator``, gets its own: ``agentrl.trajectory.step_credit``); calls whose status
    is an error status (``formaterror``, ``repeaterror`` by default) are capped at 0 (never rewarded, may still
    be penalised); calls whose status is not trainable get ``None``. The result is multiplied by
    ``adv_scaling``, and then the drop rule (``drop_zero_advantage`` / ``minimal_advantage``) turns calls with a
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from enum import StrEnum
 from typing import Annotated
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -39,10 +41,31 @@ ERROR_CALL_STATUSES: frozenset[str] = frozenset({"formaterror", "repeaterror"})
 """Statuses whose calls never get a positive advantage (the original set their ``advantage`` to 0)."""
 
 
+class AdvEstimator(StrEnum):
+    """How a trajectory's turns are credited (``agentrl.trajectory.step_credit``)."""
+
+    GRPO = "grpo"
+    GIGPO = "gigpo"
+    TURN_LOO = "turn_loo"
+
+
+class GigpoMode(StrEnum):
+    MEAN_NORM = "mean_norm"
+    MEAN_STD_NORM = "mean_std_norm"
+
+
 class AdvantageConfig(BaseModel):
     """How rewards become advantages (flags of ``agentrl sample``, whose group stage computes them)."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+    adv_estimator: AdvEstimator = Field(
+        AdvEstimator.GRPO, description="grpo: every turn gets its trajectory's advantage; gigpo: verl-agent's GiGPO "
+        "(an episode and a step term per turn); turn_loo: per-turn credit with leave-one-out baselines, unbiased "
+        "(docs/training.md#credit-per-turn)")
+    gamma: float = Field(0.95, ge=0.0, le=1.0, description="gigpo, turn_loo: discount of the returns to go")
+    step_advantage_w: float = Field(1.0, ge=0.0, description="gigpo, turn_loo: weight of the step term (omega)")
+    gigpo_mode: GigpoMode = Field(GigpoMode.MEAN_NORM, description="gigpo: mean_norm or mean_std_norm")
 
     scale_rewards: bool = Field(
         False, description="divide R - baseline by the group's unbiased standard deviation (n - 1, as verl and "
@@ -107,20 +130,24 @@ def keeps_advantage(advantage: float, config: AdvantageConfig) -> bool:
 
 
 def call_advantages(
-    trajectory_advantage: float, call_statuses: Sequence[str], config: AdvantageConfig
+    advantages: float | Sequence[float], call_statuses: Sequence[str], config: AdvantageConfig
 ) -> list[float | None]:
-    """Per-call advantages of one trajectory (``None``: no loss on that call's tokens).
+    """Per-call advantages of one trajectory (``None``: no loss on that call's tokens), from its advantage (every
+    call alike, ``grpo``) or one per call (a per-turn estimator, ``agentrl.trajectory.step_credit``).
 
     A call whose status is not in ``trainable_statuses`` gets ``None``; an error-status call gets
     ``min(A, 0)``; then ``adv_scaling`` and the drop rule apply.
     """
+    per_call = [float(advantages)] * len(call_statuses) if isinstance(advantages, (int, float)) else advantages
+    if len(per_call) != len(call_statuses):
+        raise ValueError(f"{len(per_call)} advantages for {len(call_statuses)} calls")
     result: list[float | None] = []
-    for status in call_statuses:
+    for status, call_advantage in zip(call_statuses, per_call):
         status = str(status)
         if status not in config.trainable_statuses:
             result.append(None)
             continue
-        advantage = min(trajectory_advantage, 0.0) if status in config.error_statuses else trajectory_advantage
+        advantage = min(call_advantage, 0.0) if status in config.error_statuses else call_advantage
         advantage *= config.adv_scaling
         result.append(advantage if keeps_advantage(advantage, config) else None)
     return result

@@ -21,7 +21,9 @@ Estimators (``--adv_estimator``):
   ``tests/test_step_credit.py`` enumerates small MDPs exactly), where GiGPO's self-including means and the
   per-index (MT-GRPO) construction are biased. A group of one gets 0, as in ``grpo``.
 
-``omega = 0`` makes ``gigpo`` GiGPO's episode term alone and ``turn_loo`` leave-one-out GRPO.
+``omega = 0`` makes ``gigpo`` GiGPO's episode term alone and ``turn_loo`` leave-one-out GRPO. The options are
+:class:`~agentrl.trajectory.advantages.AdvantageConfig`'s (``gamma``, ``step_advantage_w`` = omega, ``gigpo_mode``,
+``std_epsilon``); GiGPO's defaults as verl-agent's config: gamma 0.95, omega 1, ``mean_norm``.
 """
 
 from __future__ import annotations
@@ -30,36 +32,8 @@ import math
 from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
-from enum import StrEnum
 
-from pydantic import BaseModel, ConfigDict, Field
-
-from agentrl.trajectory.advantages import AdvantageConfig, group_advantages
-
-
-class AdvEstimator(StrEnum):
-    GRPO = "grpo"
-    GIGPO = "gigpo"
-    TURN_LOO = "turn_loo"
-
-
-class GigpoMode(StrEnum):
-    MEAN_NORM = "mean_norm"
-    MEAN_STD_NORM = "mean_std_norm"
-
-
-class StepCreditConfig(BaseModel):
-    """How a group's steps get their advantages (flags of ``agentrl sample``; names as verl and verl-agent)."""
-
-    model_config = ConfigDict(extra="forbid", frozen=True)
-
-    adv_estimator: AdvEstimator = Field(AdvEstimator.GRPO, description="grpo: every turn its trajectory's "
-                                        "advantage; gigpo: verl-agent's GiGPO; turn_loo: per-turn credit with "
-                                        "leave-one-out baselines (unbiased)")
-    gamma: float = Field(0.95, ge=0.0, le=1.0, description="discount of the step returns (gigpo, turn_loo)")
-    step_advantage_w: float = Field(1.0, ge=0.0, description="omega: weight of the step term (gigpo, turn_loo)")
-    gigpo_mode: GigpoMode = Field(GigpoMode.MEAN_NORM, description="gigpo: mean_norm or mean_std_norm")
-    epsilon: float = Field(1e-6, gt=0.0, description="gigpo mean_std_norm: added to the std")
+from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator, GigpoMode, group_advantages
 
 
 @dataclass(frozen=True)
@@ -95,16 +69,16 @@ def step_returns(steps: Sequence[Step], gamma: float) -> list[float]:
     return returns
 
 
-def step_credits(episodes: Sequence[Episode], config: StepCreditConfig,
-                 grpo: AdvantageConfig | None = None) -> list[list[StepCredit]]:
-    """Each step's credit, per episode in the order given (``grpo``: the group-advantage settings of ``grpo``)."""
+def step_credits(episodes: Sequence[Episode], config: AdvantageConfig) -> list[list[StepCredit]]:
+    """Each step's credit, per episode in the order given (``adv_estimator`` says how; ``grpo`` follows the group
+    advantage's other settings, ``scale_rewards`` and ``leave_one_out``)."""
     for index, episode in enumerate(episodes):
         values = [episode.score, *(step.reward for step in episode.steps)]
         if not all(math.isfinite(value) for value in values):
             raise ValueError(f"episode {index} of the group has a reward that is not finite: {values}")
     returns = [step_returns(episode.steps, config.gamma) for episode in episodes]
     if config.adv_estimator == AdvEstimator.GRPO:
-        advantages = group_advantages([episode.score for episode in episodes], grpo or AdvantageConfig())
+        advantages = group_advantages([episode.score for episode in episodes], config)
         per_step = [[a] * len(episode.steps) for a, episode in zip(advantages, episodes)]
     elif config.adv_estimator == AdvEstimator.GIGPO:
         per_step = _gigpo(episodes, returns, config)
@@ -114,7 +88,7 @@ def step_credits(episodes: Sequence[Episode], config: StepCreditConfig,
             for advantages, rets in zip(per_step, returns, strict=True)]
 
 
-def _normalised(values: list[float], config: StepCreditConfig, singleton_mean: float | None) -> list[float]:
+def _normalised(values: list[float], config: AdvantageConfig, singleton_mean: float | None) -> list[float]:
     """verl-agent's per-group normalisation: minus the mean (``singleton_mean`` for a group of one), over
     ``std + epsilon`` in ``mean_std_norm`` (unbiased std; 1 for a group of one)."""
     n = len(values)
@@ -123,10 +97,10 @@ def _normalised(values: list[float], config: StepCreditConfig, singleton_mean: f
     if config.gigpo_mode == GigpoMode.MEAN_NORM:
         return centred
     std = math.sqrt(math.fsum((value - mean) ** 2 for value in values) / (n - 1)) if n > 1 else 1.0
-    return [value / (std + config.epsilon) for value in centred]
+    return [value / (std + config.std_epsilon) for value in centred]
 
 
-def _gigpo(episodes: Sequence[Episode], returns: list[list[float]], config: StepCreditConfig) -> list[list[float]]:
+def _gigpo(episodes: Sequence[Episode], returns: list[list[float]], config: AdvantageConfig) -> list[list[float]]:
     rows = [(i, t) for i, episode in enumerate(episodes) for t in range(len(episode.steps))]
     if not rows:
         return [[] for _ in episodes]
