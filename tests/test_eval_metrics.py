@@ -160,6 +160,11 @@ def test_paired_difference_compares_the_same_tasks_with_a_95_percent_interval() 
     assert not any("the trainer ended after" in line for line in render(summary))
     summary.update(train_steps=24, steps=22)  # the tasks ran out before the step budget
     assert "the trainer ended after 22 of 24 steps: no task was left to sample" in "\n".join(render(summary))
+    summary.update(train_time_s=330.0, tasks_left=0)  # a time limit, but the tasks ran out first
+    assert "the trainer ended after 22 of 24 steps: no task was left to sample" in "\n".join(render(summary))
+    summary.update(tasks_left=17)  # the time limit came first
+    assert "the trainer stopped at its time limit of 330 s after 22 of 24 steps (17 tasks not sampled yet)" in (
+        "\n".join(render(summary)))
 
 
 def test_the_summary_names_the_task_types_the_last_stage_changed_and_those_never_right() -> None:

@@ -57,12 +57,17 @@ def read_evals(specs: list[str]) -> dict[str, dict[str, Any]]:
 def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: float | None,
                   train_steps: int | None = None) -> dict[str, Any]:
     from agentrl.cli.progress_text import diagnose
+    from agentrl.store.models import OPEN_TASK_STATES
     from agentrl.store.progress import progress_fields, read_progress
     from agentrl.store.summary import reward_by_version
 
     progress = read_progress(db, split)
     summary: dict[str, Any] = {"database": db.name, **progress_fields(progress), "wall_s": wall_s,
-                               "train_steps": train_steps, "eval": evals,
+                               "train_steps": train_steps, "train_time_s": progress.time_limit_s or None,
+                               "tasks_left": db["Task"].count_documents(
+                                   {"split": split, "status": {"$in": [str(s) for s in OPEN_TASK_STATES]},
+                                    "unclaimed": {"$gt": 0}}),
+                               "eval": evals,
                                "reward_by_version": reward_by_version(db["Record"], split)}
     labels = list(evals)
     if len(labels) >= 2:
@@ -118,8 +123,13 @@ def render(summary: dict[str, Any]) -> list[str]:
                      "revisited after skipping")
     budget = summary.get("train_steps")
     if budget and 0 < summary["steps"] < budget:
-        lines.append(f"the trainer ended after {summary['steps']} of {budget} steps: no task was left to sample; "
-                     "more tasks or rounds (NUM_TASKS, ROUNDS in the example scripts) give it more groups to keep")
+        if summary.get("train_time_s") and summary.get("tasks_left"):
+            lines.append(f"the trainer stopped at its time limit of {summary['train_time_s']:.0f} s after "
+                         f"{summary['steps']} of {budget} steps ({summary['tasks_left']} tasks not sampled yet)")
+        else:
+            lines.append(f"the trainer ended after {summary['steps']} of {budget} steps: no task was left to sample;"
+                         " more tasks or rounds (NUM_TASKS, ROUNDS in the example scripts) give it more groups to "
+                         "keep")
     failures = summary["failures"]
     if failures:
         lines.append(f"{sum(failures.values())} records not trained, by failure class: {failure_line(failures)}")
