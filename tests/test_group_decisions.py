@@ -5,7 +5,7 @@ from __future__ import annotations
 from agentrl.rollout.config import GroupConfig
 from agentrl.rollout.group_stage import decide
 from agentrl.store import Record
-from agentrl.store.models import ZERO_VARIANCE_DECISION, utcnow
+from agentrl.store.models import ZERO_VARIANCE_DECISION, solved, utcnow
 
 
 def records(*members: tuple[str, float, int]) -> list[Record]:
@@ -46,3 +46,17 @@ def test_efficient_rewarding_acts_on_an_all_solved_group() -> None:
 def test_only_failures_of_the_infrastructure_keep_their_own_reason() -> None:
     group = records(("env_start_error", 0.0, 0), ("env_error", 0.0, 1))
     assert decide(group, GroupConfig()) == ({}, {"t/0/0": "env_start_error", "t/1/0": "env_error"}, {})
+
+
+def test_an_episode_is_right_by_its_environments_success_not_by_half_the_score() -> None:
+    # Before: one threshold (0.5) for every environment: a SciWorld episode at half its score was "right" for
+    # balance_sample, min_turns and efficient_rewarding.
+    group = records(("done", 0.6, 3), ("done", 1.0, 5), ("turns_limit_error", 0.1, 8))
+    group[0].score_details.update(success=False)  # SciWorld: 60 of 100 points is not a success
+    group[1].score_details.update(success=True)
+    group[2].score_details.update(success=False)
+    kept, _, _ = decide(group, GroupConfig(balance_sample=True))
+    assert kept == {"t/0/0": "balanced (wrong)", "t/2/0": "balanced (wrong)", "t/1/0": "balanced (right)"}
+    assert solved(group[1]) and not solved(group[0])
+    plain = records(("answer", 0.6, 1))[0]  # no environment: the score threshold
+    assert solved(plain)

@@ -61,7 +61,7 @@ from agentrl.store import (
     Store,
     Task,
 )
-from agentrl.store.models import RECORD_TRANSITIONS, SUCCESS_SCORE, ZERO_VARIANCE_DECISION, CallStatus, FailureClass
+from agentrl.store.models import RECORD_TRANSITIONS, ZERO_VARIANCE_DECISION, CallStatus, FailureClass, solved
 from agentrl.store.transitions import sources_of
 from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator, call_advantages, group_advantages
 from agentrl.trajectory.merge import CallTokens, full_prompts, merge_trajectory
@@ -140,8 +140,8 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
     if not candidates:
         return {}, dropped, {}
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")
-    right = [r for r in candidates if r.score >= SUCCESS_SCORE]
-    wrong = [r for r in candidates if r.score < SUCCESS_SCORE]
+    right = [r for r in candidates if solved(r)]
+    wrong = [r for r in candidates if not solved(r)]
     if cfg.balance_sample:
         least = min(len(right), len(wrong))
         for group, extra, label in ((wrong, 1, "wrong"), (right, 2, "right")):
@@ -242,13 +242,13 @@ async def _schedule_next_round(store: Store, task: Task, scored: list[Record], c
     """Create the Task of the round its content is sampled in next, if any (``agentrl.rollout.curriculum``);
     returns what the closing Task records: its pass rate, next round, the rounds skipped until then and whether
     the group taught anything."""
-    solved = [r.score >= SUCCESS_SCORE for r in with_verdict(scored) if r.score is not None]
+    successes = [solved(r) for r in with_verdict(scored) if r.score is not None]
     taught = not zero_variance([r.score for r in with_verdict(scored) if r.score is not None], cfg)
     following = next_round(curriculum, task.first_round_id or task.id, task.round, taught)
     if following is not None:
         await store.slots.add_task(round_task(task, following))
     skipped = (following if following is not None else curriculum.rounds + 1) - task.round - 1
-    return {"pass_rate": sum(solved) / len(solved) if solved else None, "next_round": following,
+    return {"pass_rate": sum(successes) / len(successes) if successes else None, "next_round": following,
             "rounds_skipped": max(skipped, 0), "taught": taught}
 
 
