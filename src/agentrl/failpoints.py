@@ -22,7 +22,8 @@ Points in the code:
 - ``sampler.sample.before_finish`` (a trajectory's Record ``completed``, not yet scored and settled);
 - ``episode.create.before_record`` (an environment instance created, its id not recorded on the Record),
   ``episode.close.before_mark`` (the instance closed, the Record still says it is open);
-- ``group_stage.after_ready`` (a kept trajectory's Record ``ready``, its samples not queued),
+- ``group_stage.after_credits`` (a per-turn estimator's advantages written on the calls, no Record moved),
+  ``group_stage.after_ready`` (a kept trajectory's Record ``ready``, its samples not queued),
   ``group_stage.before_complete`` (every Record moved on, the Task not closed);
 - ``samples.claim.after_one`` (a trainer rank claimed one more sample of its step);
 - ``publish.after_export`` (new weights written or sent, no service told), ``publish.before_bump`` (services

@@ -29,10 +29,12 @@ the decisions are deterministic, queued samples have deterministic ids (queueing
 overlapping runs of the stage, queues each once), and a Record already at or past the state the stage wants
 (``ready`` and since trained by the trainer, or abandoned as stale) is left as it is. A Record is ``ready`` before
 any of its samples is queued, so the trainer, which moves the Records of the samples it trained from ``ready`` to
-``trained``, always finds it ``ready``. Crash windows (failpoints): after a kept Record is ``ready`` but before its
-samples are queued (``group_stage.after_ready``; the redo queues them), and after every Record moved and the next
-round created but before the Task is closed (``group_stage.before_complete``; the redo creates the next round once:
-its id is deterministic); the trainer may train the queued samples in either window.
+``trained``, always finds it ``ready``. Crash windows (failpoints): after the per-turn credits are written on
+the calls but before any Record moved (``group_stage.after_credits``; the redo writes the same values), after a
+kept Record is ``ready`` but before its samples are queued (``group_stage.after_ready``; the redo queues them), and
+after every Record moved and the next round created but before the Task is closed (``group_stage.before_complete``;
+the redo creates the next round once: its id is deterministic); the trainer may train the queued samples in the
+last two.
 """
 
 from __future__ import annotations
@@ -205,6 +207,7 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
         await store.calls.set_credits({call.id: (advantage, credit.step_return) for rid, row in zip(members, credits)
                                        for call, credit, advantage in zip(calls[rid], row, call_advantages(
                                            turn_advantages[rid], [str(c.status) for c in calls[rid]], adv_cfg))})
+        failpoint("group_stage.after_credits")
     abandon: dict[str, dict] = {}
     for record in scored:
         failure = OUTCOME_FAILURES.get(str(record.outcome), FailureClass.FILTERED)
