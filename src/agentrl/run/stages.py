@@ -327,7 +327,9 @@ def train(run: RunState, model: str | Path | None) -> None:
     steps, rate = config.section_value("trainer", "max_steps"), config.section_value("trainer", "learning_rate")
     lora = (f" with rank-{config.lora_r} LoRA adapters at {rate}, published {config.lora_publish},"
             if config.lora_r else "")
-    say(f"trainer: {config.loss_name},{lora} up to {steps if steps > 0 else 'any number of'} steps of "
+    time_s = config.section_value("trainer", "max_train_time_s")
+    budget = f" for {time_s:.0f} s, at most" if time_s else " up to"
+    say(f"trainer: {config.loss_name},{lora}{budget} {steps if steps > 0 else 'any number of'} steps of "
         f"{config.value('train_batch_size')} samples (log {run.logs / 'trainer.log'}, output {config.output_dir})")
     flags = config.flags("trainer", db_connection_string=run.database_uri(), **model_flag(model),
                          output_dir=str(config.output_dir), **lora_flags(config))
