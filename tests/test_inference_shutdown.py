@@ -14,9 +14,10 @@ from agentrl.inference.process import EngineProcess
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 5356, 2]
 LONG = {"max_new_tokens": 2000, "ignore_eos": True, "temperature": 1.0}  # the tiny model's whole context
+EXIT_LIMIT_S = 10.0
 
 
-async def test_sigterm_aborts_running_generations_and_exits_within_5s(
+async def test_sigterm_aborts_running_generations_and_exits_within_seconds(
         launch_engine: Callable[..., EngineProcess], tiny_model_dir: Path) -> None:
     engine = launch_engine(tiny_model_dir)
     try:
@@ -32,7 +33,9 @@ async def test_sigterm_aborts_running_generations_and_exits_within_5s(
     finally:
         engine.stop()
     assert status == 0, engine.output
-    assert elapsed < 5.0, f"the engine took {elapsed:.1f}s to exit"
+    # measured 2.2 s alone on 2 cores, 5.4 s once beside the suite's 4 workers; the generations cut short would
+    # have taken minutes
+    assert elapsed < EXIT_LIMIT_S, f"the engine took {elapsed:.1f}s to exit"
     for result in results:
         assert result.finish_reason == "abort" and result.completion_tokens < LONG["max_new_tokens"]
         assert result.meta_info["finish_reason"]["message"] == "the engine is shutting down"

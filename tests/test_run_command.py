@@ -72,10 +72,12 @@ def test_the_presets_and_the_derived_defaults() -> None:
 
     plain = config(run_name="r")
     assert (plain.num_tasks, plain.section_value("sampler", "rounds"), plain.scorer, plain.warmup,
-            plain.value("max_turns"), plain.value("temperature")) == (48, 3, "math", 24, 2, 0.7)
+            plain.value("max_turns"), plain.value("temperature")) == (200, 1, "math", 32, 2, 0.7)
     assert (plain.section_value("trainer", "learning_rate"), plain.section_value("warmup_trainer", "learning_rate"),
             plain.value("max_new_tokens")) == (2e-6, 1e-4, 48)
-    assert plain.num_eval_tasks == 32 and config(num_eval_tasks=0).num_eval_tasks == 0
+    assert plain.num_eval_tasks == 64 and config(num_eval_tasks=0).num_eval_tasks == 0
+    assert (plain.section_value("trainer", "max_train_time_s"), plain.section_value("trainer", "max_steps")) == (
+        330.0, 100)  # RL bounded by time
     assert plain.run_dir == ROOT / "runs" / "r" and plain.output_dir == ROOT / "runs" / "r" / "output"
     own_model = config(model="m")
     assert own_model.warmup == 0 and own_model.run_name.startswith("minirl-")
@@ -86,6 +88,7 @@ def test_the_presets_and_the_derived_defaults() -> None:
             env.value("temperature")) == (0, 1, "", 64, 2, 12, 1.0)
     assert (env.section_value("trainer", "learning_rate"), env.section_value("warmup_trainer", "learning_rate"),
             env.num_eval_tasks) == (5e-5, 2e-3, 32)
+    assert (env.section_value("trainer", "max_train_time_s"), env.section_value("trainer", "max_steps")) == (0.0, 32)
     assert config(env="sciworld").warmup == 0
     assert config(env="textcraft", scorer="math", warmup=0, temperature=0.5).model_dump(
         include={"scorer", "warmup", "temperature"}) == {"scorer": "math", "warmup": 0, "temperature": 0.5}
