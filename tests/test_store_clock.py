@@ -21,7 +21,7 @@ from agentrl.store import clock as clock_module
 from agentrl.store.embedded import EmbeddedServer
 from conftest import free_port, with_database
 
-OUTAGE_S = 8.0
+OUTAGE_S = 4.0
 SKEW_S = 120.0
 FAST_HEARTBEATS = {"heartbeatFrequencyMS": 500}
 
@@ -50,7 +50,7 @@ async def eventually_offset(store: Store, expected_s: float, timeout_s: float = 
 
 async def test_a_store_opened_during_an_outage_measures_only_short_round_trips(
         server: EmbeddedServer, caplog: pytest.LogCaptureFixture) -> None:
-    # Before: the offset was the midpoint of the one hello, which waited out the outage: off by half of it (4 s).
+    # Before: the offset was the midpoint of the one hello, which waited out the outage: off by half of it (2 s).
     server.stop()
     store = Store(with_database(server.uri(), "clock"), connect_timeout_s=60)
     opening = asyncio.create_task(store.connect())
