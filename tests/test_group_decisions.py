@@ -1,11 +1,14 @@
-"""The group stage's decisions (agentrl.rollout.group_stage.decide) on Records in memory: which samples train."""
+"""The group stage's decisions (agentrl.rollout.group_stage): which samples train, on Records in memory, and a
+group that only per-turn credit can teach, on the database."""
 
 from __future__ import annotations
 
 from agentrl.rollout.config import GroupConfig
-from agentrl.rollout.group_stage import decide
-from agentrl.store import Record
+from agentrl.rollout.group_stage import decide, run_group_stage
+from agentrl.store import DispatchedSamplingTask, GroupLease, Record, RecordStatus, Store
 from agentrl.store.models import ZERO_VARIANCE_DECISION, solved, utcnow
+from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator
+from store_helpers import insert_tasks
 
 
 def records(*members: tuple[str, float, int]) -> list[Record]:
@@ -60,3 +63,45 @@ def test_an_episode_is_right_by_its_environments_success_not_by_half_the_score()
     assert solved(group[1]) and not solved(group[0])
     plain = records(("answer", 0.6, 1))[0]  # no environment: the score threshold
     assert solved(plain)
+
+
+async def group_solved_in_one_and_in_two_turns(store: Store) -> GroupLease:
+    """Two samples of one Task, both solved (score 1): one episode in one turn, one in two (a first step that
+    earned nothing), their calls stored as an episode's."""
+    await insert_tasks(store, 1, num_generations=2)
+    group = None
+    for turns in (1, 2):
+        lease = await store.slots.claim("train", "s")
+        calls = [DispatchedSamplingTask(
+            id=f"{lease.record_id}/{turn}", record_id=lease.record_id, task_id=lease.task.id, turn=turn,
+            status="completed", input_ids=[1, 2, 3] if turn == 0 else None,
+            previous_call_id=None if turn == 0 else f"{lease.record_id}/0", prompt_delta_ids=[] if turn == 0 else [4],
+            output_ids=[5, 6], output_logprobs=[-0.1, -0.2], weight_version=0,
+            step_reward=1.0 if turn == turns - 1 else 0.0, done=turn == turns - 1,
+            state_key="start" if turn == 0 else "halfway") for turn in range(turns)]
+        await store.calls.insert(calls)
+        group = await store.slots.finish(lease, RecordStatus.SCORED, score=1.0, outcome="done", num_turns=turns)
+    return group
+
+
+async def test_a_group_solved_by_all_in_different_numbers_of_turns_teaches_per_turn(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        group = await group_solved_in_one_and_in_two_turns(store)
+        outcome = await run_group_stage(store, group, GroupConfig(),
+                                        AdvantageConfig(adv_estimator=AdvEstimator.TURN_LOO, gamma=0.5))
+        calls = {doc["_id"]: doc async for doc in store.db[DispatchedSamplingTask.collection].find({})}
+    assert set(outcome.kept.values()) == {"kept (turn credit)"} and len(outcome.kept) == 2
+    credit = {call_id.split("/", 1)[-1]: (doc["advantage"], doc["step_return"]) for call_id, doc in calls.items()}
+    # the short episode's one step returned 1 in "start", the long one's first step 0.5: the short one is pushed up
+    assert credit["0/1/0"] == (0.5, 1.0) and credit["1/1/0"] == (-0.5, 0.5)
+    # "halfway": nobody else was there, nor acted at turn 1: no baseline, the plain return to go
+    assert credit["1/1/1"] == (1.0, 1.0)
+
+
+async def test_with_grpo_the_same_group_is_dropped_and_its_calls_get_no_credit(db_uri: str) -> None:
+    async with Store(db_uri) as store:
+        group = await group_solved_in_one_and_in_two_turns(store)
+        outcome = await run_group_stage(store, group, GroupConfig(), AdvantageConfig())
+        calls = [doc async for doc in store.db[DispatchedSamplingTask.collection].find({})]
+    assert not outcome.kept and set(outcome.dropped.values()) == {ZERO_VARIANCE_DECISION}
+    assert all(doc["advantage"] is None and doc["step_return"] is None for doc in calls)

@@ -60,3 +60,10 @@ def test_the_readme_and_the_script_give_one_duration() -> None:
     readme = re.findall(pattern, (ROOT / "README.md").read_text())
     script = re.findall(pattern, (ROOT / "minirl_example.sh").read_text())
     assert readme and script and set(readme) == set(script), (readme, script)
+
+
+def test_the_readme_states_the_rl_phases_time_limit(resolved: dict[str, object]) -> None:
+    fractions = {"": 0.0, "¼": 0.25, "½": 0.5, "¾": 0.75}
+    found = re.search(r"MINIRL for (\d+)([¼½¾]?) minutes", (ROOT / "README.md").read_text())
+    assert found, "the README no longer says how long RL runs"
+    assert (int(found.group(1)) + fractions[found.group(2)]) * 60 == resolved["TRAIN_TIME_S"]

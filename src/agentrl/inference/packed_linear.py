@@ -125,21 +125,21 @@ def row_layout(in_features: int, out_features: int, matmul_dtype: torch.dtype) -
     packs = [(rows.to(dtype), torch.ops.mkldnn._reorder_linear_weight(weight.to(dtype), None))
              for dtype in {torch.float32, matmul_dtype}]
 
-    def agrees(layout: RowLayout, counts: tuple[int, ...]) -> bool:
+    def agrees(layout: RowLayout) -> bool:
         for values, packed in packs:
             together = multiply(values, packed, None, layout)
             for offset in PROBE_OFFSETS:
-                for count in counts:
+                for count in PROBE_ROWS:
                     part = values[offset:offset + count]
                     if not torch.equal(multiply(part, packed, None, layout), together[offset:offset + count]):
                         return False
         return True
 
     for layout in (RowLayout(), RowLayout(pad_single_row=True)):
-        if agrees(layout, PROBE_ROWS):
+        if agrees(layout):
             return layout
     blocks = RowLayout(block_rows=ROW_BLOCK)
-    return blocks if agrees(blocks, PROBE_ROWS) else RowLayout(block_rows=ROW_BLOCK, exact=False)
+    return blocks if agrees(blocks) else RowLayout(block_rows=ROW_BLOCK, exact=False)
 
 
 def pack_linears(model: nn.Module, *, bf16_matmuls: bool = False) -> int:

@@ -68,7 +68,7 @@ from agentrl.store.transitions import sources_of
 from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator, call_advantages, group_advantages
 from agentrl.trajectory.merge import CallTokens, full_prompts, merge_trajectory
 from agentrl.trajectory.step_credit import Episode as StepEpisode
-from agentrl.trajectory.step_credit import Step, step_credits
+from agentrl.trajectory.step_credit import Step, StepCredit, step_credits
 
 logger = logging.getLogger(__name__)
 
@@ -195,25 +195,30 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
         return outcome
     kept, dropped, rewards = decide(scored, cfg)
     per_turn = adv_cfg.adv_estimator != AdvEstimator.GRPO
-    calls = await store.calls.for_records([r.id for r in scored if r.id in kept or (per_turn and r.id in dropped)])
-    if per_turn and not kept:  # all alike in score, but the turns may still differ in credit
-        kept, dropped, rewards = _kept_for_turns(scored, dropped, calls, adv_cfg)
+    tied = per_turn and not kept  # alike in score: the turns may still differ in credit
+    if tied:
+        rewards = {r.id: float(r.score) for r in with_verdict(scored) if dropped.get(r.id) == ZERO_VARIANCE_DECISION}
+    calls = await store.calls.for_records(list(rewards))
+    credits = _turn_credits(calls, rewards, adv_cfg) if per_turn else {}
+    if tied:  # kept when two or more members' turns differ in credit
+        if len(credits) > 1 and any(abs(credit.advantage) >= 1e-12 for row in credits.values() for credit in row):
+            kept = dict.fromkeys(credits, "kept (turn credit)")
+            dropped = {rid: reason for rid, reason in dropped.items() if rid not in kept}
+        else:
+            credits = {}
+    rewards = {rid: rewards[rid] for rid in kept}
     advantages = dict(zip(rewards, group_advantages(list(rewards.values()), adv_cfg)))
-    turn_advantages: dict[str, list[float]] = {}
-    if per_turn and kept:
-        members = list(rewards)
-        credits = step_credits([turn_episode(calls[rid], rewards[rid]) for rid in members], adv_cfg)
-        turn_advantages = {rid: [c.advantage for c in row] for rid, row in zip(members, credits)}
-        await store.calls.set_credits({call.id: (advantage, credit.step_return) for rid, row in zip(members, credits)
-                                       for call, credit, advantage in zip(calls[rid], row, call_advantages(
-                                           turn_advantages[rid], [str(c.status) for c in calls[rid]], adv_cfg))})
+    per_call = {rid: call_advantages([c.advantage for c in credits[rid]] if rid in credits else advantages[rid],
+                                     [str(c.status) for c in calls[rid]], adv_cfg) for rid in kept}
+    if credits:
+        await store.calls.set_credits({call.id: (advantage, credit.step_return) for rid in kept for call, credit,
+                                       advantage in zip(calls[rid], credits[rid], per_call[rid], strict=True)})
         failpoint("group_stage.after_credits")
     abandon: dict[str, dict] = {}
     for record in scored:
         failure = OUTCOME_FAILURES.get(str(record.outcome), FailureClass.FILTERED)
         if record.id in kept:
-            samples = _convert(record, calls[record.id], turn_advantages.get(record.id, advantages[record.id]),
-                               rewards[record.id], adv_cfg, outcome)
+            samples = _convert(record, calls[record.id], per_call[record.id], rewards[record.id], adv_cfg, outcome)
             too_large = max((_oversize(sample) for sample in samples), default=0)
             if samples and too_large <= MAX_SAMPLE_BYTES:
                 await _move_many(store, RecordStatus.READY, {record.id: {
@@ -260,33 +265,25 @@ def turn_episode(calls: list[DispatchedSamplingTask], score: float) -> StepEpiso
     environment episode's); for calls without (tool tasks) the score is the last call's reward and the state is
     the call's whole prompt (identical histories are one state)."""
     rewarded = any(call.step_reward is not None for call in calls)
-    prompts = full_prompts([CallTokens.from_document(call, None) for call in calls])
+    keyed = all(call.state_key for call in calls)
+    prompts = [None] * len(calls) if keyed else full_prompts([CallTokens.from_document(c, None) for c in calls])
     steps = [Step(reward=float(call.step_reward or 0.0) if rewarded else (score if t == len(calls) - 1 else 0.0),
                   state_key=call.state_key or "prompt:" + hashlib.sha256(str(prompt).encode()).hexdigest()[:24])
              for t, (call, prompt) in enumerate(zip(calls, prompts))]
     return StepEpisode(score=score, steps=steps)
 
 
-def _kept_for_turns(scored: list[Record], dropped: dict[str, str], calls: dict[str, list[DispatchedSamplingTask]],
-                    adv_cfg: AdvantageConfig) -> tuple[dict[str, str], dict[str, str], dict[str, float]]:
-    """A group dropped for equal scores is kept whole when the per-turn estimator credits some of its turns (every
-    member solved it, in different numbers of turns)."""
-    members = [r for r in with_verdict(scored) if dropped.get(r.id) == ZERO_VARIANCE_DECISION]
-    if len(members) < 2:
-        return {}, dropped, {}
-    credits = step_credits([turn_episode(calls[r.id], float(r.score)) for r in members], adv_cfg)
-    if all(abs(credit.advantage) < 1e-12 for row in credits for credit in row):
-        return {}, dropped, {}
-    return ({r.id: "kept (turn credit)" for r in members}, {rid: reason for rid, reason in dropped.items()
-                                                           if reason != ZERO_VARIANCE_DECISION},
-            {r.id: float(r.score) for r in members})
+def _turn_credits(calls: dict[str, list[DispatchedSamplingTask]], rewards: dict[str, float],
+                  adv_cfg: AdvantageConfig) -> dict[str, list[StepCredit]]:
+    """Each member's per-turn credit (by record id), over the members ``rewards`` names."""
+    rows = step_credits([turn_episode(calls[rid], reward) for rid, reward in rewards.items()], adv_cfg)
+    return dict(zip(rewards, rows, strict=True))
 
 
-def _convert(record: Record, calls: list[DispatchedSamplingTask], advantage: float | list[float], reward: float,
+def _convert(record: Record, calls: list[DispatchedSamplingTask], per_call: list[float | None], reward: float,
              adv_cfg: AdvantageConfig, outcome: GroupOutcome) -> list[DBRecordData]:
-    """Merge a kept trajectory into DBRecordData samples (one per branch); ``advantage``: the trajectory's, or one
-    per call (a per-turn estimator)."""
-    per_call = call_advantages(advantage, [str(c.status) for c in calls], adv_cfg)
+    """Merge a kept trajectory into DBRecordData samples (one per branch), each call's tokens with its advantage
+    (``call_advantages``)."""
     merged = merge_trajectory([CallTokens.from_document(c, a) for c, a in zip(calls, per_call)],
                               adv_cfg.trainable_statuses)
     outcome.tokens_forwarded += merged.tokens_forwarded

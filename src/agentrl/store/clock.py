@@ -65,7 +65,6 @@ class ServerClock:
         self.offset = timedelta(0)
         self.round_trip_s: float | None = None
         """The round trip of the reading that set ``offset`` (its error is at most half of it); None: unmeasured."""
-        self._measured_at: float | None = None
         self._due_at = float("inf")  # monotonic time from which ``now()`` measures in the background (after sync)
         self._background: asyncio.Task | None = None
 
@@ -98,11 +97,11 @@ class ServerClock:
             self._due_at = time.monotonic() + RETRY_S
             logger.warning("could not measure the database's clock: %d round trips of up to %.1f s, none within "
                            "%.1f s; leases keep %s", MAX_ATTEMPTS, longest, MAX_ROUND_TRIP_S,
-                           "the last measured offset" if self._measured_at is not None else "this machine's clock")
+                           "this machine's clock" if self.round_trip_s is None else "the last measured offset")
             return self.offset
         best = min(short, key=lambda reading: reading.round_trip_s)
-        first = self._measured_at is None
-        self.offset, self.round_trip_s, self._measured_at = best.offset, best.round_trip_s, time.monotonic()
+        first = self.round_trip_s is None
+        self.offset, self.round_trip_s = best.offset, best.round_trip_s
         if first and abs(self.offset.total_seconds()) > WARN_SKEW_S:
             logger.warning("this machine's clock is %.1f s %s the database's: leases follow the database's clock",
                            abs(self.offset.total_seconds()), "behind" if self.offset > timedelta(0) else "ahead of")

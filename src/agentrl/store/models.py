@@ -205,17 +205,22 @@ SUCCESS_SCORE = 0.5
 """A trajectory scoring at least this is a success: right for the group stage, correct for evaluations (an
 environment episode's success is its environment's own: ``solved``)."""
 
-
-def solved(record: Record) -> bool:
-    """Whether a scored trajectory succeeded: an environment episode by its environment's success rule (the
-    ``success`` its score details carry: a SciWorld episode at half its score has not), anything else by
-    ``SUCCESS_SCORE``."""
-    success = record.score_details.get("success")
-    if isinstance(success, bool):
-        return success
-    return record.score is not None and record.score >= SUCCESS_SCORE
 ZERO_VARIANCE_DECISION = "zero variance in the group"
 """``Record.group_decision`` of every member of a train group whose rewards do not vary (dropped)."""
+
+
+def succeeded(score: float | None, success: Any = None) -> bool:
+    """Whether a trajectory with this score succeeded: an environment episode by its environment's own rule (the
+    ``success`` its score details carry: a SciWorld episode at half its score has not), anything else by
+    ``SUCCESS_SCORE``."""
+    if isinstance(success, bool):
+        return success
+    return score is not None and score >= SUCCESS_SCORE
+
+
+def solved(record: Record) -> bool:
+    """:func:`succeeded` for a Record."""
+    return succeeded(record.score, record.score_details.get("success"))
 
 
 class Record(Document):

@@ -12,7 +12,6 @@ from typing import Any
 from pymongo.database import Database
 
 from agentrl.store.models import (
-    SUCCESS_SCORE,
     ZERO_VARIANCE_DECISION,
     DBRecordData,
     Metric,
@@ -21,6 +20,7 @@ from agentrl.store.models import (
     Run,
     SampleStatus,
     Task,
+    succeeded,
 )
 from agentrl.store.runs import RUN_ID
 from agentrl.store.summary import failure_counts
@@ -119,11 +119,12 @@ def read_progress(db: Database, split: str = "train") -> Progress:
     kept_groups: set[str] = set()
     solved: set[str] = set()
     for doc in records.find({"split": split, "group_decision": {"$ne": None}},
-                            {"task_id": 1, "status": 1, "group_decision": 1, "score": 1}):
+                            {"task_id": 1, "status": 1, "group_decision": 1, "score": 1, "score_details.success": 1}):
         decisions.setdefault(doc["task_id"], set()).add(str(doc["group_decision"]))
         if doc.get("status") in KEPT:
             kept_groups.add(doc["task_id"])
-        if doc.get("group_decision") == ZERO_VARIANCE_DECISION and (doc.get("score") or 0.0) >= SUCCESS_SCORE:
+        if doc.get("group_decision") == ZERO_VARIANCE_DECISION and succeeded(
+                doc.get("score"), (doc.get("score_details") or {}).get("success")):
             solved.add(doc["task_id"])
     progress.groups_kept = len(kept_groups)
     progress.zero_variance_solved = len(solved)
