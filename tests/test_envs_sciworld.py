@@ -137,3 +137,26 @@ def test_close_stops_the_jvm(sciworld: EnvSpec) -> None:
     instance.close()  # closing twice is harmless
     with pytest.raises(EnvError, match="closed"):
         instance.reset(0)
+
+
+def test_state_keys_tell_apart_states_one_observation_shows_alike(env: SciWorldEnv) -> None:
+    """The key is the room and inventory as the agent would see them, not the last feedback: the same feedback in
+    two rooms is two states, the same room reached twice is one."""
+    env.reset(index_of("7-1", 124))
+    start = env.state_key()
+    assert start is not None and start.startswith("7-1:124|score 0|")
+    assert env.step("look around").observation.startswith("This room is called the greenhouse")
+    assert env.state_key() == start  # looking changes nothing
+    here = env.step("inventory")
+    assert env.state_key() == start
+    env.step("open door to outside")
+    opened = env.state_key()
+    assert opened != start  # the room shows an open door
+    env.step("go to outside")
+    outside = env.state_key()
+    assert outside not in (start, opened) and "|score 50|" in outside
+    there = env.step("inventory")
+    assert there.observation == here.observation and env.state_key() == outside  # same feedback, other state
+    env.step("go to greenhouse")
+    assert env.state_key() not in (start, opened)  # back in the greenhouse, but with 50 points
+    assert env.state_key().split("|")[2] == opened.split("|")[2]  # the room and inventory as before

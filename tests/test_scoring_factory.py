@@ -131,6 +131,11 @@ async def test_scorer_failures_are_recorded_not_zero() -> None:
     for name, message in (("t-nan", "finite number"), ("t-none", "must return a number"), ("t-text", "must return")):
         result = await MCPScorerFactory.score(name, "a", "b")
         assert result.score is None and message in result.error
+    # details are stored on the Record: non-finite numbers in them are kept by name (a server may refuse NaN)
+    MCPScorerFactory.register_scorer("t-odd-details", lambda a, b: (1.0, {"x": float("nan"), "y": (float("inf"), 2.0),
+                                                                         "z": {"w": float("-inf")}}))
+    odd = await MCPScorerFactory.score("t-odd-details", "a", "b")
+    assert odd.score == 1.0 and odd.details == {"x": "nan", "y": ["inf", 2.0], "z": {"w": "-inf"}}
     unknown = await MCPScorerFactory.score("t-missing", "a", "b")
     assert unknown.score is None and "unknown scorer 't-missing'" in unknown.error
     no_reward = await MCPScorerFactory.score("env_reward", "a", None, {})

@@ -187,7 +187,8 @@ def test_a_crash_after_an_adapter_checkpoint_resumes_exactly(db_uri: str, mongo_
 
 def test_fsdp2_with_adapters_on_two_ranks_matches_one_process(db_uri: str, mongo_server_uri: str,
                                                               tiny_model_dir: Path, tmp_path: Path) -> None:
-    samples = make_samples(tiny_model_dir, groups=2)
+    samples = make_samples(tiny_model_dir, groups=2, per_turn=True)  # the turns of a trajectory credited apart
+    assert all(len({a for a, m in zip(s.advantages, s.loss_mask) if m}) == 2 for s in samples)
     flags = (*FLAGS, *LORA, "--max_steps", "2", "--save_steps", "2")
     asyncio.run(enqueue(db_uri, samples))
     single = tmp_path / "single"

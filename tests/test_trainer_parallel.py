@@ -39,7 +39,7 @@ TOLERANCE = 1e-5  # weights move ~1e-3 per step; fp32 sums in another order (ada
 
 @pytest.fixture(scope="module")
 def samples(tiny_model_dir: Path) -> list[DBRecordData]:
-    return make_samples(tiny_model_dir, groups=3)
+    return make_samples(tiny_model_dir, groups=3, per_turn=True)  # each turn with its own advantage
 
 
 @pytest.fixture

@@ -40,8 +40,9 @@ def _behaviour_logprobs(model: torch.nn.Module, input_ids: list[int]) -> list[fl
 
 
 def make_samples(model_dir: Path, groups: int, group_size: int = 4, *, seed: int = 0, turns: int = 2,
-                 weight_version: int = 0, prefix: str = "g") -> list[DBRecordData]:
-    """``groups × group_size`` trajectories of ``turns`` calls each, as queued DBRecordData (one per trajectory)."""
+                 weight_version: int = 0, prefix: str = "g", per_turn: bool = False) -> list[DBRecordData]:
+    """``groups × group_size`` trajectories of ``turns`` calls each, as queued DBRecordData (one per trajectory);
+    ``per_turn``: each turn's advantage differs from the others' (as a per-turn ``--adv_estimator`` gives)."""
     from transformers import AutoModelForCausalLM
 
     rng = random.Random(seed)
@@ -64,7 +65,8 @@ def make_samples(model_dir: Path, groups: int, group_size: int = 4, *, seed: int
                     previous_call_id=previous, prompt_delta_ids=tokens(rng.randint(2, 5)) if previous else (),
                     weight_version=weight_version))
                 previous = calls[-1].call_id
-            per_call = call_advantages(advantage, [c.status for c in calls], config)
+            per_call = call_advantages([advantage + 0.5 * (t - (turns - 1) / 2) for t in range(turns)] if per_turn
+                                       else advantage, [c.status for c in calls], config)
             calls = [dataclasses.replace(c, advantage=a) for c, a in zip(calls, per_call)]
             (merged,) = merge_trajectory(calls).samples
             behaviour = _behaviour_logprobs(model, merged.input_ids)

@@ -59,7 +59,7 @@ def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: floa
     from agentrl.cli.progress_text import diagnose
     from agentrl.store.models import OPEN_TASK_STATES
     from agentrl.store.progress import progress_fields, read_progress
-    from agentrl.store.summary import reward_by_version
+    from agentrl.store.summary import reward_by_version, trained_tokens
 
     progress = read_progress(db, split)
     summary: dict[str, Any] = {"database": db.name, **progress_fields(progress), "wall_s": wall_s,
@@ -67,6 +67,7 @@ def build_summary(db, split: str, evals: dict[str, dict[str, Any]], wall_s: floa
                                "tasks_left": db["Task"].count_documents(
                                    {"split": split, "status": {"$in": [str(s) for s in OPEN_TASK_STATES]},
                                     "unclaimed": {"$gt": 0}}),
+                               "trained_tokens": trained_tokens(db, split),
                                "eval": evals,
                                "reward_by_version": reward_by_version(db["Record"], split)}
     labels = list(evals)
@@ -116,6 +117,10 @@ def render(summary: dict[str, Any]) -> list[str]:
     lines = [f"{summary['steps']} trainer steps: {summary['trajectories']} trajectories, "
              f"{summary['samples_trained']} samples trained, {summary['samples_skipped_stale']} skipped as stale; "
              f"groups {summary['groups_kept']} kept, {sum(dropped.values())} dropped{why}{share}{wall}"]
+    tokens = summary.get("trained_tokens") or {}
+    if tokens.get("share") is not None:
+        lines.append(f"tokens: {tokens['sampled']} sampled, {tokens['trained']} trained, {tokens['nonzero_advantage']}"
+                     f" of them with a non-zero advantage ({tokens['share']:.0%} of the sampled)")
     curriculum = summary.get("curriculum") or {}
     if curriculum.get("tasks_deferred") or curriculum.get("revisits"):
         lines.append(f"curriculum: {curriculum['tasks_deferred']} tasks skipped after an all-solved or all-failed "

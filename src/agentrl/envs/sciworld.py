@@ -41,6 +41,7 @@ replaying JVM. Played on a second instance, it completed 137 of 138 sampled task
 
 from __future__ import annotations
 
+import hashlib
 import importlib.resources
 import json
 import subprocess
@@ -178,6 +179,8 @@ class SciWorldEnv(Environment):
         """the rewards returned so far this episode, summed"""
         self.done = False
         self._observation = ""
+        self._seen = ""
+        """what the agent's room and inventory show now (ScienceWorld's free look and inventory)"""
 
     def _running(self) -> ScienceWorldEnv:
         if self._simulator is None:
@@ -194,6 +197,7 @@ class SciWorldEnv(Environment):
         self.score, self._credited = max(info["score"], 0), 0
         self.done = False
         self._observation = f"{self.task_description}\n{self.first_look}"
+        self._seen = f"{info['look']}\n{info['inv']}"
         return self._observation
 
     def step(self, action: str) -> StepResult:
@@ -207,11 +211,22 @@ class SciWorldEnv(Environment):
         self.score = max(raw_score, 0)
         reward, self._credited = self.score - self._credited, self.score
         self.done, self._observation = bool(done), observation
+        self._seen = f"{info['look']}\n{info['inv']}"
         return StepResult(observation=observation, reward=float(reward), done=self.done,
                           info={"score": self.score, "raw_score": raw_score, "moves": info["moves"]})
 
     def observation(self) -> str:
         return self._observation
+
+    def state_key(self) -> str | None:
+        """The task and variation, the score so far, and what the agent's room and inventory show (ScienceWorld's
+        free look and inventory, taken by every step): an action's feedback alone ("The door is now open.") says
+        neither where the agent is nor what it holds. Not the number of moves, which would make every state new;
+        not the rooms out of sight."""
+        if self.task is None:
+            return None
+        seen = hashlib.sha256(self._seen.encode()).hexdigest()[:24]
+        return f"{self.task.task_id}:{self.task.variation}|score {self.score}|{seen}"
 
     def close(self) -> None:
         if self._simulator is not None:

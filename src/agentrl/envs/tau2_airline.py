@@ -142,6 +142,7 @@ def task_row(task_id: str) -> dict[str, Any]:
             "reset": {"tool": RESET_TOOL, "arguments": {"domain": DOMAIN, "task_id": task_id}},
             "final": {"tool": FINAL_TOOL, "arguments": {}},
             "hide_tools": [RESET_TOOL, FINAL_TOOL],
+            "state_tools": sorted(WRITE_TOOLS),
         },
         "tau2": {
             "task_id": task_id,

@@ -52,7 +52,9 @@ import bson
 from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
 from agentrl.rollout.curriculum import CurriculumConfig, next_round, round_task
+from agentrl.rollout.mcp_state import history_state_keys, state_tools
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
+from agentrl.scoring.turn_rewards import TURN_REWARDS
 from agentrl.store import (
     DBRecordData,
     DispatchedSamplingTask,
@@ -199,7 +201,10 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     if tied:
         rewards = {r.id: float(r.score) for r in with_verdict(scored) if dropped.get(r.id) == ZERO_VARIANCE_DECISION}
     calls = await store.calls.for_records(list(rewards))
-    credits = _turn_credits(calls, rewards, adv_cfg) if per_turn else {}
+    turn_rewards = {r.id: r.score_details.get(TURN_REWARDS) for r in scored if r.id in rewards}
+    tools = state_tools(task.metadata) if per_turn else None
+    keys = {rid: history_state_keys(calls[rid], tools) if tools else None for rid in rewards}
+    credits = _turn_credits(calls, rewards, turn_rewards, keys, adv_cfg) if per_turn else {}
     if tied:  # kept when two or more members' turns differ in credit
         if len(credits) > 1 and any(abs(credit.advantage) >= 1e-12 for row in credits.values() for credit in row):
             kept = dict.fromkeys(credits, "kept (turn credit)")
@@ -211,8 +216,12 @@ async def run_group_stage(store: Store, group: GroupLease, cfg: GroupConfig, adv
     per_call = {rid: call_advantages([c.advantage for c in credits[rid]] if rid in credits else advantages[rid],
                                      [str(c.status) for c in calls[rid]], adv_cfg) for rid in kept}
     if credits:
-        await store.calls.set_credits({call.id: (advantage, credit.step_return) for rid in kept for call, credit,
-                                       advantage in zip(calls[rid], credits[rid], per_call[rid], strict=True)})
+        await store.calls.set_credits({
+            call.id: {"advantage": advantage, "step_return": credit.step_return,
+                      **({} if turn_rewards[rid] is None else {"step_reward": turn_rewards[rid][t]}),
+                      **({} if keys[rid] is None or call.state_key else {"state_key": keys[rid][t]})}
+            for rid in kept
+            for t, (call, credit, advantage) in enumerate(zip(calls[rid], credits[rid], per_call[rid], strict=True))})
         failpoint("group_stage.after_credits")
     abandon: dict[str, dict] = {}
     for record in scored:
@@ -260,23 +269,38 @@ async def _schedule_next_round(store: Store, task: Task, scored: list[Record], c
             "rounds_skipped": max(skipped, 0), "taught": taught}
 
 
-def turn_episode(calls: list[DispatchedSamplingTask], score: float) -> StepEpisode:
+def turn_episode(calls: list[DispatchedSamplingTask], score: float, turn_rewards: list[float] | None = None,
+                 state_keys: list[str] | None = None) -> StepEpisode:
     """A trajectory's calls as steps for per-turn credit: each call's ``step_reward`` and ``state_key`` (an
-    environment episode's); for calls without (tool tasks) the score is the last call's reward and the state is
-    the call's whole prompt (identical histories are one state)."""
+    environment episode's); for calls without (tool tasks) the scorer's ``turn_rewards`` if it gave them, else the
+    score as the last call's reward, and ``state_keys`` (a stateful MCP server's, ``mcp_state.state_tools``) if
+    given, else the call's whole prompt as its state (identical histories are one state)."""
     rewarded = any(call.step_reward is not None for call in calls)
+    if state_keys is not None:
+        calls = [call if call.state_key else call.model_copy(update={"state_key": key})
+                 for call, key in zip(calls, state_keys, strict=True)]
     keyed = all(call.state_key for call in calls)
     prompts = [None] * len(calls) if keyed else full_prompts([CallTokens.from_document(c, None) for c in calls])
-    steps = [Step(reward=float(call.step_reward or 0.0) if rewarded else (score if t == len(calls) - 1 else 0.0),
+
+    def reward(t: int, call: DispatchedSamplingTask) -> float:
+        if rewarded:
+            return float(call.step_reward or 0.0)
+        if turn_rewards is not None:
+            return float(turn_rewards[t])
+        return score if t == len(calls) - 1 else 0.0
+
+    steps = [Step(reward=reward(t, call),
                   state_key=call.state_key or "prompt:" + hashlib.sha256(str(prompt).encode()).hexdigest()[:24])
              for t, (call, prompt) in enumerate(zip(calls, prompts))]
     return StepEpisode(score=score, steps=steps)
 
 
 def _turn_credits(calls: dict[str, list[DispatchedSamplingTask]], rewards: dict[str, float],
+                  turn_rewards: dict[str, list[float] | None], state_keys: dict[str, list[str] | None],
                   adv_cfg: AdvantageConfig) -> dict[str, list[StepCredit]]:
     """Each member's per-turn credit (by record id), over the members ``rewards`` names."""
-    rows = step_credits([turn_episode(calls[rid], reward) for rid, reward in rewards.items()], adv_cfg)
+    rows = step_credits([turn_episode(calls[rid], reward, turn_rewards.get(rid), state_keys.get(rid))
+                         for rid, reward in rewards.items()], adv_cfg)
     return dict(zip(rewards, rows, strict=True))
 
 

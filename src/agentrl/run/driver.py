@@ -24,7 +24,7 @@ def train(run: RunState) -> None:
         tasks, limit = config.tasks, config.num_tasks or None
     stages.upload_tasks(run, tasks, limit)
     served = {"inference_urls": comma_list(config.sglang_urls)} if config.sglang_urls else {}
-    if config.num_eval_tasks:
+    if config.num_eval_tasks and config.val_before_train:
         stages.held_out_eval(run, "before", **served, **stages.model_flag(config.model))
     model = config.model
     if config.warmup:

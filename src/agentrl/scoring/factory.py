@@ -195,10 +195,22 @@ class MCPScorerFactory:
         return ScoreResult(scorer=name, error=error), 0.0
 
 
+def _storable(value: Any) -> Any:
+    """``value`` with every non-finite float as its name ("nan", "inf", "-inf"): a scorer's details go into the
+    Record, and not every MongoDB-protocol server stores NaN."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    if isinstance(value, dict):
+        return {key: _storable(item) for key, item in value.items()}
+    if isinstance(value, list | tuple):
+        return [_storable(item) for item in value]
+    return value
+
+
 def _as_score(value: Any) -> tuple[float, dict[str, Any]]:
     details: dict[str, Any] = {}
     if isinstance(value, tuple) and len(value) == 2 and isinstance(value[1], dict):
-        value, details = value
+        value, details = value[0], _storable(value[1])
     if value is None or isinstance(value, str):
         raise TypeError(f"a scorer must return a number, got {value!r}")
     score = float(value)

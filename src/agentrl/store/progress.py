@@ -168,7 +168,8 @@ def read_progress(db: Database, split: str = "train") -> Progress:
 def progress_fields(progress: Progress) -> dict[str, Any]:
     """The JSON form used by run summaries."""
     return {"trajectories": progress.trajectories, "groups_kept": progress.groups_kept,
-            "groups_dropped": dict(progress.groups_dropped), "kept_share": progress.kept_share,
+            "groups_dropped": dict(progress.groups_dropped), "zero_variance_solved": progress.zero_variance_solved,
+            "kept_share": progress.kept_share,
             "curriculum": {"tasks_deferred": progress.tasks_deferred, "rounds_skipped": progress.rounds_skipped,
                            "revisits": progress.revisits},
             "samples_trained": progress.samples_trained,

@@ -95,13 +95,13 @@ class Calls:
                 raise
 
     @retry_on_reconnect
-    async def set_credits(self, credits: dict[str, tuple[float | None, float]]) -> None:
-        """Write each call's ``(advantage, step_return)`` (the group stage's, per-turn estimators) in one command.
-        Idempotent: a redo of the stage writes the same values."""
+    async def set_credits(self, credits: dict[str, dict[str, Any]]) -> None:
+        """Write each call's credit fields (the group stage's, per-turn estimators: ``advantage``, ``step_return``,
+        and ``step_reward`` / ``state_key`` where the stage derived them) in one command. Idempotent: a redo of the
+        stage writes the same values."""
         if credits:
-            await self.collection.bulk_write([
-                UpdateOne({"_id": call_id}, {"$set": {"advantage": advantage, "step_return": step_return}})
-                for call_id, (advantage, step_return) in credits.items()], ordered=False)
+            await self.collection.bulk_write([UpdateOne({"_id": call_id}, {"$set": fields})
+                                              for call_id, fields in credits.items()], ordered=False)
 
     async def for_records(self, record_ids: list[str]) -> dict[str, list[DispatchedSamplingTask]]:
         """The calls of several Records in one query, by Record, in turn order."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -53,6 +54,27 @@ def reward_by_version(records: Collection, split: str | None = None) -> list[dic
         n, total = sums.get(row["_id"] or 0, (0, 0.0))  # no version and version 0 are one row
         sums[row["_id"] or 0] = (n + row["n"], total + float(row["total"]))
     return [{"policy_version": v, "records": n, "mean_score": total / n} for v, (n, total) in sorted(sums.items())]
+
+
+def trained_tokens(db: Database, split: str = "train") -> dict[str, Any]:
+    """How much of what ``split`` sampled trained, in tokens: ``sampled`` (the output tokens of every LLM call of
+    its tasks), ``trained`` (the loss tokens of its trained samples) and ``nonzero_advantage`` (those of them
+    with an advantage other than 0: with ``grpo`` a trajectory's tokens share one advantage, a per-turn estimator
+    may credit a turn 0 beside others that are not); ``share`` is ``nonzero_advantage / sampled`` (None before
+    anything was sampled)."""
+    calls = db[DispatchedSamplingTask.collection].aggregate([
+        {"$match": {"task_id": {"$regex": f"^{re.escape(split)}:"}}},
+        {"$group": {"_id": None, "n": {"$sum": {"$size": "$output_ids"}}}}])
+    sampled = next((int(row["n"]) for row in calls), 0)
+    trained = nonzero = 0
+    for doc in db[DBRecordData.collection].find({"status": str(SampleStatus.TRAINED), "split": split},
+                                                 {"loss_mask": 1, "advantages": 1, "_id": 0}):
+        for mask, advantage in zip(doc["loss_mask"], doc["advantages"]):
+            if mask:
+                trained += 1
+                nonzero += advantage != 0
+    return {"sampled": sampled, "trained": trained, "nonzero_advantage": nonzero,
+            "share": nonzero / sampled if sampled else None}
 
 
 def failure_counts(records: Collection, split: str | None = None) -> dict[str, int]:

@@ -46,11 +46,26 @@ class LossConfig(BaseModel):
     token_level_loss: bool = Field(True, description="global token mean (false: per-sequence aggregation)")
     skip_length_normalization: bool = Field(False, description="per-sequence sums instead of means")
     kl_coef: float = Field(0.0, ge=0.0, description="weight of the k3 KL penalty to the reference model")
+    trajectory_weight: Literal["turns", "once"] = Field(
+        "turns", description="turns: every trained turn counts in full (a trajectory of K turns weighs about K "
+        "one-turn ones); once: each turn's advantages are divided by the trained turns of its sample, so every "
+        "trajectory (branch) weighs as much as one turn, whatever its length (summed aggregation only)")
 
     @model_validator(mode="after")
     def _decay_needs_band(self) -> LossConfig:
         if self.out_of_date_decay is not None and not self.has_band:
             raise ValueError("out_of_date_decay needs a band: set importance_weight_cap_ratio or strict_in_bound")
+        return self
+
+    @model_validator(mode="after")
+    def _once_needs_sums(self) -> LossConfig:
+        if self.trajectory_weight == "once":
+            if self.loss_calculater == "CrossEntropy":
+                raise ValueError("trajectory_weight once scales advantages, which CrossEntropy does not use")
+            if self.loss_calculater == "GSPO" or not (self.token_level_loss or self.skip_length_normalization):
+                raise ValueError("trajectory_weight once: this aggregation already weighs each sample once (the "
+                                 "token mean of each sequence); it applies to token sums (token_level_loss true, "
+                                 "or skip_length_normalization true)")
         return self
 
     @property

@@ -46,6 +46,8 @@ class OptimizerStep:
         cfg, parallel, device = self.cfg, self.parallel, self.parallel.device
         started = time.monotonic()
         merged = [to_merged(sample) for sample in data.samples]
+        if cfg.loss.trajectory_weight == "once":
+            merged = [sample.weighed_once() for sample in merged]
         pad_id = self.model.config.pad_token_id or 0
         micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id, min_shared=self.min_shared,
                                    pad_to_multiple_of=cfg.pad_to_multiple_of) if merged else []

@@ -105,6 +105,16 @@ class MergedSample:
         """Token offset where each turn's new tokens start (0 for the first)."""
         return [turn.start for turn in self.turns]
 
+    def weighed_once(self) -> MergedSample:
+        """A copy whose trained turns' advantages are divided by their number (``trajectory_weight once``): the
+        branch's turns together weigh as one turn in a summed loss."""
+        turns = sum(turn.trained for turn in self.turns)
+        if turns <= 1:
+            return self
+        return MergedSample(input_ids=self.input_ids, loss_mask=self.loss_mask, logprobs=self.logprobs,
+                            versions=self.versions, advantages=[a / turns for a in self.advantages],
+                            turns=self.turns)
+
     @property
     def tokens_if_unmerged(self) -> int:
         """Tokens one forward pass per trained call would process: the sum of its prompt + output lengths."""
@@ -145,6 +155,16 @@ class MergeResult:
     @property
     def tokens_forwarded(self) -> int:
         return sum(sample.num_tokens for sample in self.samples)
+
+    def weighed_once(self) -> MergedSample:
+        """A copy whose trained turns' advantages are divided by their number (``trajectory_weight once``): the
+        branch's turns together weigh as one turn in a summed loss."""
+        turns = sum(turn.trained for turn in self.turns)
+        if turns <= 1:
+            return self
+        return MergedSample(input_ids=self.input_ids, loss_mask=self.loss_mask, logprobs=self.logprobs,
+                            versions=self.versions, advantages=[a / turns for a in self.advantages],
+                            turns=self.turns)
 
     @property
     def tokens_if_unmerged(self) -> int:
