@@ -93,6 +93,9 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
 # Session fixtures that take a minute or more to build: under ``pytest -n N --dist loadgroup`` (scripts/test.sh) the
 # tests that use one run on the same worker, so it is built once.
 SHARED_ON_ONE_WORKER = ("minirl_example_run",)
+WHOLE_RUN_TIMEOUT_S = 900
+"""The timeout of a test that uses ``minirl_example_run``: the first one builds the scripted model and runs the whole
+example script in its setup (on a fresh clone, under the suite's load: more than the default 300 s)."""
 # A module of 10 s or more on one worker (measured; its tests start engines, samplers, trainers) says so itself:
 # ``pytestmark = pytest.mark.slow``, so that ``./scripts/test.sh -m "not slow"`` runs the rest, about 550 tests, in
 # under 5 minutes. Those of a minute or more add ``start_rank`` (``pytest.mark.slow(start_rank=N)``): they start
@@ -121,6 +124,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             shared = next((name for name in SHARED_ON_ONE_WORKER if name in item.fixturenames), None)
             if shared or uses_module_fixture(item):
                 item.add_marker(pytest.mark.xdist_group(shared or item.module.__name__))
+        if "minirl_example_run" in item.fixturenames and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(WHOLE_RUN_TIMEOUT_S))
         if config.getoption("loadgroup", False) and (group := item.get_closest_marker("xdist_group")) is not None:
             group_node_id(item, str(group.args[0] if group.args else group.kwargs.get("name", "default")))
 

@@ -46,6 +46,13 @@ def minirl_example_run(tmp_path_factory: pytest.TempPathFactory, scripted_model_
            "SYNC_EVERY": "1",  # the one step is published (the default, every 2 steps, would publish nothing)
            "AGENTRL_DB_DIR": str(db_dir), "EXTRA_SAMPLE_FLAGS": "--seed 1", "EXTRA_TRAIN_FLAGS": "--learning_rate 1e-4"}
     env.pop("AGENTRL_DB", None)
-    done = subprocess.run([str(ROOT / "minirl_example.sh"), RUN_NAME], capture_output=True, text=True, env=env,
-                          timeout=600)
+    process = subprocess.Popen([str(ROOT / "minirl_example.sh"), RUN_NAME], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout, stderr = process.communicate(timeout=600)
+    except BaseException:  # a timeout (this one, or the test's): the run stops what it started on SIGTERM
+        process.terminate()
+        process.communicate(timeout=120)
+        raise
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     return ExampleRun(run_dir=run_dir, db_dir=db_dir, done=done)

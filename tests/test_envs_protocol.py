@@ -566,9 +566,10 @@ async def test_sciworld_conformance(sciworld_url: str, http: httpx.Client) -> No
     data_idx = spec.split("train")[0]
     reset = post(http, sciworld_url, "/reset", {"id": instance, "data_idx": data_idx})
     assert set(reset) == {"task_name", "var_num", "task_description", "observation", "reward", "score", "deleted",
-                          "done"}
+                          "done", "state_key"}  # ours: the state key, an extra field AgentGym's client ignores
     step = post(http, sciworld_url, "/step", {"id": instance, "action": "look around"})
-    assert set(step) == {"observation", "reward", "score", "done"}
+    assert set(step) == {"observation", "reward", "score", "done", "state_key"}
+    assert step["state_key"] == reset["state_key"]  # looking around changes nothing
     assert isinstance(get(http, sciworld_url, "/observation", id=instance), str)
     assert post(http, sciworld_url, "/close", {"id": instance}) is True
     assert post(http, sciworld_url, "/step", {"id": instance, "action": "look around"}) == {
@@ -576,6 +577,7 @@ async def test_sciworld_conformance(sciworld_url: str, http: httpx.Client) -> No
     local = spec.factory()
     try:  # AgentGym's client joins task_description and observation with a newline: so must the environment
         assert first_observation(FORMATS["sciworld"], reset) == local.reset(data_idx)
+        assert reset["state_key"] == local.state_key()
     finally:
         local.close()
 

@@ -1,4 +1,4 @@
-"""Per-turn rewards from an ``MCPScorerFactory`` scorer (``agentrl.scoring.turn_rewards``), through a real sampler
+"""Per-turn rewards from an ``MCPScorerFactory`` scorer (``agentrl.rollout.turn_rewards``), through a real sampler
 process, the scripted model on the real inference server and the real calculator MCP server: the scorer sees the
 turns, its rewards reach the calls (``step_reward``) and the per-turn credit, and rewards of the wrong shape are a
 scoring error, never a silent reward."""
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from agentrl.scoring.turn_rewards import turn_rewards_error
+from agentrl.rollout.turn_rewards import turn_rewards_error
 from agentrl.trajectory.advantages import AdvantageConfig, AdvEstimator
 from agentrl.trajectory.step_credit import Episode, Step, step_credits
 from rollout_fixtures import documents, sample_args, upload, write_mcp_config, write_script_tasks

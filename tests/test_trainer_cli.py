@@ -58,11 +58,13 @@ LOSS_FLAG_DEFAULTS = {
     "token_level_loss": True, "skip_length_normalization": False, "kl_coef": 0.0,
 }
 """The original's loss flags and their defaults, which users' scripts rely on."""
+OUR_LOSS_FLAG_DEFAULTS = {"trajectory_weight": "turns"}
+"""Loss flags the original did not have, and their defaults (the original's behaviour)."""
 
 
 def test_loss_flags_keep_their_names_and_defaults() -> None:
     config = parse_args([]).config
-    assert config.loss.model_dump() == LOSS_FLAG_DEFAULTS
+    assert config.loss.model_dump() == LOSS_FLAG_DEFAULTS | OUR_LOSS_FLAG_DEFAULTS
     snapshot = config.flag_values(exclude=frozenset({"db_connection_string"}))  # the run's snapshot: flat flags
     assert {name: snapshot[name] for name in LOSS_FLAG_DEFAULTS} == LOSS_FLAG_DEFAULTS
     assert "loss" not in snapshot and "db_connection_string" not in snapshot and snapshot["max_steps"] == -1

@@ -54,7 +54,7 @@ from agentrl.rollout.config import GroupConfig
 from agentrl.rollout.curriculum import CurriculumConfig, next_round, round_task
 from agentrl.rollout.mcp_state import history_state_keys, state_tools
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
-from agentrl.scoring.turn_rewards import TURN_REWARDS
+from agentrl.rollout.turn_rewards import TURN_REWARDS
 from agentrl.store import (
     DBRecordData,
     DispatchedSamplingTask,

@@ -54,8 +54,8 @@ from agentrl.rollout.group_stage import run_group_stage
 from agentrl.rollout.inference_pool import NoInferenceService
 from agentrl.rollout.keep_alive import KeepAlive
 from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
+from agentrl.rollout.turn_rewards import scorer_turns, turn_rewards_error
 from agentrl.scoring import MCPScorerFactory, ScorerUnavailable
-from agentrl.scoring.turn_rewards import scorer_turns, turn_rewards_error
 from agentrl.store import GroupLease, LeaseLost, RecordStatus, SlotLease
 from agentrl.store.call_log import CallLog
 from agentrl.store.models import FailureClass
@@ -518,7 +518,7 @@ class Sampler:
     async def _score(self, lease: SlotLease, result: TrajectoryResult, calls: CallLog
                      ) -> tuple[float, str | None, dict]:
         """``(score, error, details)``; no answer scores 0 without asking the scorer. A tool task's scorer sees its
-        turns and may give each a reward (``agentrl.scoring.turn_rewards``).
+        turns and may give each a reward (``agentrl.rollout.turn_rewards``).
 
         A scorer that cannot be reached (e.g. the LLM judge down) is retried with backoff while the lease is
         heartbeated; ``ScorerUnavailable`` when it stays down past its bound (the slot is then given back).
