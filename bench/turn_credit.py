@@ -12,7 +12,7 @@ evaluates its final model greedily on the same ``--num_eval_tasks`` test goals. 
   approximation over per-goal differences): each arm over the warm start, and the last arm over the first;
 * per arm: steps, trajectories, samples trained, groups kept and dropped, the zero-variance groups split into
   all-solved and all-failed, groups of equal outcomes kept (only a per-turn estimator keeps them: their turns
-  are credited unequally), and the share of trained loss tokens with a non-zero advantage;
+  are credited unequally), and the tokens sampled, trained and trained with a non-zero advantage;
 * ``reward_per_step``: the trainer's mean reward of the samples of each step, per arm (the plot's left panel).
 
     .venv/bin/python bench/turn_credit.py [--env textcraft] [--train_time_s 1200] [--num_eval_tasks 64]
@@ -201,7 +201,8 @@ def main() -> int:
     args.out.write_text(json.dumps(result, indent=2))
     plot(result, args.plot)
 
-    print(f"\n| arm | steps | trajectories | samples trained | groups kept / dropped | tokens with advantage ≠ 0 "
+    print(f"\n| arm | steps | trajectories | samples trained | groups kept / dropped "
+          f"| sampled tokens trained with advantage ≠ 0 "
           f"| held-out success ({args.num_eval_tasks}) |\n|---|---:|---:|---:|---|---:|---:|")
     print(f"| warm start | | | | | | {warm_eval['accuracy']:.3f} ({warm_eval['correct']}) |")
     for arm in arms:
