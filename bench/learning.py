@@ -73,12 +73,18 @@ def run_example(args: argparse.Namespace, db_uri: str, run_dir: Path, run_name: 
            "TEMPERATURE": str(args.temperature), "LEARNING_RATE": str(args.learning_rate),
            "MAX_STALENESS": str(args.max_staleness), "SAVE_STEPS": "0"}
     env.pop("MODEL", None)
+    return run_script(env, run_name, args.time_limit_s)
+
+
+def run_script(env: dict[str, str], run_name: str, time_limit_s: float) -> tuple[int, float]:
+    """``minirl_example.sh RUN_NAME`` with ``env``: its exit code and wall time; past ``time_limit_s`` (or on
+    SIGTERM) it is stopped, and it then stops everything it started."""
     started = time.monotonic()
     process = subprocess.Popen([str(ROOT / "minirl_example.sh"), run_name], env=env, start_new_session=True)
     try:
-        return process.wait(timeout=args.time_limit_s), time.monotonic() - started
+        return process.wait(timeout=time_limit_s), time.monotonic() - started
     except subprocess.TimeoutExpired:
-        print(f"time limit of {args.time_limit_s:.0f} s reached: stopping the run", flush=True)
+        print(f"time limit of {time_limit_s:.0f} s reached: stopping the run", flush=True)
     except SystemExit:  # SIGTERM: stop the run too
         process.terminate()
         process.wait(timeout=180)

@@ -24,7 +24,6 @@ import argparse
 import json
 import os
 import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,7 +38,7 @@ from agentrl.store.models import succeeded
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
-from learning import wilson  # noqa: E402  (the same interval as the calculator benchmark)
+from learning import run_script, wilson  # noqa: E402  (the calculator benchmark's runner and interval)
 
 
 def parse_args() -> argparse.Namespace:
@@ -69,22 +68,7 @@ def run_arm(args: argparse.Namespace, db_uri: str, run_dir: Path, run_name: str,
         env.pop("MODEL", None)
     else:
         env["MODEL"], env["WARMUP"] = str(model), "0"
-    started = time.monotonic()
-    process = subprocess.Popen([str(ROOT / "minirl_example.sh"), run_name], env=env, start_new_session=True)
-    try:
-        return process.wait(timeout=args.time_limit_s), time.monotonic() - started
-    except subprocess.TimeoutExpired:
-        print(f"time limit of {args.time_limit_s:.0f} s reached: stopping the run", flush=True)
-    except SystemExit:  # SIGTERM: stop the run too
-        process.terminate()
-        process.wait(timeout=180)
-        raise
-    process.terminate()
-    try:
-        return process.wait(timeout=180), time.monotonic() - started
-    except subprocess.TimeoutExpired:
-        os.killpg(process.pid, signal.SIGKILL)
-        return process.wait(), time.monotonic() - started
+    return run_script(env, run_name, args.time_limit_s)
 
 
 def group_outcomes(db) -> dict[str, int]:

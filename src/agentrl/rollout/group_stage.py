@@ -276,11 +276,8 @@ def turn_episode(calls: list[DispatchedSamplingTask], score: float, turn_rewards
     score as the last call's reward, and ``state_keys`` (a stateful MCP server's, ``mcp_state.state_tools``) if
     given, else the call's whole prompt as its state (identical histories are one state)."""
     rewarded = any(call.step_reward is not None for call in calls)
-    if state_keys is not None:
-        calls = [call if call.state_key else call.model_copy(update={"state_key": key})
-                 for call, key in zip(calls, state_keys, strict=True)]
-    keyed = all(call.state_key for call in calls)
-    prompts = [None] * len(calls) if keyed else full_prompts([CallTokens.from_document(c, None) for c in calls])
+    keys = [call.state_key or (state_keys[t] if state_keys is not None else None) for t, call in enumerate(calls)]
+    prompts = [None] * len(calls) if all(keys) else full_prompts([CallTokens.from_document(c, None) for c in calls])
 
     def reward(t: int, call: DispatchedSamplingTask) -> float:
         if rewarded:
@@ -290,8 +287,8 @@ def turn_episode(calls: list[DispatchedSamplingTask], score: float, turn_rewards
         return score if t == len(calls) - 1 else 0.0
 
     steps = [Step(reward=reward(t, call),
-                  state_key=call.state_key or "prompt:" + hashlib.sha256(str(prompt).encode()).hexdigest()[:24])
-             for t, (call, prompt) in enumerate(zip(calls, prompts))]
+                  state_key=key or "prompt:" + hashlib.sha256(str(prompt).encode()).hexdigest()[:24])
+             for t, (call, key, prompt) in enumerate(zip(calls, keys, prompts))]
     return StepEpisode(score=score, steps=steps)
 
 

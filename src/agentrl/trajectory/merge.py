@@ -17,7 +17,7 @@ sampled output token (trained or not) and -1 on prompt tokens; ``advantages`` is
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from agentrl.store.models import DispatchedSamplingTask
 from agentrl.trajectory.advantages import TRAINABLE_CALL_STATUSES
@@ -109,11 +109,7 @@ class MergedSample:
         """A copy whose trained turns' advantages are divided by their number (``trajectory_weight once``): the
         branch's turns together weigh as one turn in a summed loss."""
         turns = sum(turn.trained for turn in self.turns)
-        if turns <= 1:
-            return self
-        return MergedSample(input_ids=self.input_ids, loss_mask=self.loss_mask, logprobs=self.logprobs,
-                            versions=self.versions, advantages=[a / turns for a in self.advantages],
-                            turns=self.turns)
+        return self if turns <= 1 else replace(self, advantages=[a / turns for a in self.advantages])
 
     @property
     def tokens_if_unmerged(self) -> int:
@@ -155,16 +151,6 @@ class MergeResult:
     @property
     def tokens_forwarded(self) -> int:
         return sum(sample.num_tokens for sample in self.samples)
-
-    def weighed_once(self) -> MergedSample:
-        """A copy whose trained turns' advantages are divided by their number (``trajectory_weight once``): the
-        branch's turns together weigh as one turn in a summed loss."""
-        turns = sum(turn.trained for turn in self.turns)
-        if turns <= 1:
-            return self
-        return MergedSample(input_ids=self.input_ids, loss_mask=self.loss_mask, logprobs=self.logprobs,
-                            versions=self.versions, advantages=[a / turns for a in self.advantages],
-                            turns=self.turns)
 
     @property
     def tokens_if_unmerged(self) -> int:
