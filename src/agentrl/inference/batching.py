@@ -44,7 +44,7 @@ import secrets
 import threading
 import uuid
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from math import ceil
 
@@ -67,6 +67,7 @@ from agentrl.inference.decode_kernel import triton_available
 from agentrl.inference.lora_adapters import Adapter, ServedAdapters
 from agentrl.inference.packed_linear import PackedLinear, pack_linears
 from agentrl.inference.sampling import RowParams, penalties, sample
+from agentrl.inference.vision_inputs import VisionEncoder, VisionPrompt
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +244,7 @@ class _SGLangSamplingRunner(ModelRunner):
     adapters: ServedAdapters | None = None
     versions: TokenVersions | None = None
     graphs: DecodeGraphs | None = None
+    vision: VisionEncoder | None = None
 
     def _forward_process_and_sample(self, model: torch.nn.Module, batch_data: dict, carry_over_ids: torch.Tensor,
                                     prev_output_ids: torch.Tensor, output_ids: torch.Tensor) -> None:
@@ -261,16 +263,26 @@ class _SGLangSamplingRunner(ModelRunner):
                                   if r.has_new_token])
 
     def _logits(self, model: torch.nn.Module, batch_data: dict) -> torch.Tensor:
-        """The step's logits rows [rows, vocab]: from the decode graphs where they serve the step, else eagerly."""
+        """The step's logits rows [rows, vocab]: from the decode graphs where they serve the step, else eagerly (on
+        embeddings, when a request of the step has images)."""
+        requests = self.inputs_and_outputs.requests_in_batch
+        vision = self.vision if self.vision is not None and self.vision.prompts else None
+        routed = [(r.state.request_id, r.query_length) for r in requests] if vision is not None else []
         if model.config._attn_implementation != paged_attention.PAGED_ATTENTION:
-            logits = model(**batch_data).logits
+            logits = vision.step_logits(model, batch_data, routed) if vision is not None else None
+            if logits is None:
+                logits = model(**batch_data).logits
         else:
-            decoding = [bool(r.state.generated_tokens) for r in self.inputs_and_outputs.requests_in_batch]
+            decoding = [bool(r.state.generated_tokens) for r in requests]
+            with_images = vision is not None and any(request_id in vision.prompts for request_id, _ in routed)
             graphs = self.graphs
-            if graphs is not None and not self.adapters.adapters and graphs.serves(batch_data, decoding):
+            if (graphs is not None and not with_images and not self.adapters.adapters
+                    and graphs.serves(batch_data, decoding)):
                 return graphs.forward(batch_data, decoding, self.cache)
             with paged_attention.paged_step(paged_attention.StepLayout.from_batch(batch_data, decoding)):
-                logits = model(**batch_data).logits
+                logits = vision.step_logits(model, batch_data, routed) if with_images else None
+                if logits is None:
+                    logits = model(**batch_data).logits
         if "logits_to_keep" not in batch_data:
             logits = logits[:, batch_data["logits_indices"], :]
         return logits[0]
@@ -289,12 +301,13 @@ class _Manager(ContinuousBatchingManager):
     """transformers' manager with our per-request values and our sampling runner."""
 
     def __init__(self, model: PreTrainedModel, cb_config: ContinuousBatchingConfig, adapters: ServedAdapters,
-                 versions: TokenVersions, graphs: DecodeGraphs | None):
+                 versions: TokenVersions, graphs: DecodeGraphs | None, vision: VisionEncoder | None):
         super().__init__(model, GenerationConfig(do_sample=False, eos_token_id=-1), cb_config)
         self.logit_processor = _RequestValues()
         self.adapters = adapters
         self.versions = versions
         self.graphs = graphs
+        self.vision = vision
 
     def switch_to_cb_friendly_attn(self, model: PreTrainedModel, auto_switch_to_flash: bool = True) -> None:
         """Serve with :mod:`agentrl.inference.paged_attention` where the model allows (for good: outside a step it
@@ -314,6 +327,7 @@ class _Manager(ContinuousBatchingManager):
             processor.model_runner.adapters = self.adapters
             processor.model_runner.versions = self.versions
             processor.model_runner.graphs = self.graphs
+            processor.model_runner.vision = self.vision
         return processor
 
 
@@ -335,14 +349,16 @@ class ContinuousBatcher:
     :meth:`remove_adapter`; each pauses the loop between two steps.
     """
 
-    def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None, *, version: str = "default"):
+    def __init__(self, model: PreTrainedModel, config: BatchingConfig | None = None, *, version: str = "default",
+                 vision: VisionEncoder | None = None):
         self.model = model.eval()
         self.config = config or BatchingConfig()
         pack_linears(self.model, bf16_matmuls=self.config.bf16_matmuls)
         self.adapters = ServedAdapters(self.model)
         self.versions = TokenVersions(version)
+        self.vision = vision
         self.graphs = self._decode_graphs()
-        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self.versions, self.graphs)
+        self._manager = _Manager(self.model, self._cb_config(), self.adapters, self.versions, self.graphs, vision)
         self.in_flight = 0  # requests handed to the loop and not finished (updated on the event loop thread)
         self._running: dict[str, asyncio.Future[GenerationOutput]] = {}
         self._aborted: str | None = None
@@ -387,9 +403,11 @@ class ContinuousBatcher:
 
     async def generate(self, input_ids: list[int], *, max_new_tokens: int, stop_token_ids: list[int],
                        sampling: RequestSampling, should_stop: Callable[[list[int]], bool] | None = None,
-                       adapter: str | None = None) -> Generation:
+                       adapter: str | None = None, vision: VisionPrompt | None = None) -> Generation:
         """Generate for one prompt; finished when a token of ``stop_token_ids`` is sampled or at the length limit.
         With ``adapter``, the named LoRA adapter (added with :meth:`add_adapter`) applies to the request's tokens.
+        With ``vision`` (a prompt with images, from the batcher's :class:`VisionEncoder`), ``input_ids`` are its
+        ``cache_ids``.
 
         With ``should_stop``, the request is streamed internally and stops early (cancelled) as soon as
         ``should_stop(generated_tokens)`` is true; the returned output then holds the tokens up to that point.
@@ -416,6 +434,8 @@ class ContinuousBatcher:
         self.versions.open(request_id)
         if adapter is not None:
             self.adapters.assign(request_id, adapter)
+        if vision is not None:
+            self.vision.prompts[request_id] = vision
         self.in_flight += 1
         try:
             added = self._manager.add_request(
@@ -435,6 +455,8 @@ class ContinuousBatcher:
             self._running.pop(request_id, None)
             runs = self.versions.close(request_id)
             self.adapters.release(request_id)
+            if vision is not None:
+                self.vision.prompts.pop(request_id, None)
             with self._manager.output_router._lock:
                 self._manager.output_router.result_handlers.pop(request_id, None)
         if output.error is not None:
@@ -464,7 +486,7 @@ class ContinuousBatcher:
             yield
 
     def prompt_logprobs(self, input_ids: list[int], start: int, *, temperature: float = 1.0,
-                        adapter: str | None = None) -> list[float]:
+                        adapter: str | None = None, vision: VisionPrompt | None = None) -> list[float]:
         """``log_softmax(logits / temperature)`` of each prompt token after position ``start`` given the tokens
         before it (``len(input_ids) - start - 1`` values), with LoRA adapter ``adapter`` if named (blocking).
 
@@ -480,8 +502,11 @@ class ContinuousBatcher:
             try:
                 self.adapters.route([(request_id, len(input_ids))])
                 ids = torch.tensor([input_ids], device=self.model.device)
-                logits = self.model(input_ids=ids, use_cache=False,
-                                    logits_to_keep=len(input_ids) - start).logits[0, :-1]
+                if vision is not None:
+                    logits = self.vision.prompt_logits(self.model, vision, len(input_ids) - start)[:-1]
+                else:
+                    logits = self.model(input_ids=ids, use_cache=False,
+                                        logits_to_keep=len(input_ids) - start).logits[0, :-1]
             finally:
                 self.adapters.release(request_id)
                 self.adapters.route([])
@@ -548,7 +573,7 @@ class ContinuousBatcher:
         missing = [key for key, target in targets.items() if id(target) not in prepared.values]
         if missing:
             raise ValueError(f"the new weights do not match the model: missing {sorted(missing)[:3]}")
-        with torch.no_grad(), self._paused():
+        with torch.no_grad(), self._paused(), self.vision.lock if self.vision is not None else nullcontext():
             in_place = self.graphs is not None and self.graphs.in_place_weights
             for target in targets.values():
                 if isinstance(target, torch.nn.Parameter) and not in_place:
@@ -560,6 +585,8 @@ class ContinuousBatcher:
             for module, (weight, bias) in prepared.packed.items():
                 module.packed, module.packed_bias = weight, bias
             self.versions.version = version
+            if self.vision is not None:
+                self.vision.forget()
             _block_salt = next(_swaps)
             processor = self._manager.batch_processor
             if processor is not None:

@@ -144,10 +144,12 @@ class SGLangClient:
 
     async def generate(self, input_ids: Sequence[int], sampling_params: SamplingParams | dict[str, Any] | None = None,
                        *, return_logprob: bool = True, rid: str | None = None,
-                       lora_path: str | None = None, logprob_start_len: int | None = None) -> GenerateResult:
+                       lora_path: str | None = None, logprob_start_len: int | None = None,
+                       image_data: Sequence[str] | None = None) -> GenerateResult:
         """``POST /generate`` with token ids; ``sampling_params`` uses SGLang's names (see ``SamplingParams``) and
         is sent in full, so the server's preferred defaults never apply. ``lora_path`` names a loaded adapter;
-        ``logprob_start_len`` asks for the prompt tokens' logprobs from that position on."""
+        ``logprob_start_len`` asks for the prompt tokens' logprobs from that position on; ``image_data`` are the
+        prompt's images in order (data: URIs; the ids hold their expanded ``<|image_pad|>`` runs)."""
         params = (sampling_params if isinstance(sampling_params, SamplingParams)
                   else SamplingParams.model_validate(sampling_params or {}))
         body: dict[str, Any] = {"input_ids": list(input_ids),
@@ -159,6 +161,8 @@ class SGLangClient:
             body["lora_path"] = lora_path
         if logprob_start_len is not None:
             body["logprob_start_len"] = logprob_start_len
+        if image_data:
+            body["image_data"] = list(image_data)
         response = await self._request("POST", "/generate", json=body, retry_timeouts=False)
         payload = self._json(response, "/generate")
         try:

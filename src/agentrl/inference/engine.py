@@ -58,7 +58,10 @@ from agentrl.inference.request_rules import (
     stop_token_ids,
     validate,
 )
+from agentrl.inference.vision_inputs import VisionEncoder, VisionPrompt
 from agentrl.inference.weight_endpoints import WeightEndpoints
+from agentrl.vision.images import ImageError, LoadedImage, decode_image_string
+from agentrl.vision.processor import VisionInputError, VisionProcessor, refuse_images
 
 logger = logging.getLogger(__name__)
 
@@ -128,10 +131,11 @@ class _Run(NamedTuple):
 
 
 class InferenceEngine:
-    """A loaded model, its tokenizer and the continuous batcher, plus the weight version and admission gate."""
+    """A loaded model, its tokenizer and the continuous batcher, plus the weight version and admission gate; for a
+    vision-language model (the Qwen-VL family) also its image processor and vision encoder."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
         from agentrl.inference.policy_tokenizer import policy_tokenizer
 
@@ -141,17 +145,24 @@ class InferenceEngine:
         path = config.model_name_or_path
         self.model_name = config.served_model_name or Path(path.rstrip("/")).name
         self.tokenizer = policy_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+        processor = VisionProcessor.of(path)
+        if processor is not None and config.enable_lora:
+            raise ValueError(f"{path}: LoRA adapters are not served for vision-language models "
+                             f"({processor.model_type}); start without --enable_lora")
+        loader = AutoModelForCausalLM if processor is None else AutoModelForImageTextToText
+        model = loader.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
         self.model = model.to(self.device).eval()
+        self.vision = None if processor is None else VisionEncoder(self.model, processor)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
-        self.context_length = int(getattr(self.model.config, "max_position_embeddings", 0) or 0) or None
+        text_config = self.model.config.get_text_config()
+        self.context_length = int(getattr(text_config, "max_position_embeddings", 0) or 0) or None
         self.eos_token_ids = self._eos_token_ids()
         self.batcher = ContinuousBatcher(self.model, BatchingConfig(
             max_total_tokens=config.max_total_tokens, max_batch_tokens=config.max_batch_tokens,
             max_running_requests=config.max_running_requests, page_size=config.page_size,
             prefix_sharing=not config.enable_lora, bf16_matmuls=bf16_matmuls(config.dtype, self.device),
             decode_graphs=self.device.type == "cuda" and not config.disable_cuda_graph,
-            decode_graph_max_requests=config.cuda_graph_max_bs), version=config.weight_version)
+            decode_graph_max_requests=config.cuda_graph_max_bs), version=config.weight_version, vision=self.vision)
         graphs = self.batcher.graphs
         self.precision = str(self.dtype).removeprefix("torch.") + (
             ", bf16 matmuls" if self.batcher.config.bf16_matmuls else "") + row_layout_note(self.model) + (
@@ -171,7 +182,7 @@ class InferenceEngine:
 
     def _eos_token_ids(self) -> set[int]:
         ids: set[int] = set()
-        for value in (self.model.generation_config.eos_token_id, self.model.config.eos_token_id,
+        for value in (self.model.generation_config.eos_token_id, self.model.config.get_text_config().eos_token_id,
                       self.tokenizer.eos_token_id):
             if isinstance(value, int):
                 ids.add(value)
@@ -237,6 +248,13 @@ class InferenceEngine:
             if not input_ids:
                 raise BadRequest("text encodes to no tokens")
         started = time.perf_counter()
+        try:
+            images = [decode_image_string(item, f"image_data[{i}]") for i, item in enumerate(request.images())]
+        except ImageError as error:
+            raise BadRequest(str(error)) from None
+        vision = await self._vision_prompt(input_ids, images)
+        if vision is not None:
+            input_ids = vision.ids
         params = self.with_preferred(request.sampling_params)
         start = None
         if request.return_logprob:  # as SGLang's scheduler: -1 (the default) is the last prompt token
@@ -244,7 +262,7 @@ class InferenceEngine:
             if start >= len(input_ids):
                 raise BadRequest(f"logprob_start_len ({start}) is higher than the number of input tokens "
                                  f"({len(input_ids)}). Request with a lower logprob_start_len.")
-        run = await self._run(input_ids, params, request.lora_path, prompt_start=start)
+        run = await self._run(input_ids, params, request.lora_path, prompt_start=start, vision=vision)
         text = output_text(self.tokenizer, run.output_ids, run.finish, params)
         meta = MetaInfo(
             id=request.rid or uuid.uuid4().hex, finish_reason=run.finish, prompt_tokens=len(input_ids),
@@ -272,9 +290,24 @@ class InferenceEngine:
             return False
         return True
 
+    async def _vision_prompt(self, input_ids: list[int], images: list[LoadedImage]) -> VisionPrompt | None:
+        """The prompt's vision prompt (its images encoded, its image tokens expanded); None without images. Image
+        placeholders without images, images without placeholders or for a text-only model are a bad request."""
+        try:
+            if self.vision is None:
+                refuse_images(self.model_name, len(images))
+                return None
+            if not images:
+                self.vision.processor.expand(input_ids, [])  # no image placeholders without images
+                return None
+            return await asyncio.to_thread(self.vision.prompt, input_ids, images)
+        except (ImageError, VisionInputError) as error:
+            raise BadRequest(str(error)) from None
+
     async def _run(self, input_ids: list[int], params: SamplingParams, adapter: str | None = None, *,
-                   prompt_start: int | None = None) -> _Run:
-        """Generate under an admission (and, from ``prompt_start`` on, score the prompt with the same weights)."""
+                   prompt_start: int | None = None, vision: VisionPrompt | None = None) -> _Run:
+        """Generate under an admission (and, from ``prompt_start`` on, score the prompt with the same weights);
+        with ``vision``, ``input_ids`` are its real ids and the batcher gets its ``cache_ids``."""
         validate(input_ids, params, self.vocab_size, self.context_length, self.config.max_total_tokens)
         stop_ids = stop_token_ids(params, self.eos_token_ids)
         matcher = stop_string_matcher(self.tokenizer, params.stop_strings)
@@ -286,12 +319,15 @@ class InferenceEngine:
             try:
                 if prompt_start is not None:
                     prompt = await asyncio.to_thread(self.batcher.prompt_logprobs, input_ids, prompt_start,
-                                                     temperature=sampling.temperature, adapter=adapter)
+                                                     temperature=sampling.temperature, adapter=adapter,
+                                                     vision=vision)
                 if params.max_new_tokens == 0:
                     return _Run([], [], FinishReason(type="length", length=0), version, [], prompt)
                 output = await self.batcher.generate(
-                    input_ids, max_new_tokens=params.max_new_tokens, stop_token_ids=stop_ids, sampling=sampling,
-                    should_stop=(lambda ids: matcher(ids) is not None) if matcher else None, adapter=adapter)
+                    vision.cache_ids if vision is not None else input_ids, max_new_tokens=params.max_new_tokens,
+                    stop_token_ids=stop_ids, sampling=sampling,
+                    should_stop=(lambda ids: matcher(ids) is not None) if matcher else None, adapter=adapter,
+                    vision=vision)
             except GenerationAborted as error:  # SGLang answers an aborted request, it does not drop it
                 return _Run([], [], FinishReason(type="abort", message=str(error)), version, [], prompt)
             finally:
@@ -303,14 +339,21 @@ class InferenceEngine:
     # ------------------------------------------------------------------------------------------------- chat
 
     async def chat(self, request: ChatCompletionRequest) -> dict[str, Any]:
-        """Serve one OpenAI ``/v1/chat/completions`` request with the model's chat template."""
+        """Serve one OpenAI ``/v1/chat/completions`` request with the model's chat template (``image_url`` parts of
+        a message's content are its images, rendered by the template as image placeholders)."""
+        messages, images = chat_images(request.messages)
+        if self.vision is None and images:
+            await self._vision_prompt([], images)  # refuses them
         try:
             prompt = self.tokenizer.apply_chat_template(
-                request.messages, tools=request.tools, add_generation_prompt=True, tokenize=False,
+                messages, tools=request.tools, add_generation_prompt=True, tokenize=False,
                 **(request.chat_template_kwargs or {}))
         except Exception as error:  # template errors are the caller's: bad roles, missing content ...
             raise BadRequest(f"cannot apply the chat template to these messages: {error}") from error
         input_ids = self.tokenizer.encode(prompt, add_special_tokens=False)
+        vision = await self._vision_prompt(input_ids, images)
+        if vision is not None:
+            input_ids = vision.ids
         max_new = request.max_completion_tokens if request.max_completion_tokens is not None else request.max_tokens
         if max_new is None:
             limit = min(self.context_length or self.config.max_total_tokens, self.config.max_total_tokens)
@@ -321,7 +364,7 @@ class InferenceEngine:
                  "stop_token_ids": request.stop_token_ids, "sampling_seed": request.seed,
                  "skip_special_tokens": request.skip_special_tokens}
         params = self.with_preferred(SamplingParams(**{k: v for k, v in given.items() if v is not None}))
-        run = await self._run(input_ids, params)
+        run = await self._run(input_ids, params, vision=vision)
         output_ids, logprobs, finish, version = run.output_ids, run.logprobs, run.finish, run.version
         choice: dict[str, Any] = {
             "index": 0,
@@ -379,3 +422,32 @@ class InferenceEngine:
         self.model.to(device)
         if device.type == "cpu" and torch.cuda.is_available():
             torch.cuda.empty_cache()
+
+
+def chat_images(messages: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[LoadedImage]]:
+    """The messages with each OpenAI ``image_url`` content part made ``{"type": "image"}`` (what the Qwen-VL chat
+    templates render as an image placeholder), and the images in order. A part's URL must be a ``data:`` URI."""
+    images: list[LoadedImage] = []
+    out = []
+    for m, message in enumerate(messages):
+        content = message.get("content")
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts = []
+        for p, part in enumerate(content):
+            if isinstance(part, dict) and part.get("type") == "image_url":
+                where = f"messages[{m}].content[{p}].image_url"
+                url = part.get("image_url")
+                url = url.get("url") if isinstance(url, dict) else url
+                if not isinstance(url, str):
+                    raise BadRequest(f"{where}: expected {{'url': 'data:image/...;base64,...'}}")
+                try:
+                    images.append(decode_image_string(url, where))
+                except ImageError as error:
+                    raise BadRequest(str(error)) from None
+                parts.append({"type": "image"})
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out, images

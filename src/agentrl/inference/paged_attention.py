@@ -250,6 +250,7 @@ def _paged_mask(*args, **kwargs) -> torch.Tensor | None:
 def supports(config: PretrainedConfig) -> bool:
     """Whether the model's layers all use plain full attention (sliding windows and soft-capped scores keep
     transformers' path)."""
+    config = config.get_text_config()  # a vision-language model's language model
     softcap = getattr(config, "attn_logit_softcapping", None)
     return set(group_layers_by_attn_type(config)) == {_FULL_ATTENTION} and softcap is None
 

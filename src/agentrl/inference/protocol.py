@@ -158,6 +158,16 @@ class GenerateRequest(_Request):
     stream: Literal[False] = False
     rid: str | None = None
     lora_path: str | None = Field(None, description="name of a loaded LoRA adapter to generate with")
+    image_data: str | list[str] | None = Field(
+        None, description="the prompt's images in order, each a data: URI or base64 (SGLang's image_data for one "
+        "prompt); the prompt marks each with <|vision_start|><|image_pad|><|vision_end|>, its <|image_pad|> once or "
+        "already expanded to the image's token count")
+
+    def images(self) -> list[str]:
+        """``image_data`` as a list (SGLang takes one image as a plain string)."""
+        if self.image_data is None:
+            return []
+        return [self.image_data] if isinstance(self.image_data, str) else list(self.image_data)
 
     @model_validator(mode="after")
     def _check(self) -> GenerateRequest:

@@ -66,3 +66,83 @@ def build_random_model(config_file: str | Path, out_dir: str | Path, *, seed: in
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(default_tokenizer_path()).save_pretrained(out_dir)
     return Path(out_dir)
+
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+"""The Qwen-VL family's vision tokens, added to the embedded tokenizer by :func:`build_tiny_vision_model`."""
+
+VISION_CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\n"
+    "You are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' }}{% if message['content'] is string %}{{ message['content'] }}"
+    "{% else %}{% for part in message['content'] %}{% if part['type'] in ('image', 'image_url') %}"
+    "{{ '<|vision_start|><|image_pad|><|vision_end|>' }}{% elif part['type'] == 'text' %}{{ part['text'] }}"
+    "{% endif %}{% endfor %}{% endif %}{{ '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+"""The embedded model's chat template, with a message's content also a list of ``text`` and ``image`` parts (an
+image rendered as the Qwen-VL placeholder, as Qwen's own templates do)."""
+
+
+def build_tiny_vision_model(out_dir: str | Path, *, family: str = "qwen2_5_vl", seed: int = 0,
+                            hidden_size: int = 64, max_pixels: int = 112 * 112) -> Path:
+    """Save a seeded random Qwen-VL model (``family``: ``qwen2_5_vl`` or ``qwen3_vl``) with two thin text layers
+    and a two-block vision tower, the embedded tokenizer with the four vision tokens and a chat template that
+    renders images, and the family's image processor (at most ``max_pixels`` pixels an image: 16 tokens at the
+    default) into ``out_dir``; return it. No pretrained small VLM ships in a package here: tests and the CPU demo
+    use this one."""
+    import torch
+    from transformers import AutoTokenizer, GenerationConfig
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    out = Path(out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(default_tokenizer_path())
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    tokenizer.chat_template = VISION_CHAT_TEMPLATE
+    start, end, image, video = tokenizer.convert_tokens_to_ids(list(VISION_TOKENS))
+    head_dim = hidden_size // 4
+    text = {"vocab_size": len(tokenizer), "hidden_size": hidden_size, "intermediate_size": 2 * hidden_size,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "initializer_range": 0.2,
+            "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+            "pad_token_id": tokenizer.pad_token_id}
+    section = [head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6]  # temporal, height, width
+    vision = {"depth": 2, "hidden_size": 32, "intermediate_size": 64, "num_heads": 2,
+              "out_hidden_size": hidden_size, "initializer_range": 0.2}  # 0.2: outputs that depend on the image
+    tokens = {"image_token_id": image, "video_token_id": video, "vision_start_token_id": start,
+              "vision_end_token_id": end, "tie_word_embeddings": True}
+    if family == "qwen2_5_vl":
+        from transformers import Qwen2_5_VLConfig as Config
+        from transformers import Qwen2_5_VLForConditionalGeneration as Model
+
+        config = Config(text_config=text | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
+                                                                "mrope_section": section}},
+                        vision_config=vision | {"fullatt_block_indexes": [1], "window_size": 56}, **tokens)
+        patch = 14
+    elif family == "qwen3_vl":
+        from transformers import Qwen3VLConfig as Config
+        from transformers import Qwen3VLForConditionalGeneration as Model
+
+        config = Config(text_config=text | {"head_dim": head_dim, "rope_parameters": {
+                            "rope_type": "default", "rope_theta": 5e6, "mrope_section": section,
+                            "mrope_interleaved": True}},
+                        vision_config=vision | {"deepstack_visual_indexes": [0], "num_position_embeddings": 64},
+                        **tokens)
+        patch = 16
+    else:
+        raise ValueError(f"family must be qwen2_5_vl or qwen3_vl, not {family!r}")
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = Model(config)
+    finally:
+        torch.random.set_rng_state(generator_state)
+    model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
+                                               eos_token_id=tokenizer.eos_token_id,
+                                               pad_token_id=tokenizer.pad_token_id)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    factor = patch * 2
+    Qwen2VLImageProcessorPil(patch_size=patch, min_pixels=factor * factor, max_pixels=max_pixels,
+                             **({"image_mean": [0.5] * 3, "image_std": [0.5] * 3} if family == "qwen3_vl" else {})
+                             ).save_pretrained(out)
+    return out
