@@ -25,6 +25,7 @@ Points in the code:
 - ``group_stage.after_credits`` (a per-turn estimator's advantages written on the calls, no Record moved),
   ``group_stage.after_ready`` (a kept trajectory's Record ``ready``, its samples not queued),
   ``group_stage.before_complete`` (every Record moved on, the Task not closed);
+- ``images.before_files`` (an image's GridFS chunks written, its files document not);
 - ``samples.claim.after_one`` (a trainer rank claimed one more sample of its step);
 - ``publish.after_export`` (new weights written or sent, no service told), ``publish.before_bump`` (services
   loaded them, ``Run.policy_version`` not bumped), ``publish.distributed.after_first_bucket`` (the first bucket of

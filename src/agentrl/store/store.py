@@ -16,6 +16,7 @@ from agentrl.store.command_count import CommandCounter
 from agentrl.store.connection import database_name
 from agentrl.store.errors import DatabaseUnreachable
 from agentrl.store.evals import Evals
+from agentrl.store.images import ImageStore
 from agentrl.store.indexes import ensure_indexes
 from agentrl.store.outage import OutageLog, outage_tolerance_s
 from agentrl.store.records import Calls, Records
@@ -32,8 +33,9 @@ class Store:
 
     ``slots`` hands out Task sample slots as leases, ``records``/``calls`` move trajectories and LLM calls
     through their states, ``samples`` is the trainer's DBRecordData queue, ``services`` the inference-service
-    registry, ``runs`` the Run document and metrics. Use as ``async with Store(uri) as store:`` (which checks the
-    database answers within ``connect_timeout_s`` and creates the indexes) or call ``close()``. Create it inside the
+    registry, ``runs`` the Run document and metrics, ``images`` the images calls refer to (GridFS). Use as
+    ``async with Store(uri) as store:`` (which checks the database answers within ``connect_timeout_s`` and creates
+    the indexes) or call ``close()``. Create it inside the
     event loop that will use it. Commands wait ``CONNECT_TIMEOUT_S`` for a database that does not answer; samplers
     and trainers wait as long as for an outage while running (``connect_timeout_s=outage_tolerance_s()``), so one
     started during an outage rides it out as a running one does.
@@ -65,6 +67,7 @@ class Store:
         self.services = ServiceRegistry(self.db, clock=self.clock)
         self.runs = Runs(self.db)
         self.evals = Evals(self.db)
+        self.images = ImageStore(self.db)
 
     def _database_back(self) -> None:
         """The outage log's word that the database is reachable again: its clock is measured again."""

@@ -1,0 +1,92 @@
+"""``ImageStore``: every image a run saw, once, in MongoDB's own convention for binaries (GridFS bucket ``images``).
+
+An image is a GridFS file whose ``_id`` is the sha256 (hex) of its bytes: ``images.files`` holds
+``{_id, length, chunkSize, uploadDate, filename "<sha256>.<ext>", metadata {contentType, width, height}}`` and
+``images.chunks`` its bytes in chunks of :data:`CHUNK_BYTES` (``{files_id, n, data}``), exactly as the GridFS spec
+lays them out, so Compass, ``mongofiles`` and any driver's GridFS API read them (the tests read them with
+PyMongo's ``AsyncGridFSBucket``). Calls and Records reference images by that id; documents stay small.
+
+Writes are idempotent and race-free, which the GridFS upload API is not (a second writer of the same id fails
+half-way): the chunks of a given image are a function of its bytes, so each is inserted unless there (a duplicate
+key under the unique ``(files_id, n)`` index means another writer stored the identical chunk), and the files
+document last, likewise. Invariants:
+
+* a files document exists only after all of its chunks (readers trust the files document alone);
+* two samplers storing the same picture at once write identical chunks: whichever lands first stays;
+* a writer killed between chunks leaves chunks without a files document (crash window ``images.before_files``):
+  invisible to readers, and completed by the next :meth:`ImageStore.put` of that image.
+
+NX-27017 (the embedded server) keeps ``*.files`` and ``*.chunks`` collections in GridFS tables of its own, which take
+inserts, finds and deletes but ignore updates and upserts (hence inserts here), report a unique-index conflict as
+"UNIQUE constraint failed" without MongoDB's code 11000, replace a files document inserted twice, show a files
+document of length 0 for chunks without one (so a files document counts only with the image's length), and store
+``uploadDate`` as a string.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from bson.binary import Binary
+from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.errors import DuplicateKeyError, OperationFailure
+
+from agentrl.failpoints import failpoint
+from agentrl.vision.images import ImageError, LoadedImage, load_image
+
+BUCKET = "images"
+CHUNK_BYTES = 255 * 1024
+"""GridFS's default chunk size."""
+
+
+class ImageStore:
+    """Put and get a run's images by sha256."""
+
+    def __init__(self, db: AsyncDatabase):
+        self.files = db[f"{BUCKET}.files"]
+        self.chunks = db[f"{BUCKET}.chunks"]
+
+    async def put(self, image: LoadedImage) -> str:
+        """Store ``image`` (a no-op if it is there); returns its id, the sha256."""
+        stored = await self.files.find_one({"_id": image.sha256})
+        if stored is not None and stored.get("length") == len(image.data):
+            return image.sha256
+        for n, start in enumerate(range(0, len(image.data), CHUNK_BYTES)):
+            await _insert_once(self.chunks, {"files_id": image.sha256, "n": n,
+                                             "data": Binary(image.data[start:start + CHUNK_BYTES])})
+        failpoint("images.before_files")
+        await _insert_once(self.files, {
+            "_id": image.sha256, "length": len(image.data), "chunkSize": CHUNK_BYTES, "uploadDate": datetime.now(UTC),
+            "filename": f"{image.sha256}.{image.format.lower()}",
+            "metadata": {"contentType": image.mime_type, "width": image.width, "height": image.height}})
+        return image.sha256
+
+    async def get(self, sha256: str) -> LoadedImage:
+        """The image stored under ``sha256``; :class:`ImageError` when it is missing, incomplete or not what its id
+        says (bytes of another hash)."""
+        files = await self.files.find_one({"_id": sha256})
+        if files is None:
+            raise ImageError(f"image {sha256}: not in the database (GridFS bucket {BUCKET!r})")
+        parts = [doc["data"] async for doc in self.chunks.find({"files_id": sha256}).sort("n", 1)]
+        data = b"".join(parts)
+        if len(data) != files["length"]:
+            raise ImageError(f"image {sha256}: {len(data)} of its {files['length']} bytes are stored")
+        image = load_image(data, f"image {sha256}")
+        if image.sha256 != sha256:
+            raise ImageError(f"image {sha256}: its stored bytes hash to {image.sha256}")
+        return image
+
+    async def get_many(self, ids: list[str]) -> dict[str, LoadedImage]:
+        """Each distinct image of ``ids`` by id."""
+        return {sha256: await self.get(sha256) for sha256 in dict.fromkeys(ids)}
+
+
+async def _insert_once(collection, document: dict) -> None:
+    """Insert ``document`` unless another writer inserted the identical one (a unique-key conflict)."""
+    try:
+        await collection.insert_one(document)
+    except DuplicateKeyError:
+        pass
+    except OperationFailure as error:
+        if "UNIQUE constraint failed" not in str(error):  # NX-27017's duplicate key (no code 11000)
+            raise
