@@ -93,3 +93,69 @@ def test_content_hash_ids_make_unnamed_tasks_idempotent(db_uri: str, tmp_path: P
     assert agentrl("tasks", "upload", str(path), "--db_connection_string", db_uri).returncode == 0
     stored = tasks(db_uri)
     assert len(stored) == 2 and all(t["_id"] == f"train:{t['content_hash']}" for t in stored)
+
+
+def picture(seed: int, size: tuple[int, int] = (30, 40), kind: str = "PNG") -> bytes:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, kind)
+    return out.getvalue()
+
+
+def test_task_images_are_checked_then_stored_once_in_gridfs(db_uri: str, tmp_path: Path) -> None:
+    """``images``: files relative to the task file or data: URIs; every bad one is reported with its line and item
+    and nothing is written; good ones are stored once (GridFS) before the Tasks that name them by sha256."""
+    import base64
+    import hashlib
+
+    (tmp_path / "pics").mkdir()
+    (tmp_path / "pics" / "a.png").write_bytes(picture(1))
+    (tmp_path / "pics" / "b.jpg").write_bytes(picture(2, kind="JPEG"))
+    (tmp_path / "pics" / "notes.txt").write_text("not a picture")
+    (tmp_path / "pics" / "cut.png").write_bytes(picture(3)[:100])
+    uri = "data:image/png;base64," + base64.b64encode(picture(4)).decode()
+    bad = write_jsonl(tmp_path / "bad.jsonl", [
+        {"id": "ok", "query": "What is shown?", "answer": "noise", "images": ["pics/a.png"]},
+        {"id": "missing", "query": "q", "answer": "a", "images": ["pics/none.png"]},
+        {"id": "text", "query": "q", "answer": "a", "images": ["pics/a.png", "pics/notes.txt"]},
+        {"id": "cut", "query": "q", "answer": "a", "images": ["pics/cut.png"]},
+        {"id": "shape", "query": "q", "answer": "a", "images": "pics/a.png"},
+        {"id": "uri", "query": "q", "answer": "a", "images": ["data:image/png;base64,@@"]},
+    ])
+    result = agentrl("tasks", "upload", str(bad), "--db_connection_string", db_uri)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith(str(bad))]
+    assert [e.split(":")[1] for e in errors] == ["2", "3", "4", "5", "6"]
+    assert "'images[0]': cannot read" in errors[0] and "none.png" in errors[0]
+    assert "'images[1]' (pics/notes.txt): not an image" in errors[1]
+    assert "'images[0]' (pics/cut.png): the image cannot be decoded" in errors[2]
+    assert "expected a list of image file paths or data: URIs" in errors[3]
+    assert "'images[0]': not valid base64" in errors[4]
+    client = MongoClient(db_uri)
+    try:
+        db = client.get_default_database()
+        assert tasks(db_uri) == [] and db["images.files"].find_one({}) is None  # nothing written
+
+        good = write_jsonl(tmp_path / "good.jsonl", [
+            {"id": "one", "query": "What is shown?", "answer": "noise", "images": ["pics/a.png", "pics/b.jpg"]},
+            {"id": "two", "query": "And here?", "answer": "noise", "images": [uri, "pics/a.png"]},
+            {"id": "plain", "query": "1+1?", "answer": "2"},
+        ])
+        for _ in range(2):
+            assert agentrl("tasks", "upload", str(good), "--db_connection_string", db_uri).returncode == 0
+        sha = {name: hashlib.sha256(data).hexdigest()
+               for name, data in (("a", picture(1)), ("b", (tmp_path / "pics" / "b.jpg").read_bytes()),
+                                  ("uri", picture(4)))}
+        stored = {t["_id"]: t for t in tasks(db_uri)}
+        assert stored["train:one"]["images"] == [sha["a"], sha["b"]]
+        assert stored["train:two"]["images"] == [sha["uri"], sha["a"]]
+        assert stored["train:plain"]["images"] == []
+        files = {doc["_id"]: doc for doc in db["images.files"].find({})}
+        assert set(files) == set(sha.values())
+        assert files[sha["b"]]["metadata"]["contentType"] == "image/jpeg"
+    finally:
+        client.close()

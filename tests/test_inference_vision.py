@@ -63,7 +63,7 @@ def prompt_ids(model_dir: Path, content: list[dict], images: list[bytes], *, exp
     if not expand:
         return ids
     processor = VisionProcessor(model_dir)
-    return processor.expand(ids, processor.inputs([load_image(b, "test") for b in images]).grids())
+    return processor.expand(ids, [processor.image_tokens(load_image(b, "test")) for b in images])
 
 
 def reference(model_dir: Path, ids: list[int], images: list[bytes], new_tokens: int) -> tuple[list[int], list[float]]:
@@ -214,3 +214,13 @@ async def test_a_text_model_refuses_images(engine_url: str) -> None:
         await client.chat.completions.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": data_uri(picture(10))}}]}])
     await client.close()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_token_counts_from_the_size_equal_the_processors_grids(family: str, tmp_path: Path) -> None:
+    """Samplers count an image's tokens from its size alone; the engine and trainer from the processor's grid."""
+    processor = VisionProcessor(build_tiny_vision_model(tmp_path, family=family, max_pixels=200 * 200))
+    for size in [(1, 1), (28, 28), (60, 90), (90, 60), (13, 400), (223, 337), (640, 480)]:
+        image = load_image(picture(0, size), "size")
+        grid = processor.inputs([image]).grids()[0]
+        assert processor.image_tokens(image) == processor.grid_tokens(grid), size

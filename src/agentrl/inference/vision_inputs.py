@@ -73,7 +73,7 @@ class VisionEncoder:
         """The vision prompt of ``ids`` with ``images`` (blocking: image processing and the vision tower)."""
         inputs = self.processor.inputs(images)
         grids = inputs.grids()
-        ids = self.processor.expand(ids, grids)
+        ids = self.processor.expand(ids, [self.processor.grid_tokens(grid) for grid in grids])
         with self.lock, torch.no_grad():
             features = self._features(images, inputs.pixel_values, grids)
             device = self.model.device

@@ -29,9 +29,11 @@ from datetime import UTC, datetime
 
 from bson.binary import Binary
 from pymongo.asynchronous.database import AsyncDatabase
+from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from agentrl.failpoints import failpoint
+from agentrl.store.indexes import INDEXES
 from agentrl.vision.images import ImageError, LoadedImage, load_image
 
 BUCKET = "images"
@@ -51,14 +53,11 @@ class ImageStore:
         stored = await self.files.find_one({"_id": image.sha256})
         if stored is not None and stored.get("length") == len(image.data):
             return image.sha256
-        for n, start in enumerate(range(0, len(image.data), CHUNK_BYTES)):
-            await _insert_once(self.chunks, {"files_id": image.sha256, "n": n,
-                                             "data": Binary(image.data[start:start + CHUNK_BYTES])})
+        chunks, files = gridfs_documents(image)
+        for chunk in chunks:
+            await _insert_once(self.chunks.insert_one, chunk)
         failpoint("images.before_files")
-        await _insert_once(self.files, {
-            "_id": image.sha256, "length": len(image.data), "chunkSize": CHUNK_BYTES, "uploadDate": datetime.now(UTC),
-            "filename": f"{image.sha256}.{image.format.lower()}",
-            "metadata": {"contentType": image.mime_type, "width": image.width, "height": image.height}})
+        await _insert_once(self.files.insert_one, files)
         return image.sha256
 
     async def get(self, sha256: str) -> LoadedImage:
@@ -81,12 +80,47 @@ class ImageStore:
         return {sha256: await self.get(sha256) for sha256 in dict.fromkeys(ids)}
 
 
-async def _insert_once(collection, document: dict) -> None:
-    """Insert ``document`` unless another writer inserted the identical one (a unique-key conflict)."""
+def put_images_sync(db: Database, images: list[LoadedImage]) -> None:
+    """:meth:`ImageStore.put` of each image, with a synchronous client (``agentrl tasks upload``)."""
+    files, chunks = db[f"{BUCKET}.files"], db[f"{BUCKET}.chunks"]
+    chunks.create_indexes(INDEXES[chunks.name])
+    for image in {image.sha256: image for image in images}.values():
+        stored = files.find_one({"_id": image.sha256})
+        if stored is not None and stored.get("length") == len(image.data):
+            continue
+        chunk_docs, files_doc = gridfs_documents(image)
+        for chunk in chunk_docs:
+            _unless_duplicate(chunks.insert_one, chunk)
+        failpoint("images.before_files")
+        _unless_duplicate(files.insert_one, files_doc)
+
+
+def gridfs_documents(image: LoadedImage) -> tuple[list[dict], dict]:
+    """The GridFS chunks and files document of ``image`` (a function of its bytes, but for ``uploadDate``)."""
+    chunks = [{"files_id": image.sha256, "n": n, "data": Binary(image.data[start:start + CHUNK_BYTES])}
+              for n, start in enumerate(range(0, len(image.data), CHUNK_BYTES))]
+    files = {"_id": image.sha256, "length": len(image.data), "chunkSize": CHUNK_BYTES, "uploadDate": datetime.now(UTC),
+             "filename": f"{image.sha256}.{image.format.lower()}",
+             "metadata": {"contentType": image.mime_type, "width": image.width, "height": image.height}}
+    return chunks, files
+
+
+async def _insert_once(insert, document: dict) -> None:
+    """``await insert(document)`` unless another writer inserted the identical one (a unique-key conflict)."""
     try:
-        await collection.insert_one(document)
-    except DuplicateKeyError:
-        pass
-    except OperationFailure as error:
-        if "UNIQUE constraint failed" not in str(error):  # NX-27017's duplicate key (no code 11000)
-            raise
+        await insert(document)
+    except (DuplicateKeyError, OperationFailure) as error:
+        _raise_unless_duplicate(error)
+
+
+def _unless_duplicate(insert, document: dict) -> None:
+    try:
+        insert(document)
+    except (DuplicateKeyError, OperationFailure) as error:
+        _raise_unless_duplicate(error)
+
+
+def _raise_unless_duplicate(error: Exception) -> None:
+    if isinstance(error, DuplicateKeyError) or "UNIQUE constraint failed" in str(error):  # NX-27017: no code 11000
+        return
+    raise error

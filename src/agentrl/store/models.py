@@ -91,6 +91,8 @@ class Task(Document):
     query: str
     answer: str | None = None
     system_prompt: str | None = None
+    images: list[str] = Field(default_factory=list, description="the question's images (sha256 ids in the GridFS "
+                              "bucket 'images'), shown before its text")
     scorer: str = "math"
     answer_schema: str = "boxed"
     task_type: str | None = None

@@ -5,8 +5,11 @@ Field aliases follow the original AgentRL's dataset loader: the question may be 
 ``messages`` / ``raw.messages``); the answer ``a``, ``Final answer``, ``Final Answer``, ``Final sample answer``,
 ``answer`` or ``expected_answer`` (or ``raw.expected_answer`` / ``raw.answer``). Per-task fields ``id``
 (or ``task_id``), ``scorer``, ``answer_schema``, ``system_prompt``, ``num_generations`` and ``task_type``
-override the upload's defaults; any other field is kept in ``metadata``. ``env: {"name", "data_idx"}`` makes the Task an
-environment episode (``agentrl.rollout.episode``; ``agentrl envs tasks`` writes such rows).
+override the upload's defaults; ``images`` (a list of image files, relative to the task file, or ``data:`` URIs) are
+the pictures the question is about, each checked (``agentrl.vision.images.load_image``) and stored once in the
+database's GridFS bucket before the Tasks (which refer to them by sha256); any other field is kept in ``metadata``.
+``env: {"name", "data_idx"}`` makes the Task an environment episode (``agentrl.rollout.episode``; ``agentrl envs
+tasks`` writes such rows).
 """
 
 from __future__ import annotations
@@ -23,14 +26,16 @@ from typing import Any
 from pymongo.database import Database
 
 from agentrl.scoring.answers import ANSWER_SCHEMAS
+from agentrl.store.images import put_images_sync
 from agentrl.store.models import Task
+from agentrl.vision.images import ImageError, LoadedImage, decode_image_string, load_image
 
 QUERY_KEYS = ("q", "Question", "question", "query", "content", "instruction", "traj_question")
 ANSWER_KEYS = ("a", "Final answer", "Final Answer", "Final sample answer", "answer", "expected_answer")
 ID_KEYS = ("id", "task_id")
 SCORERS_WITHOUT_ANSWER = ("env_reward", "humaneval")
 _KNOWN = set(QUERY_KEYS) | set(ANSWER_KEYS) | set(ID_KEYS) | {
-    "messages", "raw", "scorer", "answer_schema", "system_prompt", "num_generations", "task_type", "split"}
+    "messages", "raw", "scorer", "answer_schema", "system_prompt", "num_generations", "task_type", "split", "images"}
 _SCORER_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_.\-]*$")
 
 
@@ -61,6 +66,8 @@ class UploadDefaults:
 class ParsedFile:
     tasks: list[tuple[int, Task]] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    images: dict[str, LoadedImage] = field(default_factory=dict)
+    """The Tasks' images by sha256 (stored before the Tasks)."""
 
 
 def iter_entries(path: Path) -> Iterator[tuple[int, Any]]:
@@ -128,13 +135,37 @@ def _pick(obj: dict[str, Any], keys: tuple[str, ...]) -> Any:
     return None
 
 
-def content_hash(query: str, answer: str | None, system_prompt: str | None) -> str:
-    canonical = json.dumps([query, answer, system_prompt], ensure_ascii=False, separators=(",", ":"))
+def content_hash(query: str, answer: str | None, system_prompt: str | None, images: list[str] | None = None) -> str:
+    """The hash of a Task's content (its images' hashes count when it has any)."""
+    content = [query, answer, system_prompt, *([images] if images else [])]
+    canonical = json.dumps(content, ensure_ascii=False, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:20]
 
 
-def parse_entry(obj: Any, defaults: UploadDefaults, order: int) -> Task:
-    """Validate one entry and build its Task; raises ``ValueError`` with a message naming the field."""
+def entry_images(value: Any, base_dir: Path | None) -> list[LoadedImage]:
+    """The images of an entry's ``images`` field: file paths (relative to ``base_dir``) or ``data:`` URIs;
+    ``ValueError`` naming the item and what is wrong."""
+    if not isinstance(value, list) or not all(isinstance(item, str) and item for item in value):
+        raise ValueError(f"field 'images': expected a list of image file paths or data: URIs, got {value!r}")
+    images = []
+    for i, item in enumerate(value):
+        where = f"field 'images[{i}]'"
+        if item.startswith("data:"):
+            images.append(decode_image_string(item, where))
+            continue
+        path = Path(item) if base_dir is None else base_dir / item
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise ValueError(f"{where}: cannot read {str(path)!r} ({error.strerror or error})") from None
+        images.append(load_image(data, f"{where} ({item})"))
+    return images
+
+
+def parse_entry(obj: Any, defaults: UploadDefaults, order: int, base_dir: Path | None = None,
+                images: dict[str, LoadedImage] | None = None) -> Task:
+    """Validate one entry and build its Task; raises ``ValueError`` with a message naming the field. Its images
+    (paths relative to ``base_dir``) are added to ``images`` by sha256."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     raw = obj.get("raw") if isinstance(obj.get("raw"), dict) else {}
@@ -177,14 +208,21 @@ def parse_entry(obj: Any, defaults: UploadDefaults, order: int) -> Task:
                                 and env["data_idx"] >= 0):
         raise ValueError(f"field 'env': expected {{\"name\": ENVIRONMENT, \"data_idx\": TASK INDEX >= 0}}, "
                          f"got {env!r}")
-    digest = content_hash(query, answer, system_prompt)
+    try:
+        loaded = entry_images(obj["images"], base_dir) if "images" in obj else []
+    except ImageError as error:
+        raise ValueError(str(error)) from None
+    image_ids = [image.sha256 for image in loaded]
+    digest = content_hash(query, answer, system_prompt, image_ids)
     data_id = _pick(obj, ID_KEYS)
     if data_id is not None and not isinstance(data_id, (str, int)):
         raise ValueError(f"field 'id': expected a string or an integer, got {type(data_id).__name__}")
     task_id = f"{defaults.split}:{data_id if data_id is not None else digest}"
+    if images is not None:
+        images.update((image.sha256, image) for image in loaded)
     return Task(
         id=task_id, split=defaults.split, order=order, query=query, answer=answer, system_prompt=system_prompt,
-        scorer=scorer, answer_schema=schema, task_type=task_type,
+        images=image_ids, scorer=scorer, answer_schema=schema, task_type=task_type,
         metadata={k: v for k, v in obj.items() if k not in _KNOWN}, content_hash=digest,
         num_generations=generations, max_attempts=defaults.max_attempts, unclaimed=generations,
         remaining=generations,
@@ -208,7 +246,7 @@ def parse_file(path: str | Path, defaults: UploadDefaults) -> ParsedFile:
             parsed.problems.append(f"{path}:{line}: invalid JSON: {obj.msg} (column {obj.colno})")
             continue
         try:
-            task = parse_entry(obj, defaults, order=base + index)
+            task = parse_entry(obj, defaults, order=base + index, base_dir=path.parent, images=parsed.images)
         except ValueError as error:
             parsed.problems.append(f"{path}:{line}: {error}")
             continue
@@ -238,7 +276,8 @@ def upload_tasks(db: Database, path: str | Path, defaults: UploadDefaults, *, sk
     """Validate the whole file, then insert the Tasks not already present.
 
     Raises ``TaskFileError`` (and inserts nothing) if any entry is invalid, unless ``skip_invalid``. Tasks whose id
-    is already in the database are left as they are (``changed`` lists those whose content differs).
+    is already in the database are left as they are (``changed`` lists those whose content differs). The new Tasks'
+    images are stored (GridFS, once each) before the Tasks that refer to them.
     """
     parsed = parse_file(path, defaults)
     if parsed.problems and (not skip_invalid or not parsed.tasks):
@@ -252,6 +291,8 @@ def upload_tasks(db: Database, path: str | Path, defaults: UploadDefaults, *, sk
     new = [task.to_mongo() for _, task in parsed.tasks if task.id not in existing]
     changed = [task.id for _, task in parsed.tasks if task.id in existing and existing[task.id] != task.content_hash]
     if new:
+        wanted = {sha256 for doc in new for sha256 in doc.get("images", [])}
+        put_images_sync(db, [image for sha256, image in parsed.images.items() if sha256 in wanted])
         collection.insert_many(new, ordered=True)
     return UploadResult(inserted=len(new), already_present=len(existing), changed=changed,
                         problems=parsed.problems)

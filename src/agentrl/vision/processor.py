@@ -89,15 +89,20 @@ class VisionProcessor:
         out = self.image_processor(images=[image.rgb for image in images], return_tensors="pt")
         return ImageInputs(pixel_values=out["pixel_values"], image_grid_thw=out["image_grid_thw"])
 
-    def image_tokens(self, grid: tuple[int, int, int]) -> int:
+    def grid_tokens(self, grid: tuple[int, int, int]) -> int:
         """``<|image_pad|>`` tokens of an image of patch grid ``grid``."""
         t, h, w = grid
         return t * h * w // (self.merge_size ** 2)
 
-    def expand(self, ids: list[int], grids: list[tuple[int, int, int]]) -> list[int]:
-        """``ids`` with the ``i``-th run of ``<|image_pad|>`` made ``image_tokens(grids[i])`` long: a run of one is
-        expanded, a run of exactly that length kept; any other length, or a count of runs other than of images, is
-        a :class:`VisionInputError`."""
+    def image_tokens(self, image: LoadedImage) -> int:
+        """``<|image_pad|>`` tokens of ``image``, from its size alone (the processor's own count, which vLLM uses
+        too: no pixels are processed; equal to :meth:`grid_tokens` of its grid, tested)."""
+        return self.image_processor.get_number_of_image_patches(image.height, image.width) // self.merge_size ** 2
+
+    def expand(self, ids: list[int], counts: list[int]) -> list[int]:
+        """``ids`` with the ``i``-th run of ``<|image_pad|>`` made ``counts[i]`` long (the ``i``-th image's
+        tokens): a run of one is expanded, a run of exactly that length kept; any other length, or a number of runs
+        other than of images, is a :class:`VisionInputError`."""
         out: list[int] = []
         runs = 0
         i = 0
@@ -109,18 +114,18 @@ class VisionProcessor:
             end = i
             while end < len(ids) and ids[end] == self.image_token_id:
                 end += 1
-            if runs >= len(grids):
-                raise VisionInputError(f"the prompt has more image placeholders than the {len(grids)} image(s) "
+            if runs >= len(counts):
+                raise VisionInputError(f"the prompt has more image placeholders than the {len(counts)} image(s) "
                                        f"given")
-            wanted = self.image_tokens(grids[runs])
+            wanted = counts[runs]
             if end - i not in (1, wanted):
-                raise VisionInputError(f"image {runs}: its placeholder has {end - i} <|image_pad|> tokens; an "
-                                       f"image of patch grid {grids[runs]} takes {wanted} (or give one to expand)")
+                raise VisionInputError(f"image {runs}: its placeholder has {end - i} <|image_pad|> tokens; the "
+                                       f"image takes {wanted} (or give one to expand)")
             out.extend([self.image_token_id] * wanted)
             runs += 1
             i = end
-        if runs != len(grids):
-            raise VisionInputError(f"{len(grids)} image(s) given but the prompt has {runs} image placeholder(s) "
+        if runs != len(counts):
+            raise VisionInputError(f"{len(counts)} image(s) given but the prompt has {runs} image placeholder(s) "
                                    f"(<|vision_start|><|image_pad|><|vision_end|> per image)")
         return out
 
