@@ -290,3 +290,24 @@ def test_turns_survive_the_database_round_trip(name: str) -> None:
     assert torch.equal(round_trip.seq_ids, direct.seq_ids)
     assert [[(t.start, t.output_start, t.output_end) for t in s.turns if t.trained] for s in stored] == [
         [(t.start, t.output_start, t.output_end) for t in s.turns if t.trained] for s in merged]
+
+
+def test_images_are_part_of_the_prefix() -> None:
+    """Image tokens are one id for every picture: a call whose ids extend a sample's but whose images do not (a
+    context reset that shows another picture) starts a sample of its own; each sample keeps the images of its
+    tokens, its untrained tail's dropped."""
+    pad = 7
+    first = CallTokens("c0", output_ids=[20, 21], output_logprobs=[-1.0, -1.0], input_ids=[1, pad, pad, 2],
+                       advantage=1.0, images=["red"])
+    second = CallTokens("c1", output_ids=[22], output_logprobs=[-1.0], previous_call_id="c0",
+                        prompt_delta_ids=[3, pad, 4], advantage=1.0, images=["red", "blue"])
+    other = CallTokens("c2", output_ids=[23], output_logprobs=[-1.0], input_ids=[1, pad, pad, 2, 20, 21, 3, pad, 4],
+                       advantage=1.0, images=["green", "blue"])
+    untrained = CallTokens("c3", output_ids=[24], previous_call_id="c2", prompt_delta_ids=[pad], images=[
+        "green", "blue", "white"])
+    result = merge_trajectory([first, second, other, untrained])
+    assert [[t.call_id for t in s.turns] for s in result.samples] == [["c0", "c1"], ["c2"]]
+    assert [s.images for s in result.samples] == [["red", "blue"], ["green", "blue"]]
+    verify_merged(result.samples[0], [first, second])
+    with pytest.raises(PrefixError, match="images are not the sample's first ones"):
+        verify_merged(replace(result.samples[0], images=["blue", "red"]), [first, second])

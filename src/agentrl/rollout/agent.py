@@ -36,6 +36,8 @@ from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store
 from agentrl.store.call_log import CallLog
 from agentrl.tools import ToolManager
 from agentrl.trajectory.prompting import initial_messages
+from agentrl.vision.images import ImageError
+from agentrl.vision.processor import VisionInputError, VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,8 @@ class AgentResources:
     agent_config: AgentConfig = field(default_factory=AgentConfig)
     envs: EnvPool | None = None
     """Environment servers, for Tasks that are environment episodes (``agentrl.rollout.episode``)."""
+    vision: VisionProcessor | None = None
+    """The policy's image tokens (a vision-language policy; None for a text model)."""
 
     @property
     def tool_specs(self) -> list[dict[str, Any]]:
@@ -135,7 +139,7 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
         previous_call_id=state.previous_call if pending else None,
         prompt_delta_ids=pending[0] if pending else [],
         prompt_delta_text=pending[1] if pending else res.tokenizer.decode(conversation.prompt_ids),
-        sampling_params=sampling)
+        images=list(conversation.images), sampling_params=sampling)
     await res.store.slots.fence(lease)  # a retired attempt makes no LLM call (LeaseLost)
     calls.start(call)
     started = time.monotonic()
@@ -143,7 +147,8 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
     if res.config.rollout.seed is not None:
         params["sampling_seed"] = call_seed(res.config.rollout.seed, call.id)
     try:
-        result, service_id = await res.inference.generate(conversation.prompt_ids, params)
+        result, service_id = await res.inference.generate(conversation.prompt_ids, params,
+                                                          conversation.image_data() or None)
     except (NoInferenceService, PyMongoError) as error:  # infrastructure: given back unscored by the caller
         calls.finish(call.id, CallStatus.FAILED, error=str(error), latency_s=time.monotonic() - started)
         raise
@@ -195,8 +200,13 @@ async def _roll_out(res: AgentResources, lease: SlotLease, calls: CallLog, mcp_s
     tools = mcp_state.visible_tools(res.tool_specs) if mcp_state is not None else res.tool_specs
     messages, template_tools = initial_messages(
         query=task.query, answer_schema=task.answer_schema, system_prompt=task.system_prompt,
-        tools=tools, tokenizer=res.tokenizer, query_prompt=cfg.query_prompt)
-    conversation = TokenConversation(res.tokenizer, messages, template_tools)
+        tools=tools, tokenizer=res.tokenizer, query_prompt=cfg.query_prompt, images=task.images)
+    try:
+        pictures = await res.store.images.get_many(task.images) if task.images else {}
+        conversation = TokenConversation(res.tokenizer, messages, template_tools, vision=res.vision,
+                                         pictures=pictures)
+    except (ImageError, VisionInputError) as error:  # a picture gone from the database, or a text-only policy
+        return TrajectoryResult(FAILED, None, 0, 1, None, error=f"the Task's images: {error}")
     state = TurnState()
     outputs_seen: list[str] = []
     for turn in range(cfg.max_turns):

@@ -6,6 +6,13 @@ messages (tool results, error notes) are rendered with the whole conversation an
 So what the trainer sees is token for token what the engine was given and produced — no re-tokenisation of the
 model's output ever. When the template breaks that extension (it rewrites an earlier part of the conversation),
 a new branch starts from a fresh rendering; the trainer merges each branch into one sequence.
+
+Images (a vision-language policy): a message's content may hold ``{"type": "image", "image": SHA256}`` parts
+(the picture in :attr:`TokenConversation.pictures`); the chat template renders each as the placeholder
+``<|vision_start|><|image_pad|><|vision_end|>``, and its ``<|image_pad|>`` is expanded to the image's token count
+(:meth:`~agentrl.vision.processor.VisionProcessor.expand`) in the prompt and in every delta, so the ids are the ones
+the engine computes. :attr:`TokenConversation.images` lists the current prompt's images in order (what each LLM call
+sends and stores).
 """
 
 from __future__ import annotations
@@ -14,6 +21,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from transformers import PreTrainedTokenizerBase
+
+from agentrl.vision.images import LoadedImage
+from agentrl.vision.processor import VisionProcessor, refuse_images
 
 
 @dataclass(frozen=True)
@@ -34,6 +44,11 @@ class TokenConversation:
     tools: list[dict[str, Any]] | None = None
     branch: int = 0
     prompt_ids: list[int] = field(default_factory=list)
+    vision: VisionProcessor | None = None
+    pictures: dict[str, LoadedImage] = field(default_factory=dict)
+    """Every picture the messages refer to, by sha256."""
+    images: list[str] = field(default_factory=list)
+    """The current prompt's images (sha256) in order."""
     _text: str = ""
 
     def __post_init__(self) -> None:
@@ -46,14 +61,25 @@ class TokenConversation:
             kwargs["tools"] = self.tools
         return self.tokenizer.apply_chat_template(messages, **kwargs)
 
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+    def encode(self, text: str, images: list[str] | None = None) -> list[int]:
+        """``text``'s ids, the placeholders of ``images`` (in order) expanded to their token counts."""
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not images:
+            return ids
+        if self.vision is None:
+            refuse_images("the policy", len(images))
+        return self.vision.expand(ids, [self.vision.image_tokens(self.pictures[sha]) for sha in images])
+
+    def image_data(self) -> list[str]:
+        """The current prompt's images as data: URIs, in order (a request's ``image_data``)."""
+        return [self.pictures[sha].data_uri() for sha in self.images]
 
     def restart(self, messages: list[dict[str, Any]]) -> None:
         """Start a new branch from a fresh rendering of ``messages`` (e.g. after a context reset)."""
         self.messages = list(messages)
         self._text = self.render(self.messages)
-        self.prompt_ids = self.encode(self._text)
+        self.images = message_images(self.messages)
+        self.prompt_ids = self.encode(self._text, self.images)
         self.branch += 1
 
     def append(self, output_ids: list[int], output_text: str, new_messages: list[dict[str, Any]]) -> TurnDelta:
@@ -68,10 +94,18 @@ class TokenConversation:
         rendered = self.render(messages)
         if rendered.startswith(produced):
             delta_text = rendered[len(produced):]
-            delta_ids = self.encode(delta_text)
+            new_images = message_images(new_messages)
+            delta_ids = self.encode(delta_text, new_images)
+            self.images = [*self.images, *new_images]
             self.messages = messages
             self.prompt_ids = [*self.prompt_ids, *output_ids, *delta_ids]
             self._text = rendered
             return TurnDelta(delta_ids=delta_ids, delta_text=delta_text, new_branch=False)
         self.restart(messages)
         return TurnDelta(delta_ids=list(self.prompt_ids), delta_text=self._text, new_branch=True)
+
+
+def message_images(messages: list[dict[str, Any]]) -> list[str]:
+    """The sha256 of every ``{"type": "image", "image": SHA256}`` part of ``messages``, in order."""
+    return [part["image"] for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]

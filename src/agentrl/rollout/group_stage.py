@@ -313,7 +313,7 @@ def _convert(record: Record, calls: list[DispatchedSamplingTask], per_call: list
         DBRecordData(id=f"{record.id}#b{index}", record_id=record.id, task_id=record.task_id, split=record.split,
                      branch=index, seq=0, input_ids=s.input_ids, loss_mask=s.loss_mask, logprobs=s.logprobs,
                      versions=s.versions, advantages=s.advantages, reward=reward, turn_boundaries=s.turn_boundaries,
-                     num_tokens=s.num_tokens, temperature=_temperature(calls))
+                     images=s.images, num_tokens=s.num_tokens, temperature=_temperature(calls))
         for index, s in enumerate(merged.samples)]
 
 

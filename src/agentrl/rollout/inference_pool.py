@@ -94,8 +94,10 @@ class InferencePool:
             self._clients[base_url] = SGLangClient(base_url, timeout_s=self.timeout_s, max_retries=1)
         return self._clients[base_url]
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> tuple[GenerateResult, str]:
-        """Generate on the least-loaded live service; returns the result and the id of the service that made it.
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: list[str] | None = None) -> tuple[GenerateResult, str]:
+        """Generate on the least-loaded live service (with the prompt's images, data: URIs, if any); returns the
+        result and the id of the service that made it.
 
         A generation the service aborted (``finish_reason: abort``, e.g. it is shutting down) is retried like a
         failed one. Raises :class:`InferenceRequestError` when a service rejects the request,
@@ -125,7 +127,7 @@ class InferencePool:
             self._in_flight[service.id] += 1
             self._started[service.id] += 1
             try:
-                result = await self._generate_on(service.base_url, input_ids, sampling_params)
+                result = await self._generate_on(service.base_url, input_ids, sampling_params, image_data)
                 if result.finish_reason == "abort":  # the service stopped it (shutting down): not the policy's doing
                     logger.warning("inference service %s aborted a generation; trying another service",
                                    redact(service.base_url))
@@ -199,13 +201,14 @@ class InferencePool:
         run = await self.store.runs.get()
         self._adapter = (run.lora_name, run.weights_path) if run and run.lora_name and run.weights_path else None
 
-    async def _generate_on(self, base_url: str, input_ids: list[int], sampling_params: dict[str, Any]
-                           ) -> GenerateResult:
+    async def _generate_on(self, base_url: str, input_ids: list[int], sampling_params: dict[str, Any],
+                           image_data: list[str] | None = None) -> GenerateResult:
         """Generate on one service with the policy's adapter, giving the service the adapter if it lacks it."""
         client = self.client(base_url)
         adapter = self._adapter
         try:
-            return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None)
+            return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None,
+                                         image_data=image_data)
         except InferenceRequestError as error:
             if adapter is None or not any(text in error.cause for text in _NOT_LOADED):
                 raise
@@ -215,7 +218,8 @@ class InferencePool:
             with contextlib.suppress(InferenceRequestError):  # "already loaded": another sampler was first
                 await client.load_lora_adapter(*adapter)
                 logger.info("gave inference service %s the policy's adapter %s", redact(base_url), adapter[0])
-        return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None)
+        return await client.generate(input_ids, sampling_params, lora_path=adapter[0] if adapter else None,
+                                     image_data=image_data)
 
     async def wait_until_live(self) -> None:
         """Return once a live service is registered, after a pause that doubles with every consecutive outage

@@ -27,6 +27,7 @@ from agentrl.scoring import AgentConfig, MCPScorerFactory, load_agent_config
 from agentrl.store import Store, database_name, resolve_connection_string
 from agentrl.store.outage import outage_tolerance_s
 from agentrl.tools import ToolManager
+from agentrl.vision.processor import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +97,9 @@ async def sampler_resources(config: SamplerConfig) -> AsyncIterator[AgentResourc
         stack.push_async_callback(envs.aclose)
         yield AgentResources(store=store, tokenizer=tokenizer, inference=pool,
                              parser=get_parser(config.rollout.tool_call_parser), config=config, tools=tools,
-                             agent_config=agent_config, envs=envs)
+                             agent_config=agent_config, envs=envs,
+                             vision=VisionProcessor.of(config.model_name_or_path) if config.model_name_or_path
+                             else None)
 
 
 async def run_sampler(config: SamplerConfig) -> SamplerStats:

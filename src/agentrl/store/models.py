@@ -320,6 +320,8 @@ class DispatchedSamplingTask(Document):
     input_ids: list[int] | None = None
     prompt_delta_ids: list[int] = Field(default_factory=list)
     prompt_delta_text: str = ""
+    images: list[str] = Field(default_factory=list, description="the prompt's images in order (sha256 ids in the "
+                              "GridFS bucket 'images'): its <|image_pad|> runs, expanded in the ids, are theirs")
     output_ids: list[int] = Field(default_factory=list)
     output_logprobs: list[float] = Field(default_factory=list)
     output_text: str = ""
@@ -374,6 +376,8 @@ class DBRecordData(Document):
     advantages: list[float]
     reward: float | None = None
     turn_boundaries: list[int] = Field(default_factory=list, description="token offset where each turn starts")
+    images: list[str] = Field(default_factory=list, description="the images of input_ids in order (sha256 ids in the "
+                              "GridFS bucket 'images'), one per <|image_pad|> run")
     num_tokens: int
     status: SampleStatus = SampleStatus.QUEUED
     claimed_rank: int | None = None

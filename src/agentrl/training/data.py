@@ -89,7 +89,7 @@ def to_merged(sample: DBRecordData) -> MergedSample:
                              f"{n} input_ids")
     return MergedSample(input_ids=list(sample.input_ids), loss_mask=list(sample.loss_mask),
                         logprobs=list(sample.logprobs), versions=list(sample.versions),
-                        advantages=list(sample.advantages), turns=stored_turns(sample))
+                        advantages=list(sample.advantages), turns=stored_turns(sample), images=list(sample.images))
 
 
 def stored_turns(sample: DBRecordData) -> list[TurnSpan]:

@@ -45,6 +45,8 @@ class CallTokens:
     weight_version_spans: Sequence[tuple[int, int]] | None = None
     status: str = "completed"
     advantage: float | None = None
+    images: Sequence[str] = ()
+    """The full prompt's images (sha256) in order."""
 
     def output_versions(self) -> list[int]:
         """The policy version of each output token (-1: unknown)."""
@@ -70,6 +72,7 @@ class CallTokens:
             weight_version_spans=doc.weight_version_spans,
             status=str(doc.status),
             advantage=advantage,
+            images=doc.images,
         )
 
 
@@ -83,6 +86,7 @@ class TurnSpan:
     output_start: int
     output_end: int
     trained: bool
+    images: int = 0  # the images in its full prompt (the first ones of the sample's)
 
 
 @dataclass
@@ -95,6 +99,8 @@ class MergedSample:
     versions: list[int] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     turns: list[TurnSpan] = field(default_factory=list)
+    images: list[str] = field(default_factory=list)
+    """The images of ``input_ids`` in order (sha256): each ``<|image_pad|>`` run is the next one's."""
 
     @property
     def num_tokens(self) -> int:
@@ -131,7 +137,9 @@ class MergedSample:
         self.logprobs.extend(list(call.output_logprobs) if trained else [0.0] * n_out)
         self.versions.extend(call.output_versions())
         self.advantages.extend([float(call.advantage) if trained else 0.0] * n_out)
-        self.turns.append(TurnSpan(call.call_id, start, output_start, len(self.input_ids), trained))
+        self.images = list(call.images)
+        self.turns.append(TurnSpan(call.call_id, start, output_start, len(self.input_ids), trained,
+                                   len(call.images)))
 
     def _trim_untrained_tail(self) -> None:
         """Drop trailing calls without loss: nothing after the last trained output needs a forward pass."""
@@ -140,6 +148,7 @@ class MergedSample:
         end = self.turns[-1].output_end if self.turns else 0
         for name in ("input_ids", "loss_mask", "logprobs", "versions", "advantages"):
             del getattr(self, name)[end:]
+        del self.images[self.turns[-1].images if self.turns else 0:]
 
 
 @dataclass
@@ -198,8 +207,9 @@ def merge_trajectory(
 
     A call is trained (``loss_mask`` 1 on its output tokens, its advantage on them) when its status is in
     ``trainable_statuses`` and its advantage is not ``None``; a trained call must carry one logprob per output
-    token. A call joins the most recent sample whose tokens are a prefix of its full prompt, else it starts a
-    new sample. Samples are trimmed after their last trained call; samples without a trained call are left out.
+    token. A call joins the most recent sample whose tokens (and images: the same ids may stand for other
+    pictures) are a prefix of its full prompt's, else it starts a new sample. Samples are trimmed after their last
+    trained call; samples without a trained call are left out.
     """
     statuses = frozenset(str(s) for s in trainable_statuses)
     prompts = full_prompts(calls)
@@ -211,7 +221,8 @@ def merge_trajectory(
                 f"call {call.call_id!r} has {len(call.output_ids)} output tokens but "
                 f"{len(call.output_logprobs)} output logprobs"
             )
-        target = next((s for s in reversed(open_samples) if _is_prefix(s.input_ids, prompt)), None)
+        target = next((s for s in reversed(open_samples)
+                       if _is_prefix(s.input_ids, prompt) and _is_prefix(s.images, call.images)), None)
         if target is None:
             target = MergedSample()
             open_samples.append(target)
@@ -255,6 +266,8 @@ def verify_merged(sample: MergedSample, calls: Sequence[CallTokens]) -> None:
             raise PrefixError(f"call {turn.call_id!r}: prompt differs from the sample at token {first}")
         if sample.input_ids[turn.output_start : turn.output_end] != list(call.output_ids):
             raise PrefixError(f"call {turn.call_id!r}: output tokens differ from the sample")
+        if sample.images[:len(call.images)] != list(call.images):
+            raise PrefixError(f"call {turn.call_id!r}: its prompt's images are not the sample's first ones")
         span = slice(turn.output_start, turn.output_end)
         n_out = len(call.output_ids)
         expected["versions"][span] = call.output_versions()

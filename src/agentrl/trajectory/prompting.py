@@ -54,8 +54,11 @@ def initial_messages(
     tools: list[dict[str, Any]],
     tokenizer: PreTrainedTokenizerBase,
     query_prompt: str = DEFAULT_QUERY_PROMPT,
+    images: list[str] | None = None,
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
-    """``(messages, tools_for_template)``: tools go to the template if it renders them, else into the system prompt."""
+    """``(messages, tools_for_template)``: tools go to the template if it renders them, else into the system prompt.
+    A Task's ``images`` (sha256) come before its text in the user message, as ``{"type": "image", "image": SHA256}``
+    parts (the order of Qwen-VL's own examples)."""
     system = system_prompt_for(system_prompt, answer_schema)
     template_tools: list[dict[str, Any]] | None = None
     if tools:
@@ -63,5 +66,7 @@ def initial_messages(
             template_tools = tools
         else:
             system = f"{system}\n\n{tool_instructions(tools)}"
-    user = query_prompt.format(query=query)
+    user: str | list[dict[str, Any]] = query_prompt.format(query=query)
+    if images:
+        user = [*({"type": "image", "image": sha256} for sha256 in images), {"type": "text", "text": user}]
     return [{"role": "system", "content": system}, {"role": "user", "content": user}], template_tools

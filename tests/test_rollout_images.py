@@ -1,0 +1,116 @@
+"""Tasks with images through a real ``agentrl sample`` and ``agentrl engine`` on a tiny Qwen2.5-VL: each call sends
+the Task's pictures, stores their sha256 and the ids with their ``<|image_pad|>`` runs expanded, a trajectory's
+turns extend each other token for token, and the queued samples name their images; the engine's logprobs of the
+sampled tokens are those of transformers' model on the stored ids and the images read back from GridFS."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from transformers import AutoModelForImageTextToText
+
+from agentrl.inference.process import EngineProcess
+from agentrl.inference.tiny_model import build_tiny_vision_model
+from agentrl.store import Store
+from agentrl.vision.processor import VisionProcessor
+from rollout_fixtures import agentrl_cmd, documents, upload
+from test_rollout_sampler import full_prompts, run_sampler
+
+pytestmark = pytest.mark.xdist_group("vision-rollout")
+
+
+def picture(seed: int, size: tuple[int, int]) -> bytes:
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, "PNG")
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_tiny_vision_model(tmp_path_factory.mktemp("vlm"), family="qwen2_5_vl")
+
+
+@pytest.fixture(scope="module")
+def vision_engine(vision_model: Path, launch_engine) -> Iterator[str]:
+    engine: EngineProcess = launch_engine(vision_model)
+    try:
+        yield engine.url
+    finally:
+        engine.stop()
+
+
+def test_tasks_with_images_roll_out_token_exact(db_uri: str, tmp_path: Path, vision_model: Path,
+                                                vision_engine: str) -> None:
+    pictures = {"a.png": picture(1, (60, 90)), "b.png": picture(2, (112, 56)), "c.png": picture(3, (84, 84))}
+    for name, data in pictures.items():
+        (tmp_path / name).write_bytes(data)
+    sha = {name: hashlib.sha256(data).hexdigest() for name, data in pictures.items()}
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("\n".join(json.dumps(row) for row in [
+        {"id": "one", "question": "What colour dominates?", "answer": "red", "images": ["a.png"]},
+        {"id": "two", "question": "Which is larger?", "answer": "left", "images": ["b.png", "c.png"]},
+    ]) + "\n")
+    upload(db_uri, tasks, "--num_generations", "2")
+    run_sampler(agentrl_cmd(
+        "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(vision_model),
+        "--inference_urls", vision_engine, "--max_turns", "2", "--max_new_tokens", "6", "--temperature", "1",
+        "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--exit_when_done", "true"))
+
+    records = documents(db_uri, "Record")
+    assert len(records) == 4 and not [r for r in records if r["status"] == "failed"], records
+    calls = documents(db_uri, "DispatchedSamplingTask")
+    processor = VisionProcessor(vision_model)
+    by_record: dict[str, list[dict]] = {}
+    for call in calls:
+        by_record.setdefault(call["record_id"], []).append(call)
+    for record in records:
+        own = sorted(by_record[record["_id"]], key=lambda c: c["turn"])
+        want = [sha["a.png"]] if record["task_id"].endswith(":one") else [sha["b.png"], sha["c.png"]]
+        assert len(own) == 2 and all(call["images"] == want for call in own)
+        prompts = full_prompts(own)
+        first = prompts[own[0]["_id"]]
+        runs = [len(run) for run in "".join("x" if t == processor.image_token_id else " " for t in first).split()]
+        assert runs == [processor.image_tokens(_load(pictures, sha, s)) for s in want]
+        assert prompts[own[1]["_id"]][:len(first)] == first  # the second turn extends the first
+    samples = documents(db_uri, "DBRecordData")
+    assert samples and all(s["images"] == next(c["images"] for c in calls if c["record_id"] == s["record_id"])
+                           for s in samples)
+
+    # The engine's logprobs of what it sampled = transformers' model on the stored ids and the stored images.
+    model = AutoModelForImageTextToText.from_pretrained(vision_model, attn_implementation="sdpa").eval()
+    worst = 0.0
+    for sample in samples:
+        images = asyncio.run(_read_images(db_uri, sample["images"]))
+        inputs = processor.inputs(images)
+        ids = torch.tensor([sample["input_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids, pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw,
+                           mm_token_type_ids=(ids == processor.image_token_id).int()).logits[0, :-1].float()
+        logprobs = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        mask = torch.tensor(sample["loss_mask"][1:], dtype=torch.bool)
+        engine = torch.tensor(sample["logprobs"][1:])
+        assert int(mask.sum()) > 0
+        worst = max(worst, float((logprobs[mask] - engine[mask]).abs().max()))
+    assert worst < 1e-3, worst
+
+
+def _load(pictures: dict[str, bytes], sha: dict[str, str], wanted: str):
+    from agentrl.vision.images import load_image
+
+    name = next(name for name, value in sha.items() if value == wanted)
+    return load_image(pictures[name], name)
+
+
+async def _read_images(db_uri: str, ids: list[str]) -> list:
+    async with Store(db_uri) as store:
+        found = await store.images.get_many(ids)
+    return [found[sha] for sha in ids]
