@@ -1,7 +1,9 @@
-"""Tasks with images through a real ``agentrl sample`` and ``agentrl engine`` on a tiny Qwen2.5-VL: each call sends
-the Task's pictures, stores their sha256 and the ids with their ``<|image_pad|>`` runs expanded, a trajectory's
-turns extend each other token for token, and the queued samples name their images; the engine's logprobs of the
-sampled tokens are those of transformers' model on the stored ids and the images read back from GridFS."""
+"""Tasks with images through a real ``agentrl sample``, ``agentrl engine`` and trainer on a tiny Qwen2.5-VL: each
+call sends the Task's pictures, stores their sha256 and the ids with their ``<|image_pad|>`` runs expanded, a
+trajectory's turns extend each other token for token, and the queued samples name their images; the engine's
+logprobs of the sampled tokens are those of transformers' model on the stored ids and the images read back from
+GridFS; the trainer rebuilds the pixels, agrees with the engine to the text bound before its first update, trains
+and publishes to the engine, which then serves the new weights with images."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from agentrl.store import Store
 from agentrl.vision.processor import VisionProcessor
 from rollout_fixtures import agentrl_cmd, documents, upload
 from test_rollout_sampler import full_prompts, run_sampler
+from trainer_fixtures import trainer_args
 
 pytestmark = pytest.mark.xdist_group("vision-rollout")
 
@@ -48,8 +51,9 @@ def vision_engine(vision_model: Path, launch_engine) -> Iterator[str]:
         engine.stop()
 
 
-def test_tasks_with_images_roll_out_token_exact(db_uri: str, tmp_path: Path, vision_model: Path,
-                                                vision_engine: str) -> None:
+@pytest.mark.parametrize("transport", ["auto", "disk"])  # in memory (shared memory here), and from disk
+def test_tasks_with_images_roll_out_token_exact_and_train(db_uri: str, tmp_path: Path, vision_model: Path,
+                                                          vision_engine: str, transport: str) -> None:
     pictures = {"a.png": picture(1, (60, 90)), "b.png": picture(2, (112, 56)), "c.png": picture(3, (84, 84))}
     for name, data in pictures.items():
         (tmp_path / name).write_bytes(data)
@@ -100,7 +104,41 @@ def test_tasks_with_images_roll_out_token_exact(db_uri: str, tmp_path: Path, vis
         engine = torch.tensor(sample["logprobs"][1:])
         assert int(mask.sum()) > 0
         worst = max(worst, float((logprobs[mask] - engine[mask]).abs().max()))
-    assert worst < 1e-3, worst
+    assert worst < 1e-4, worst
+
+    # The trainer: pixels rebuilt from GridFS, engine-vs-trainer logprobs within the text bound before its first
+    # update, then trained, published to the engine (from disk) and served with images. The tiny model answers
+    # nothing, so every reward is 0: the test gives the queued samples advantages of +-1 to have a gradient.
+    from pymongo import MongoClient
+
+    from agentrl.train import main
+
+    client = MongoClient(db_uri)
+    for i, sample in enumerate(samples):
+        sign = 1.0 if i % 2 == 0 else -1.0
+        client.get_default_database().DBRecordData.update_one({"_id": sample["_id"]}, {"$set": {
+            "advantages": [sign * m for m in sample["loss_mask"]]}})
+    client.close()
+    assert main(trainer_args(db_uri, vision_model, tmp_path / "out", "--train_batch_size", "2",
+                             "--max_steps", "2", "--max_staleness", "none", "--weight_transport", transport)) == 0
+    metrics = {doc["step"]: doc["values"] for doc in documents(db_uri, "Metric", {"split": "train"})}
+    assert sorted(metrics) == [1, 2]
+    assert metrics[1]["logprob_mismatch_max"] < 1e-4, metrics[1]
+    assert metrics[1]["grad_norm"] > 0 and metrics[2]["logprob_mismatch_max"] > 1e-3  # the weights moved
+    assert {d["status"] for d in documents(db_uri, "DBRecordData")} == {"trained"}
+    assert (tmp_path / "out" / "final" / "preprocessor_config.json").is_file()  # a complete vision model
+    image = pictures["a.png"]
+    import base64
+
+    import httpx
+
+    ids = next(c for c in calls if c["turn"] == 0 and c["images"] == [sha["a.png"]])["input_ids"]
+    reply = httpx.post(f"{vision_engine}/generate", timeout=60, json={
+        "input_ids": ids, "image_data": ["data:image/png;base64," + base64.b64encode(image).decode()],
+        "sampling_params": {"max_new_tokens": 4, "temperature": 0}}).json()
+    assert reply["meta_info"]["weight_version"] == "2", reply
+    httpx.post(f"{vision_engine}/update_weights_from_disk", timeout=60, json={  # the next test starts afresh
+        "model_path": str(vision_model), "weight_version": "0"}).raise_for_status()
 
 
 def _load(pictures: dict[str, bytes], sha: dict[str, str], wanted: str):

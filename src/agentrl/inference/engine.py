@@ -61,7 +61,7 @@ from agentrl.inference.request_rules import (
 from agentrl.inference.vision_inputs import VisionEncoder, VisionPrompt
 from agentrl.inference.weight_endpoints import WeightEndpoints
 from agentrl.vision.images import ImageError, LoadedImage, decode_image_string
-from agentrl.vision.processor import VisionInputError, VisionProcessor, refuse_images
+from agentrl.vision.processor import VisionInputError, VisionProcessor, model_class, refuse_images
 
 logger = logging.getLogger(__name__)
 
@@ -135,8 +135,6 @@ class InferenceEngine:
     vision-language model (the Qwen-VL family) also its image processor and vision encoder."""
 
     def __init__(self, config: EngineConfig):
-        from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
         from agentrl.inference.policy_tokenizer import policy_tokenizer
 
         self.config = config
@@ -149,8 +147,8 @@ class InferenceEngine:
         if processor is not None and config.enable_lora:
             raise ValueError(f"{path}: LoRA adapters are not served for vision-language models "
                              f"({processor.model_type}); start without --enable_lora")
-        loader = AutoModelForCausalLM if processor is None else AutoModelForImageTextToText
-        model = loader.from_pretrained(path, dtype=self.dtype, attn_implementation="sdpa")
+        model = model_class(None if processor is None else processor.model_type).from_pretrained(
+            path, dtype=self.dtype, attn_implementation="sdpa")
         self.model = model.to(self.device).eval()
         self.vision = None if processor is None else VisionEncoder(self.model, processor)
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])

@@ -216,11 +216,11 @@ class WeightEndpoints:
 
     def _read_checkpoint(self, path: str) -> dict[str, torch.Tensor]:
         """Load a checkpoint's state dict on the host and check it matches the served model key for key."""
-        from transformers import AutoModelForCausalLM
+        from agentrl.vision.processor import model_class, model_type
 
         if not Path(path).is_dir():
             raise FileNotFoundError(f"{path} is not a directory")
-        state_dict = AutoModelForCausalLM.from_pretrained(path, dtype=self.dtype).state_dict()
+        state_dict = model_class(model_type(path)).from_pretrained(path, dtype=self.dtype).state_dict()
         served = {name: tuple(tensor.shape) for name, tensor in self.model.state_dict().items()}
         loaded = {name: tuple(tensor.shape) for name, tensor in state_dict.items()}
         problems = [f"missing {name}" for name in served.keys() - loaded.keys()]

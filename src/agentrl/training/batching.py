@@ -35,6 +35,7 @@ from agentrl.training.prefix_tree import (
     merge_shapes,
     shape_cost,
 )
+from agentrl.training.vision_batch import StepImages, VisionBatch
 from agentrl.trajectory.merge import MergedSample
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ class MicroBatch:
     seq_ids: torch.Tensor
     sample_indices: list[int]
     layout: ForwardLayout
+    vision: VisionBatch | None = None  # the images of ``layout``'s rows (a vision-language policy)
 
     @property
     def num_sequences(self) -> int:
@@ -74,7 +76,8 @@ class MicroBatch:
         """The same micro-batch with every tensor on ``device``."""
         names = ("input_ids", "attention_mask", "loss_mask", "old_logprobs", "advantages", "versions", "seq_ids")
         moved = {name: getattr(self, name).to(device) for name in names}
-        return MicroBatch(**moved, sample_indices=list(self.sample_indices), layout=self.layout.to(device))
+        return MicroBatch(**moved, sample_indices=list(self.sample_indices), layout=self.layout.to(device),
+                          vision=None if self.vision is None else self.vision.to(device))
 
 
 def plan_micro_batches(seqs: Sequence[Sequence[int]], max_tokens: int, *, min_shared: int | None = MIN_SHARED_TOKENS,
@@ -135,9 +138,11 @@ def collate(
     sequence_unit: SequenceUnit = "sample",
     pad_to_multiple_of: int = 1,
     min_shared: int | None = MIN_SHARED_TOKENS,
+    images: StepImages | None = None,
 ) -> MicroBatch:
     """Right-pad ``samples`` (or those at ``indices``) into one ``MicroBatch``, forwarding prefixes of at least
-    ``min_shared`` tokens once (None: every sample on its own).
+    ``min_shared`` tokens once (None: every sample on its own). With ``images`` (a vision-language policy) every
+    sample is forwarded on its own and the batch carries its rows' pixel inputs (``agentrl.training.vision_batch``).
 
     ``sequence_unit`` says what a "sequence" is for per-sequence aggregation and GSPO: ``"sample"`` (a merged
     branch, as the original AgentRL) or ``"turn"`` (each call, which reproduces per-call unmerged training exactly).
@@ -176,10 +181,15 @@ def collate(
                     seq_ids[b, turn.output_start : turn.output_end] = next_seq
                     next_seq += 1
     seqs = [row.input_ids for row in rows]
-    layout = forward_layout(seqs, [row.loss_mask for row in rows], build_forest(seqs, min_shared or NO_SHARING),
-                            width, pad_token_id=pad_token_id, pad_to_multiple_of=pad_to_multiple_of)
+    forest = build_forest(seqs, NO_SHARING if images is not None else min_shared or NO_SHARING)
+    layout = forward_layout(seqs, [row.loss_mask for row in rows], forest, width, pad_token_id=pad_token_id,
+                            pad_to_multiple_of=pad_to_multiple_of)
+    vision = None
+    if images is not None:  # without sharing every node is a root: one row per sample, in node order
+        row_samples = [node.sample for node in forest.nodes if node.width > 0]
+        vision = images.batch([rows[sample].images for sample in row_samples])
     return MicroBatch(input_ids, attention_mask, loss_mask, old_logprobs, advantages, versions, seq_ids, chosen,
-                      layout)
+                      layout, vision)
 
 
 def pack_micro_batches(
@@ -190,16 +200,19 @@ def pack_micro_batches(
     sequence_unit: SequenceUnit = "sample",
     pad_to_multiple_of: int = 1,
     min_shared: int | None = MIN_SHARED_TOKENS,
+    images: StepImages | None = None,
 ) -> list[MicroBatch]:
-    """Split ``samples`` into micro-batches that forward at most ``max_tokens`` tokens each (see the module doc).
+    """Split ``samples`` into micro-batches that forward at most ``max_tokens`` tokens each (see the module doc);
+    ``images``: the step's pictures, for a vision-language policy (no prefix is shared then).
 
     Data-parallel ranks must run the same number of passes per step; the trainer agrees on that count.
     """
+    min_shared = None if images is not None else min_shared
     groups = plan_micro_batches([s.input_ids for s in samples], max_tokens, min_shared=min_shared,
                                 pad_to_multiple_of=pad_to_multiple_of)
     return [
         collate(samples, group, pad_token_id=pad_token_id, sequence_unit=sequence_unit,
-                pad_to_multiple_of=pad_to_multiple_of, min_shared=min_shared)
+                pad_to_multiple_of=pad_to_multiple_of, min_shared=min_shared, images=images)
         for group in groups
     ]
 

@@ -82,6 +82,8 @@ class TrainConfig(BaseModel):
     attention_implementation: str = Field("sdpa", description="sdpa, eager or flash_attention_2")
     trust_remote_code: bool = Field(False, description="allow model code from the model directory")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
+    freeze_vision_tower: bool = Field(False, description="a vision-language policy: train its language model only, "
+                                      "the vision tower (model.visual) frozen (EasyR1's and verl's name)")
     cpu_ram_efficient_loading: bool = Field(
         True, description="several ranks: only rank 0 reads the weights into host memory, the others build the "
         "model on the meta device and receive their shards by broadcast (false: every rank reads them)")

@@ -33,8 +33,12 @@ from agentrl.failpoints import failpoint
 from agentrl.store import DBRecordData, InvalidTransition, NotFound, RecordStatus, Store
 from agentrl.store.models import FailureClass
 from agentrl.training.aio import LoopThread
+from agentrl.training.errors import TrainerError
 from agentrl.training.parallel import ParallelState
+from agentrl.training.vision_batch import StepImages
 from agentrl.trajectory.merge import MergedSample, TurnSpan
+from agentrl.vision.images import ImageError
+from agentrl.vision.processor import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +64,8 @@ class StepData:
     samples: list[DBRecordData]
     skipped_stale: int
     wait_s: float
+    images: StepImages | None = None
+    """The samples' pictures (a vision-language policy)."""
 
 
 def sample_staleness(sample: DBRecordData, current_version: int) -> int:
@@ -115,8 +121,9 @@ class SampleStream:
 
     def __init__(self, store: Store, io: LoopThread, parallel: ParallelState, *, split: str, batch_size: int,
                  staleness_bound: int | None, offline: bool, poll_interval_s: float, stop: threading.Event,
-                 temperature: float | None = None):
+                 temperature: float | None = None, vision: VisionProcessor | None = None):
         self.store, self.io, self.parallel = store, io, parallel
+        self.vision = vision
         self.split, self.offline, self.poll_interval_s, self.stop = split, offline, poll_interval_s, stop
         self.staleness_bound, self.temperature = staleness_bound, temperature
         self.share = split_shares(batch_size, parallel.dp_size)[parallel.dp_rank]
@@ -175,7 +182,24 @@ class SampleStream:
             self.stop.wait(pause)
             pause = min(pause * 2, self.poll_interval_s)
         samples = self.parallel.broadcast_from_tp_leader(samples)
-        return StepData(step=step, samples=samples, skipped_stale=skipped, wait_s=time.monotonic() - started)
+        return StepData(step=step, samples=samples, skipped_stale=skipped, wait_s=time.monotonic() - started,
+                        images=self._images(samples))
+
+    def _images(self, samples: list[DBRecordData]) -> StepImages | None:
+        """The samples' pictures, read from the database (a vision-language policy); :class:`TrainerError` for
+        samples with images and a text-only policy, or a picture the database does not hold whole."""
+        wanted = list(dict.fromkeys(sha256 for sample in samples for sha256 in sample.images))
+        if self.vision is None:
+            if wanted:
+                with_images = next(sample for sample in samples if sample.images)
+                raise TrainerError(f"sample {with_images.id} has {len(with_images.images)} image(s) but the policy "
+                                   "is a text-only model: train a vision-language model on this data")
+            return None
+        try:
+            pictures = self.io.run(self.store.images.get_many(wanted)) if wanted else {}
+        except ImageError as error:
+            raise TrainerError(f"cannot read a sample's image: {error}") from None
+        return StepImages(self.vision, pictures)
 
     def _sampling_finished(self) -> bool:
         finished = self.io.run(self.store.slots.sampling_finished(self.split))

@@ -39,6 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 if TYPE_CHECKING:
     from agentrl.training.prefix_tree import ForwardLayout
+    from agentrl.training.vision_batch import VisionBatch
 
 LOGIT_CHUNK_BYTES = 1 << 28
 """Largest fp32 logits block (rows × vocabulary × 4 bytes) made at once: 256 MiB."""
@@ -92,12 +93,14 @@ def model_token_logprobs(
 
 
 def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: float = 1.0,
-                    chunk_bytes: int = LOGIT_CHUNK_BYTES, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                    chunk_bytes: int = LOGIT_CHUNK_BYTES, compute_dtype: torch.dtype | None = None,
+                    vision: VisionBatch | None = None) -> torch.Tensor:
     """``token_logprobs`` ``[B, T]`` of a micro-batch forwarded in one model call along ``layout`` (see the module
     doc and ``agentrl.training.prefix_tree``): equal to ``model_token_logprobs`` of each sample alone, with each
     shared span computed once. The LM head runs (in fp32) only where some sample has a loss token; a pass without one
     still runs the model (FSDP2 ranks make the same collectives). Needs a model that ``shared_prefix_unsupported``
-    accepts when the layout has a mask. ``compute_dtype``: as for :func:`model_token_logprobs`."""
+    accepts when the layout has a mask. ``compute_dtype``: as for :func:`model_token_logprobs`. ``vision``: the
+    pixel inputs of the layout's rows (a vision-language model; a layout without a mask)."""
     _check_model(model, temperature)
     if layout.mask is not None:
         picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes,
@@ -105,7 +108,7 @@ def layout_logprobs(model: torch.nn.Module, layout: ForwardLayout, temperature: 
                           position_ids=layout.positions)
     elif layout.computed_tokens:
         picked = _predict(model, layout.input_ids, layout.labels, layout.scored, temperature, chunk_bytes,
-                          compute_dtype)
+                          compute_dtype, **({} if vision is None else vision.model_kwargs(layout.input_ids)))
     else:  # nothing to predict: the model still runs (FSDP2 ranks make the same collectives; the loss needs a graph)
         pad = torch.zeros((1, 1), dtype=torch.long, device=layout.out_index.device)
         picked = _predict(model, pad, pad, pad.bool(), temperature, chunk_bytes, compute_dtype)

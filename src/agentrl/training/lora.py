@@ -228,7 +228,9 @@ def merge_adapter_dir(adapter: str | Path, out: Path, base_model: str | Path | N
     ``merge_and_unload``; the base is ``base_model``, else the one named in the adapter's config. Returns the base
     used."""
     from peft import PeftModel
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from agentrl.vision.processor import model_class, model_type
 
     adapter = Path(adapter)
     if not is_adapter_dir(adapter):
@@ -238,7 +240,7 @@ def merge_adapter_dir(adapter: str | Path, out: Path, base_model: str | Path | N
         raise LoraError(f"{adapter / ADAPTER_CONFIG}: its base model {str(base) or '(none)'} is not a local model "
                         "directory: name it with --base_model")
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        model = model_class(model_type(base)).from_pretrained(str(base), dtype=torch.float32)
     except OSError as error:
         raise LoraError(f"cannot load the base model {base}: {error}") from error
     merged = PeftModel.from_pretrained(model, str(adapter)).merge_and_unload()

@@ -48,9 +48,9 @@ class OptimizerStep:
         merged = [to_merged(sample) for sample in data.samples]
         if cfg.loss.trajectory_weight == "once":
             merged = [sample.weighed_once() for sample in merged]
-        pad_id = self.model.config.pad_token_id or 0
+        pad_id = self.model.config.get_text_config().pad_token_id or 0
         micro = pack_micro_batches(merged, cfg.max_tokens, pad_token_id=pad_id, min_shared=self.min_shared,
-                                   pad_to_multiple_of=cfg.pad_to_multiple_of) if merged else []
+                                   pad_to_multiple_of=cfg.pad_to_multiple_of, images=data.images) if merged else []
         real = align_passes(micro, parallel, pad_id)  # FSDP2: the same passes and model calls on every rank
         normaliser = global_normaliser(cfg.loss, micro, parallel)
         loss_metrics, mismatch = LossMetrics(), Reducer()
@@ -96,12 +96,12 @@ class OptimizerStep:
             # Shared prefixes are forwarded once; the LM head runs only where trained tokens are predicted.
             compute_dtype = torch.bfloat16 if self.bf16 else None
             new_logprobs = layout_logprobs(self.model, batch.layout, temperature=cfg.temperature,
-                                           compute_dtype=compute_dtype)
+                                           compute_dtype=compute_dtype, vision=batch.vision)
             ref_logprobs = None
             if self.ref_model is not None:
                 with torch.no_grad():
                     ref_logprobs = layout_logprobs(self.ref_model, batch.layout, temperature=cfg.temperature,
-                                                   compute_dtype=compute_dtype)
+                                                   compute_dtype=compute_dtype, vision=batch.vision)
         loss_input = LossInput.from_batch(batch, new_logprobs, version, ref_logprobs)
         loss_sum, metrics = loss_fn(cfg.loss, loss_input, normaliser)
         (loss_sum * self.parallel.dp_size).backward()

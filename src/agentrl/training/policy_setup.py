@@ -16,6 +16,7 @@ from agentrl.training.logprobs import shared_prefix_unsupported
 from agentrl.training.parallel import ParallelState
 from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
 from agentrl.training.weights import load_sharded
+from agentrl.vision.processor import VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,29 @@ def build_policy(cfg: TrainConfig, parallel: ParallelState, path: str | Path, re
                                f"only, and {', '.join(odd[:3])} is not one: leave it out of "
                                "--lora_target_modules or publish merged weights")
     return model
+
+
+def vision_setup(cfg: TrainConfig, parallel: ParallelState, model: torch.nn.Module, path: str | Path
+                 ) -> VisionProcessor | None:
+    """A vision-language policy's image processor (None for a text model), its vision tower frozen with
+    ``--freeze_vision_tower``. Such a policy trains in one process for now: FSDP2 ranks must make the same
+    collectives in every pass, and a pass without images skips the vision tower's."""
+    vision = VisionProcessor.of(path)
+    if vision is None:
+        if cfg.freeze_vision_tower:
+            raise TrainerError(f"--freeze_vision_tower: {path} is a text model (it has no vision tower)")
+        return None
+    if parallel.distributed:
+        raise TrainerError(f"{path} is a vision-language model ({vision.model_type}): it trains in one process "
+                           f"for now (launch one process, or train a text model over several)")
+    if cfg.freeze_vision_tower:
+        tower = model.model.visual if hasattr(model, "model") and hasattr(model.model, "visual") else None
+        if tower is None:
+            raise TrainerError(f"--freeze_vision_tower: cannot find the vision tower (model.visual) of "
+                               f"{type(model).__name__}")
+        tower.requires_grad_(False)
+        logger.info("vision tower frozen: %d parameters not trained", sum(p.numel() for p in tower.parameters()))
+    return vision
 
 
 def build_ref_model(cfg: TrainConfig, parallel: ParallelState, path: str | Path, bf16: bool) -> torch.nn.Module:

@@ -59,6 +59,7 @@ from agentrl.training.policy_setup import (
     check_4bit,
     lora_settings,
     shared_prefix_min,
+    vision_setup,
 )
 from agentrl.training.publish import PublishError
 from agentrl.training.settlement import Settlement, build_publisher
@@ -243,6 +244,7 @@ class Trainer:
         self.model = build_policy(cfg, parallel, base_path if lora_config is not None else resume or base_path,
                                   resume, lora_config, self.bf16)
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
+        self.vision = vision_setup(cfg, parallel, self.model, base_path)
         ref_model = build_ref_model(cfg, parallel, cfg.ref_model_name_or_path or base_path,
                                     self.bf16) if cfg.loss.kl_coef else None
         self.optimizer = build_optimizer(cfg, self.model)
@@ -291,7 +293,7 @@ class Trainer:
         self.stream = SampleStream(self.store, self.io, parallel, split=cfg.split, batch_size=self.batch_size,
                                    staleness_bound=cfg.staleness_bound, offline=not cfg.enable_sampling,
                                    poll_interval_s=cfg.poll_interval_s, stop=self.stop,
-                                   temperature=cfg.temperature if policy_gradient else None)
+                                   temperature=cfg.temperature if policy_gradient else None, vision=self.vision)
 
     # --------------------------------------------------------------------------------------------------- ends
 

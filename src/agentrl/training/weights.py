@@ -20,10 +20,14 @@ from torch import nn
 from agentrl.training import lora
 from agentrl.training.dirs import replace_dir
 from agentrl.training.parallel import ParallelState, materialize_from_main, shard_model
+from agentrl.vision.processor import model_class, model_type
 
 logger = logging.getLogger(__name__)
 
 WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.safetensors.index.json", "*.bin.index.json")
+
+
+PREPROCESSOR_FILE = "preprocessor_config.json"
 
 
 class WeightsError(RuntimeError):
@@ -36,10 +40,9 @@ def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trus
     layers in bitsandbytes NF4 with double quantisation and bf16 compute, QLoRA's recipe; CUDA only).
 
     Raises ``WeightsError`` when a local directory holds no weight files, or when any parameter would be left at
-    its random initialisation (missing or mismatched keys).
+    its random initialisation (missing or mismatched keys). A vision-language model (the Qwen-VL family) loads
+    with its vision tower (``AutoModelForImageTextToText``).
     """
-    from transformers import AutoModelForCausalLM
-
     local = Path(path)
     if local.exists():
         if not local.is_dir():
@@ -55,7 +58,7 @@ def load_pretrained(path: str | Path, *, attn_implementation: str = "sdpa", trus
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16)}
     try:
-        model, info = AutoModelForCausalLM.from_pretrained(
+        model, info = model_class(model_type(path)).from_pretrained(
             str(path), dtype=torch.float32, attn_implementation=attn_implementation,
             trust_remote_code=trust_remote_code, output_loading_info=True, **quantization)
     except OSError as error:
@@ -94,8 +97,6 @@ def load_sharded(path: str | Path, parallel: ParallelState, *, bf16: bool, resha
             return model  # bitsandbytes placed it on the GPU; one process only
         shard_model(model, parallel, bf16=bf16, reshard_after_forward=reshard_after_forward)
         return model if parallel.distributed else model.to(parallel.device)
-    from transformers import AutoModelForCausalLM
-
     source, failure = None, None
     if parallel.is_main:
         try:
@@ -110,8 +111,8 @@ def load_sharded(path: str | Path, parallel: ParallelState, *, bf16: bool, resha
         raise WeightsError(failure if parallel.is_main else f"rank 0 could not load the model: {failure}")
     config = parallel.broadcast_from_main(source.config if parallel.is_main else None)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation=attn_implementation,
-                                                 trust_remote_code=trust_remote_code)
+        model = model_class(config.model_type).from_config(
+            config, dtype=torch.float32, attn_implementation=attn_implementation, trust_remote_code=trust_remote_code)
     if source is not None:
         model.generation_config = source.generation_config
     if prepare is not None:
@@ -165,8 +166,6 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
     (``lora.merge_state_dict``): a plain model of the base architecture. The adapters of a 4-bit base are merged
     into the base model's own full-precision weights instead (:func:`export_merged_from_base`).
     """
-    from transformers import AutoModelForCausalLM
-
     adapted = lora.is_adapted(model)
     state = full_state_dict(model, parallel, dtype=None if adapted else dtype)  # adapters merge in full precision
     if parallel.is_main and adapted and getattr(model, "hf_quantizer", None) is not None:
@@ -177,7 +176,7 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
         tmp = out_dir.with_name(f".{out_dir.name}.tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         with torch.device("meta"):
-            shell = AutoModelForCausalLM.from_config(model.config, dtype=dtype)
+            shell = model_class(model.config.model_type).from_config(model.config, dtype=dtype)
         for tied, source in getattr(shell, "all_tied_weights_keys", {}).items():
             if source in state:  # gathered copies of tied weights no longer share storage: save the source once
                 state.pop(tied, None)
@@ -186,6 +185,9 @@ def export_pretrained(model: nn.Module, parallel: ParallelState, out_dir: Path, 
         shell.save_pretrained(tmp, state_dict=state, safe_serialization=True)
         if tokenizer is not None:
             tokenizer.save_pretrained(tmp)
+        source = Path(getattr(model, "name_or_path", "") or ".") / PREPROCESSOR_FILE
+        if source.is_file():  # a vision-language model's image processor: the export is a complete model
+            shutil.copyfile(source, tmp / PREPROCESSOR_FILE)
         replace_dir(tmp, out_dir)
     parallel.barrier()
 

@@ -57,6 +57,14 @@ def is_vision_model(path: str | Path) -> bool:
     return model_type(path) in VISION_MODEL_TYPES
 
 
+def model_class(kind: str | None) -> Any:
+    """The transformers auto class of a model type: ``AutoModelForImageTextToText`` for :data:`VISION_MODEL_TYPES`
+    (the model with its vision tower), else ``AutoModelForCausalLM``."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    return AutoModelForImageTextToText if kind in VISION_MODEL_TYPES else AutoModelForCausalLM
+
+
 class VisionProcessor:
     """A Qwen-VL model directory's image tokens and image processor."""
 
@@ -138,4 +146,4 @@ def refuse_images(model_name: str, count: int) -> None:
 
 
 __all__ = ["ImageError", "ImageInputs", "VISION_MODEL_TYPES", "VisionInputError", "VisionProcessor",
-           "is_vision_model", "model_type", "refuse_images"]
+           "is_vision_model", "model_class", "model_type", "refuse_images"]
