@@ -54,6 +54,31 @@ def scripted_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.
 
 
 @pytest.fixture(scope="session")
+def everything_server_entry(request: pytest.FixtureRequest) -> Path:
+    """The MCP project's reference server (``@modelcontextprotocol/server-everything``, pinned), installed with npm
+    into pytest's cache once; the test skips where npm or its registry is not available."""
+    from tools_fixtures import EVERYTHING_PACKAGE, install_everything_server
+
+    directory = Path(request.config.cache.mkdir("server-everything"))
+    with FileLock(f"{directory}.lock"):
+        entry = install_everything_server(directory)
+    if entry is None:
+        pytest.skip(f"npm could not install {EVERYTHING_PACKAGE} (needs node, npm and the npm registry)")
+    return entry
+
+
+@pytest.fixture(scope="session")
+def scripted_vision_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+                              everything_server_entry: Path) -> Path:
+    """The tiny Qwen2.5-VL trained on ``scripted_vision_model``'s script (about half a minute on one core)."""
+    from scripted_vision_model import build_scripted_vision_model
+
+    source = (Path(__file__).parent / "scripted_vision_model.py").read_bytes()
+    return cached_model_dir(request, tmp_path_factory, "scripted-vision-model", source,
+                            lambda scratch: build_scripted_vision_model(scratch, everything_server_entry))
+
+
+@pytest.fixture(scope="session")
 def scripted_engine_url(scripted_model_dir: Path) -> Iterator[str]:
     """An unregistered engine serving the scripted model; samplers get it with ``--inference_urls``."""
     engine = start_engine(scripted_model_dir)

@@ -152,3 +152,49 @@ async def _read_images(db_uri: str, ids: list[str]) -> list:
     async with Store(db_uri) as store:
         found = await store.images.get_many(ids)
     return [found[sha] for sha in ids]
+
+
+def test_an_mcp_tool_returns_a_picture_the_model_sees(db_uri: str, tmp_path: Path, scripted_vision_model_dir: Path,
+                                                      everything_server_entry: Path, launch_engine) -> None:
+    """The scripted Qwen2.5-VL calls ``get-tiny-image`` of the MCP project's reference server (npm): the result's
+    PNG (the server's logo, whose broken colour-profile checksum is dropped as browsers drop it) is stored once in
+    GridFS, named on the tool result, shown after the result's text in the next prompt, its tokens expanded; the
+    model answers, and the group's scores vary."""
+    from agentrl.vision.images import load_image
+    from scripted_vision_model import ANSWER, QUESTION, everything_config, task_picture
+
+    (tmp_path / "task.png").write_bytes(task_picture())
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "match", "question": QUESTION, "answer": ANSWER, "images": ["task.png"]}))
+    upload(db_uri, tasks, "--num_generations", "4")
+    mcp = tmp_path / "mcp.json"
+    mcp.write_text(json.dumps({"servers": [s.model_dump(exclude_none=True)
+                                           for s in everything_config(everything_server_entry).servers]}))
+    engine: EngineProcess = launch_engine(scripted_vision_model_dir)
+    try:
+        run_sampler(agentrl_cmd(
+            "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(scripted_vision_model_dir),
+            "--inference_urls", engine.url, "--mcp_config", str(mcp), "--max_turns", "3", "--max_new_tokens", "40",
+            "--temperature", "1", "--seed", "3", "--exit_when_done", "true"))
+    finally:
+        engine.stop()
+    records = documents(db_uri, "Record")
+    assert len(records) == 4 and {r["outcome"] for r in records} == {"answer"}, records
+    calls = documents(db_uri, "DispatchedSamplingTask")
+    first = [c for c in calls if c["turn"] == 0]
+    second = [c for c in calls if c["turn"] == 1]
+    task_sha = hashlib.sha256(task_picture()).hexdigest()
+    logos = {result["images"][0] for call in first for result in call["tool_results"]}
+    assert len(logos) == 1 and all(c["tool_results"][0]["status"] == "ok" for c in first)
+    logo = logos.pop()
+    assert [c["images"] for c in first] == [[task_sha]] * 4 and [c["images"] for c in second] == [[task_sha, logo]] * 4
+    stored = asyncio.run(_read_images(db_uri, [logo]))[0]
+    assert (stored.format, stored.width, stored.height) == ("PNG", 20, 20)
+    processor = VisionProcessor(scripted_vision_model_dir)
+    for call in second:
+        delta = call["prompt_delta_ids"]
+        assert "<|im_start|>tool" in call["prompt_delta_text"] and "<|image_pad|>" in call["prompt_delta_text"]
+        assert delta.count(processor.image_token_id) == processor.image_tokens(load_image(stored.data, "logo"))
+    assert len({r["score"] for r in records}) == 2  # both endings were sampled: a group with signal
+    samples = documents(db_uri, "DBRecordData")
+    assert samples and all(s["images"] == [task_sha, logo] for s in samples)

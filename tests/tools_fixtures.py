@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -86,3 +87,22 @@ def child_pids(*needles: str) -> list[int]:
         if ppid == me and all(needle in cmdline for needle in needles):
             found.append(int(entry.name))
     return found
+
+
+EVERYTHING_PACKAGE = "@modelcontextprotocol/server-everything@2026.8.31"
+"""The reference MCP server of the MCP project (npm), pinned: its ``get-tiny-image`` tool returns a PNG."""
+
+
+def install_everything_server(directory: Path) -> Path | None:
+    """``npm install`` the pinned server-everything into ``directory`` (once: a second call finds it); its entry
+    script, or None where npm or the registry is not available (the tests that need it skip)."""
+    entry = directory / "node_modules" / "@modelcontextprotocol" / "server-everything" / "dist" / "index.js"
+    if entry.is_file():
+        return entry
+    npm = shutil.which("npm")
+    if npm is None or shutil.which("node") is None:
+        return None
+    directory.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run([npm, "install", "--no-audit", "--no-fund", "--prefix", str(directory), EVERYTHING_PACKAGE],
+                          capture_output=True, text=True, timeout=300)
+    return entry if done.returncode == 0 and entry.is_file() else None

@@ -36,7 +36,7 @@ from agentrl.store import CallStatus, DispatchedSamplingTask, SlotLease, Store
 from agentrl.store.call_log import CallLog
 from agentrl.tools import ToolManager
 from agentrl.trajectory.prompting import initial_messages
-from agentrl.vision.images import ImageError
+from agentrl.vision.images import ImageError, LoadedImage
 from agentrl.vision.processor import VisionInputError, VisionProcessor
 
 logger = logging.getLogger(__name__)
@@ -228,7 +228,7 @@ async def _roll_out(res: AgentResources, lease: SlotLease, calls: CallLog, mcp_s
                 return TrajectoryResult(REPETITION, None, turn + 1, state.branches, state.first_version)
 
         new_messages = await _tool_stage(res, lease, calls, generated.call_id, text, repeated=repeats >= 1,
-                                         mcp_state=mcp_state)
+                                         mcp_state=mcp_state, pictures=conversation.pictures)
         state.appended(conversation.append(generated.output_ids, text, new_messages))
         if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
             if cfg.new_context == "disabled":
@@ -241,19 +241,24 @@ async def _roll_out(res: AgentResources, lease: SlotLease, calls: CallLog, mcp_s
 
 
 async def _tool_stage(res: AgentResources, lease: SlotLease, log: CallLog, call_id: str, text: str, *,
-                      repeated: bool, mcp_state: McpState | None = None) -> list[dict[str, Any]]:
+                      repeated: bool, mcp_state: McpState | None = None,
+                      pictures: dict[str, LoadedImage] | None = None) -> list[dict[str, Any]]:
     """Parse and run the tool calls of ``text``; returns the messages to append (one per call: its result or why
     it could not run). The call is labelled with the worst status of its tool calls (``formaterror`` first).
-    Each tool call is fenced (``SlotLeases.fence``): a retired attempt runs no (possibly non-idempotent) tool call."""
+    Each tool call is fenced (``SlotLeases.fence``): a retired attempt runs no (possibly non-idempotent) tool call.
+    A vision-language policy also sees the results' pictures: stored in GridFS, added to ``pictures`` and shown
+    after the result's text."""
     parsed = res.parser.parse(text)
     if not parsed.calls:
         return []
     calls, results, messages = [], [], []
     statuses: set[CallStatus] = set()
+    seeing = res.vision is not None and pictures is not None
     for index, tool_call in enumerate(parsed.calls):
         call_ref = f"{call_id}.{index}"
         calls.append({"id": call_ref, "name": tool_call.name, "arguments": tool_call.arguments,
                       "error": tool_call.error, "raw": tool_call.raw})
+        shown: list[str] = []  # the result's pictures (sha256), for a vision-language policy
         if tool_call.error is not None:
             status, content, error, elapsed = CallStatus.FORMATERROR, tool_call.error, tool_call.error, 0.0
         elif res.tools is None:
@@ -265,14 +270,22 @@ async def _tool_stage(res: AgentResources, lease: SlotLease, log: CallLog, call_
         else:
             await res.store.slots.fence(lease)
             arguments = mcp_state.arguments(tool_call.arguments) if mcp_state is not None else tool_call.arguments
-            result = await res.tools.call_tool(tool_call.name, arguments, timeout=res.config.rollout.tool_timeout)
+            result = await res.tools.call_tool(tool_call.name, arguments, timeout=res.config.rollout.tool_timeout,
+                                               images=seeing)
             status = CallStatus.COMPLETED if result.ok else CallStatus(str(result.status))
             content, error, elapsed = result.text, result.error, result.elapsed_s
+            for image in result.images:
+                await res.store.images.put(image)
+                pictures[image.sha256] = image
+            shown = [image.sha256 for image in result.images]
         if status != CallStatus.COMPLETED:
             statuses.add(status)
         results.append({"id": call_ref, "name": tool_call.name, "status": "ok" if status == CallStatus.COMPLETED
-                        else str(status), "content": content, "error": error, "elapsed_s": elapsed})
-        messages.append({"role": "tool", "name": tool_call.name or "invalid_call", "content": content})
+                        else str(status), "content": content, "error": error, "elapsed_s": elapsed} | (
+                            {"images": shown} if shown else {}))
+        messages.append({"role": "tool", "name": tool_call.name or "invalid_call", "content": [
+            {"type": "text", "text": content}, *({"type": "image", "image": sha256} for sha256 in shown)]
+            if shown else content})
     update = {"tool_calls": calls, "tool_results": results}
     worst = next((s for s in (CallStatus.FORMATERROR, CallStatus.TOOLFAILED) if s in statuses), None)
     if worst is not None and not repeated:

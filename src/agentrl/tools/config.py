@@ -59,6 +59,10 @@ class MCPServerConfig(BaseModel):
     idempotent_tools: list[str] | None = Field(
         None, description="tools safe to retry; default: those the server annotates idempotent or read-only"
     )
+    tools: list[str] | None = Field(
+        None, description="offer only these tools of the server to the model (default: all it lists); a name the "
+        "server does not list is an error when connecting"
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -41,6 +41,7 @@ from agentrl.log import redact
 from agentrl.tools.config import MCPServerConfig
 from agentrl.tools.errors import ToolConnectionError, ToolFailedError, ToolFormatError
 from agentrl.tools.types import ToolSpec
+from agentrl.vision.images import ImageError, LoadedImage, decode_image_string
 
 logger = logging.getLogger(__name__)
 
@@ -48,12 +49,20 @@ _STOP_GRACE_S = 10.0
 _MAX_RECONNECT_DELAY_S = 30.0
 
 
-def result_text(result: CallToolResult) -> str:
-    """Flatten a tool result's content blocks into the text the model reads."""
+def result_content(result: CallToolResult, *, images: bool = False) -> tuple[str, list[LoadedImage]]:
+    """A tool result's content blocks as the text the model reads and, with ``images``, the pictures it sees (each
+    ``ImageContent`` checked by :func:`~agentrl.vision.images.load_image`; one that is not a usable image is a
+    note in the text instead). Without ``images`` a picture is a note too."""
+    pictures: list[LoadedImage] = []
     parts: list[str] = []
-    for block in result.content:
+    for index, block in enumerate(result.content):
         if isinstance(block, TextContent):
             parts.append(block.text)
+        elif isinstance(block, ImageContent) and images:
+            try:
+                pictures.append(decode_image_string(block.data, f"content[{index}] ({block.mime_type})"))
+            except ImageError as error:
+                parts.append(f"[image content omitted: {error}]")
         elif isinstance(block, ImageContent | AudioContent):
             parts.append(f"[{block.type} content ({block.mime_type}) omitted]")
         elif isinstance(block, EmbeddedResource):
@@ -64,9 +73,9 @@ def result_text(result: CallToolResult) -> str:
                 parts.append(f"[binary resource {resource.uri} omitted]")
         elif isinstance(block, ResourceLink):
             parts.append(f"[resource link: {block.uri}]")
-    if not parts and result.structured_content is not None:
-        return json.dumps(result.structured_content, ensure_ascii=False)
-    return "\n".join(parts)
+    if not parts and not pictures and result.structured_content is not None:
+        return json.dumps(result.structured_content, ensure_ascii=False), pictures
+    return "\n".join(parts), pictures
 
 
 def _describe(exc: BaseException) -> str:

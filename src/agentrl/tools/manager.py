@@ -24,9 +24,10 @@ from jsonschema.validators import validator_for
 from agentrl.log import redact
 from agentrl.tools.aggregator import AggregatorClient
 from agentrl.tools.config import MCPConfig, MCPServerConfig, load_mcp_config, parse_server_filter
-from agentrl.tools.connection import MCPConnection, result_text
+from agentrl.tools.connection import MCPConnection, result_content
 from agentrl.tools.errors import ToolConfigError, ToolConnectionError, ToolFailedError, ToolFormatError
 from agentrl.tools.types import ToolResult, ToolSpec, ToolStatus
+from agentrl.vision.images import LoadedImage
 
 logger = logging.getLogger(__name__)
 
@@ -132,7 +133,7 @@ class ToolManager:
             raise ToolConnectionError("; ".join(str(e) for e in errors)) from errors[0]
         for route, specs in zip(routes, results, strict=True):
             assert isinstance(specs, list)
-            for spec in specs:
+            for spec in _offered(route, specs):
                 self._add_tool(spec, route)
         logger.info(
             "tools ready: %s",
@@ -221,8 +222,11 @@ class ToolManager:
 
     # ---------------------------------------------------------------------------------------------------- calls
 
-    async def call_tool(self, name: str, arguments: Any, timeout: float | None = None) -> ToolResult:
-        """Call a tool; the result's status is ``ok``, ``formaterror`` or ``toolfailed`` (never raises for those)."""
+    async def call_tool(self, name: str, arguments: Any, timeout: float | None = None, *,
+                        images: bool = False) -> ToolResult:
+        """Call a tool; the result's status is ``ok``, ``formaterror`` or ``toolfailed`` (never raises for those).
+        ``images``: the result's pictures come back as images (a vision-language policy), not as notes in its text
+        (through an aggregator they stay notes)."""
         started = time.perf_counter()
         try:
             spec = self.get_tool(name)
@@ -237,11 +241,11 @@ class ToolManager:
         while True:
             attempts += 1
             try:
-                status, text = await self._call_once(spec, arguments, timeout)
+                status, text, pictures = await self._call_once(spec, arguments, timeout, images)
                 return ToolResult(
                     name=name, server=spec.server, status=status, text=text,
                     error=None if status is ToolStatus.OK else text,
-                    elapsed_s=time.perf_counter() - started, attempts=attempts,
+                    elapsed_s=time.perf_counter() - started, attempts=attempts, images=pictures,
                 )
             except ToolFormatError as exc:
                 return ToolResult(
@@ -260,14 +264,30 @@ class ToolManager:
                     )
                 await asyncio.sleep(self._retry_backoff * 2 ** (attempts - 1))
 
-    async def _call_once(self, spec: ToolSpec, arguments: dict[str, Any], timeout: float) -> tuple[ToolStatus, str]:
+    async def _call_once(self, spec: ToolSpec, arguments: dict[str, Any], timeout: float, images: bool
+                         ) -> tuple[ToolStatus, str, list[LoadedImage]]:
         connection = self._routes[spec.name]
         if connection is not None:
             result = await connection.call_tool(spec.name, arguments, timeout)
-            return ToolStatus.TOOLFAILED if result.is_error else ToolStatus.OK, result_text(result)
+            text, pictures = result_content(result, images=images)
+            return ToolStatus.TOOLFAILED if result.is_error else ToolStatus.OK, text, pictures
         assert self._aggregator is not None
-        return await self._aggregator.call_tool(spec.server, spec.name, arguments, timeout)
+        return *await self._aggregator.call_tool(spec.server, spec.name, arguments, timeout), []
 
     def _require_open(self) -> None:
         if not self._entered:
             raise RuntimeError("ToolManager is not open: use 'async with ToolManager(...) as tools:'")
+
+
+def _offered(route: MCPConnection | None, specs: list[ToolSpec]) -> list[ToolSpec]:
+    """The tools of a server its config offers (``tools``: those; else all); :class:`ToolConnectionError` for a
+    name the server does not list."""
+    wanted = route.config.tools if route is not None else None
+    if wanted is None:
+        return specs
+    listed = {spec.name for spec in specs}
+    missing = [name for name in wanted if name not in listed]
+    if missing:
+        raise ToolConnectionError(f"MCP server {route.name!r} has no tool {', '.join(map(repr, missing))} (its "
+                                  f"config's 'tools'); it lists: {', '.join(sorted(listed)) or 'none'}")
+    return [spec for spec in specs if spec.name in wanted]

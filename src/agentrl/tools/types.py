@@ -5,7 +5,9 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
+
+from agentrl.vision.images import LoadedImage
 
 
 class ToolSpec(BaseModel):
@@ -37,7 +39,10 @@ class ToolStatus(StrEnum):
 
 
 class ToolResult(BaseModel):
-    """Result of one tool call: ``text`` is what the model gets to read (the error message on failure)."""
+    """Result of one tool call: ``text`` is what the model gets to read (the error message on failure), and
+    ``images`` the pictures it gets to see (``ImageContent`` blocks, when the caller takes images)."""
+
+    model_config = ConfigDict(arbitrary_types_allowed=True)
 
     name: str
     server: str | None = None
@@ -46,6 +51,7 @@ class ToolResult(BaseModel):
     error: str | None = Field(None, description="why the call failed (None when status is ok)")
     elapsed_s: float = 0.0
     attempts: int = 0
+    images: list[LoadedImage] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

@@ -7,6 +7,11 @@ decode completely (PNG, JPEG, WebP, GIF's first frame, BMP, ...), at most :data:
 an :class:`ImageError` naming where it came from and what was wrong. An image is known by the sha256 of its bytes
 (:attr:`LoadedImage.sha256`): the key under which it is stored once (GridFS), cached by the engine and referenced
 from every call that used it.
+
+One repair is made, as browsers make it: a PNG whose *ancillary* chunks (colour profile, text, time: chunks that do
+not hold pixels) fail their checksum is kept without those chunks (:func:`without_broken_ancillary_chunks`). The
+MCP project's own reference server returns such a PNG (its ``get-tiny-image`` logo has a broken ``iCCP`` checksum),
+which PIL refuses whole. A critical chunk that fails, or a truncated file, is still an error.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import binascii
 import hashlib
 import io
 import re
+import zlib
 from dataclasses import dataclass
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -25,6 +31,7 @@ if TYPE_CHECKING:
 
 MAX_IMAGE_BYTES = 20 * 1024 * 1024
 """The largest encoded image accepted (OpenAI's limit for an image input)."""
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 MAX_IMAGE_PIXELS = 89_478_485
 """The most pixels (width x height) an image may have: PIL's decompression-bomb threshold, where PIL only warns."""
 
@@ -63,9 +70,44 @@ class LoadedImage:
         return f"data:{self.mime_type};base64,{base64.b64encode(self.data).decode('ascii')}"
 
 
+def without_broken_ancillary_chunks(data: bytes) -> bytes | None:
+    """A PNG's bytes without its ancillary chunks whose CRC fails; None when it is no PNG, has no such chunk, or
+    is malformed otherwise (a critical chunk fails, or the chunks run past the end)."""
+    if not data.startswith(PNG_SIGNATURE):
+        return None
+    out, pos, dropped = bytearray(PNG_SIGNATURE), len(PNG_SIGNATURE), False
+    while pos + 12 <= len(data):
+        length = int.from_bytes(data[pos:pos + 4], "big")
+        end = pos + 12 + length
+        if end > len(data):
+            return None
+        kind, body, crc = data[pos + 4:pos + 8], data[pos + 8:end - 4], data[end - 4:end]
+        if zlib.crc32(kind + body).to_bytes(4, "big") != crc:
+            if not kind[:1].islower():  # a critical chunk (upper-case first letter): the pixels are damaged
+                return None
+            dropped = True
+        else:
+            out += data[pos:end]
+        pos = end
+        if kind == b"IEND":
+            break
+    return bytes(out) if dropped else None
+
+
 def load_image(data: bytes, source: str) -> LoadedImage:
     """Check that ``data`` is one whole decodable image within the limits; ``source`` names it in errors (a task
-    file's line and field, a tool call, a request's ``image_data[2]``)."""
+    file's line and field, a tool call, a request's ``image_data[2]``). A PNG with broken ancillary chunks comes
+    back without them (see the module doc): its ``data`` and ``sha256`` are those of the repaired bytes."""
+    try:
+        return _load(data, source)
+    except ImageError:
+        repaired = without_broken_ancillary_chunks(data)
+        if repaired is None:
+            raise
+    return _load(repaired, source)
+
+
+def _load(data: bytes, source: str) -> LoadedImage:
     from PIL import Image, UnidentifiedImageError
 
     if not data:
