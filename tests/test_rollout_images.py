@@ -11,6 +11,7 @@ import asyncio
 import hashlib
 import io
 import json
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,6 +68,7 @@ def test_tasks_with_images_roll_out_token_exact_and_train(db_uri: str, tmp_path:
     run_sampler(agentrl_cmd(
         "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(vision_model),
         "--inference_urls", vision_engine, "--max_turns", "2", "--max_new_tokens", "6", "--temperature", "1",
+        "--seed", "0",
         "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--exit_when_done", "true"))
 
     records = documents(db_uri, "Record")
@@ -119,7 +121,8 @@ def test_tasks_with_images_roll_out_token_exact_and_train(db_uri: str, tmp_path:
         client.get_default_database().DBRecordData.update_one({"_id": sample["_id"]}, {"$set": {
             "advantages": [sign * m for m in sample["loss_mask"]]}})
     client.close()
-    assert main(trainer_args(db_uri, vision_model, tmp_path / "out", "--train_batch_size", "2",
+    half = str(-(-len(samples) // 2))  # two steps (a trajectory may have branched: more samples than records)
+    assert main(trainer_args(db_uri, vision_model, tmp_path / "out", "--train_batch_size", half,
                              "--max_steps", "2", "--max_staleness", "none", "--weight_transport", transport)) == 0
     metrics = {doc["step"]: doc["values"] for doc in documents(db_uri, "Metric", {"split": "train"})}
     assert sorted(metrics) == [1, 2]
@@ -176,8 +179,14 @@ def test_an_mcp_tool_returns_a_picture_the_model_sees(db_uri: str, tmp_path: Pat
             "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(scripted_vision_model_dir),
             "--inference_urls", engine.url, "--mcp_config", str(mcp), "--max_turns", "3", "--max_new_tokens", "40",
             "--temperature", "1", "--seed", "3", "--exit_when_done", "true"))
+        from agentrl.train import main  # one step on the group: the tool's picture trained on and published
+
+        assert main(trainer_args(db_uri, scripted_vision_model_dir, tmp_path / "out", "--train_batch_size", "4",
+                                 "--max_steps", "1")) == 0
     finally:
         engine.stop()
+    (metrics,) = [doc["values"] for doc in documents(db_uri, "Metric", {"split": "train"})]
+    assert metrics["logprob_mismatch_max"] < 1e-4 and metrics["grad_norm"] > 0, metrics
     records = documents(db_uri, "Record")
     assert len(records) == 4 and {r["outcome"] for r in records} == {"answer"}, records
     calls = documents(db_uri, "DispatchedSamplingTask")
@@ -198,3 +207,42 @@ def test_an_mcp_tool_returns_a_picture_the_model_sees(db_uri: str, tmp_path: Pat
     assert len({r["score"] for r in records}) == 2  # both endings were sampled: a group with signal
     samples = documents(db_uri, "DBRecordData")
     assert samples and all(s["images"] == [task_sha, logo] for s in samples)
+    _audit(db_uri, tmp_path, task_sha, logo, stored.data)
+
+
+def _audit(db_uri: str, tmp_path: Path, task_sha: str, logo: str, logo_bytes: bytes) -> None:
+    """The run's pictures in ``agentrl dashboard`` (conversation, token view, the image route) and in ``agentrl
+    export`` (files beside the JSONL, referenced from the messages)."""
+    import httpx
+    from pymongo.uri_parser import parse_uri
+
+    from rollout_fixtures import run_env
+    from test_dashboard import start_dashboard, stop
+
+    run = parse_uri(db_uri)["database"]
+    process, url = start_dashboard(f"agentrl dashboard --db_connection_string '{db_uri}' --port 0")
+    try:
+        record = documents(db_uri, "Record")[0]["_id"]
+        page = httpx.get(f"{url}runs/{run}/records/{record}", timeout=30).text
+        assert f'<img src="/api/runs/{run}/images/{task_sha}"' in page and f"/api/runs/{run}/images/{logo}" in page
+        assert '"image_runs": [{"end": ' in page  # the token view shows each picture where its tokens start
+        image = httpx.get(f"{url}api/runs/{run}/images/{logo}", timeout=30)
+        assert image.status_code == 200 and image.content == logo_bytes
+        assert image.headers["content-type"] == "image/png" and image.headers["x-content-type-options"] == "nosniff"
+        for bad in ("0" * 64, "../../etc/passwd", logo.upper()):
+            assert httpx.get(f"{url}api/runs/{run}/images/{bad}", timeout=30).status_code == 404
+    finally:
+        stop(process)
+    out = tmp_path / "export" / "records.jsonl"
+    out.parent.mkdir()
+    done = subprocess.run(agentrl_cmd("export", "--db_connection_string", db_uri, "--out", str(out)),
+                          capture_output=True, text=True, env=run_env(), timeout=120)
+    assert done.returncode == 0 and "and 2 images to" in done.stdout, done.stdout + done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    paths = {f"records.jsonl.images/{task_sha}.png", f"records.jsonl.images/{logo}.png"}
+    assert all(set(row["images"]) == paths for row in rows)
+    assert (out.parent / f"records.jsonl.images/{logo}.png").read_bytes() == logo_bytes
+    user = next(m for m in rows[0]["messages"] if m["role"] == "user")
+    assert user["content"][0] == {"type": "image_url", "image_url": {"url": f"records.jsonl.images/{task_sha}.png"}}
+    tool = next(m for m in rows[0]["messages"] if m["role"] == "tool")
+    assert tool["content"][-1]["image_url"]["url"] == f"records.jsonl.images/{logo}.png"

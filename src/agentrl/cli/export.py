@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
 
     from agentrl.log import redact
     from agentrl.store import database_name, resolve_connection_string, sync_client
-    from agentrl.store.export import write_export
+    from agentrl.store.export import ImageFiles, write_export
 
     uri = resolve_connection_string(args.db_connection_string)
     statuses = [s.strip() for s in args.status.split(",") if s.strip()] if args.status else None
@@ -32,12 +32,14 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     tmp = out.with_name(out.name + ".partial")
     try:
+        db = client[database_name(uri)]
+        images = ImageFiles(db, out.with_name(out.name + ".images"), out.parent)
         with tmp.open("w", encoding="utf-8") as handle:
-            count = write_export(client[database_name(uri)], handle, fmt=args.format, split=args.split,
-                                 statuses=statuses)
+            count = write_export(db, handle, fmt=args.format, split=args.split, statuses=statuses, images=images)
         tmp.replace(out)
     finally:
         client.close()
         tmp.unlink(missing_ok=True)
-    print(f"exported {count} records from {redact(uri)} to {out}")
+    pictures = f" and {len(images.written)} images to {images.directory}" if images.written else ""
+    print(f"exported {count} records from {redact(uri)} to {out}{pictures}")
     return 0

@@ -29,7 +29,7 @@ from pymongo import MongoClient
 from agentrl.dashboard.charts import metric_charts
 from agentrl.dashboard.hosts import host_name
 from agentrl.dashboard.queries import RecordFilters, RunReader, UnknownItem
-from agentrl.dashboard.tokens import TokenTexts, calls_views, sample_view
+from agentrl.dashboard.tokens import TokenTexts, calls_views, image_runs, sample_view
 from agentrl.trajectory.merge import PrefixError
 
 logger = logging.getLogger(__name__)
@@ -150,6 +150,14 @@ def _add_api_routes(app: FastAPI, reader: RunReader) -> None:
     def api_task(run: str, task_id: str) -> JSONResponse:
         return _json(reader.task(run, task_id))
 
+    @app.get("/api/runs/{run}/images/{sha256}")
+    def api_image(run: str, sha256: str) -> Response:
+        """An image's bytes, as stored (checked against its hash; the type is the one PIL decoded, never the
+        stored metadata's), cacheable for good: its URL is its content."""
+        image = reader.image(run, sha256)
+        return Response(image.data, media_type=image.mime_type, headers={
+            "Cache-Control": "private, max-age=31536000, immutable", "X-Content-Type-Options": "nosniff"})
+
 
 def _token_views(reader: RunReader, texts: TokenTexts, run: str,
                  record: dict[str, Any]) -> tuple[list[dict[str, Any]], str | None]:
@@ -163,6 +171,7 @@ def _token_views(reader: RunReader, texts: TokenTexts, run: str,
         views, token_error = [], f"the LLM calls do not fit together: {error}"
     for view in views:
         view["texts"] = texts.texts(model, view["ids"])
+        view["image_runs"] = image_runs(view, run)
     return views, token_error
 
 

@@ -6,6 +6,7 @@ Every run is a database with a ``Run`` collection. Reads only: lists use project
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +16,7 @@ from pymongo.database import Database
 from pymongo.errors import OperationFailure
 
 from agentrl.store.evals import Eval
+from agentrl.store.images import read_image_sync
 from agentrl.store.models import (
     EPOCH,
     NOT_TRAINED_STATES,
@@ -29,6 +31,7 @@ from agentrl.store.models import (
 )
 from agentrl.store.runs import RUN_ID
 from agentrl.store.summary import count, run_summary
+from agentrl.vision.images import ImageError, LoadedImage
 
 RECORD_FIELDS = ("task_id", "split", "slot", "attempt", "status", "outcome", "score", "score_error", "advantage",
                  "group_decision", "policy_version", "num_turns", "final_answer", "error", "failure_class",
@@ -218,13 +221,24 @@ class RunReader:
         doc = db[Record.collection].find_one({"_id": record_id})
         if doc is None:
             raise UnknownItem(f"run {run!r} has no record {record_id!r}")
-        task = db[Task.collection].find_one({"_id": doc["task_id"]}, {"query": 1, "system_prompt": 1, "answer": 1,
+        task = db[Task.collection].find_one({"_id": doc["task_id"]}, {"query": 1, "system_prompt": 1, "images": 1,
+                                                                       "answer": 1,
                                                                        "scorer": 1, "metadata": 1})
         calls = db[DispatchedSamplingTask.collection].find({"record_id": record_id}, sort=[("turn", 1)])
         samples = db[DBRecordData.collection].find({"record_id": record_id}, sort=[("branch", 1)])
         return {**plain(doc), "task": plain(task) if task else None,
                 "calls": [plain(c) for c in calls],
                 "samples": [plain(s) for s in samples]}
+
+    def image(self, run: str, sha256: str) -> LoadedImage:
+        """An image of the run (GridFS bucket ``images``), checked against its hash; :class:`UnknownItem` when the
+        run has none by that id."""
+        if not re.fullmatch(r"[0-9a-f]{64}", sha256):
+            raise UnknownItem(f"{sha256!r} is not an image id (64 hex digits: a sha256)")
+        try:
+            return read_image_sync(self.database(run), sha256)
+        except ImageError as error:
+            raise UnknownItem(str(error)) from None
 
     def task(self, run: str, task_id: str) -> dict[str, Any]:
         """A task and every record of its group (all slots and attempts), each with its turns' texts."""

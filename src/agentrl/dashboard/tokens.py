@@ -29,7 +29,7 @@ def _view(source: str, ids: Sequence[int], mask: Sequence[int], logprobs: Sequen
           turn_starts: Sequence[int], **details: Any) -> dict[str, Any]:
     """A token view: per-token lists of equal length, and what the page says about where they come from."""
     view = {"source": source, "id": None, "branch": 0, "status": None, "skip_reason": None, "reward": None,
-            "advantages": None, "trainer_logprobs": None, "trainer_version": None}
+            "advantages": None, "trainer_logprobs": None, "trainer_version": None, "images": []}
     view.update(details)
     view.update(ids=list(ids), mask=list(mask), logprobs=_rounded(logprobs), versions=list(versions),
                 turn_starts=list(turn_starts), advantages=_rounded(view["advantages"]),
@@ -37,10 +37,33 @@ def _view(source: str, ids: Sequence[int], mask: Sequence[int], logprobs: Sequen
     return view
 
 
+IMAGE_PAD = "<|image_pad|>"
+"""The text of the Qwen-VL image token: a run of them is one image of the view's ``images``."""
+
+
+def image_runs(view: dict[str, Any], run: str) -> list[dict[str, Any]]:
+    """Where each of the view's images sits among its tokens, ``{start, end, sha256, url}`` in order (the ``i``-th
+    run of image tokens is its ``i``-th image), for the page to show the picture there."""
+    runs, texts, images = [], view.get("texts") or [], view.get("images") or []
+    i = 0
+    while i < len(texts) and len(runs) < len(images):
+        if texts[i] != IMAGE_PAD:
+            i += 1
+            continue
+        end = i
+        while end < len(texts) and texts[end] == IMAGE_PAD:
+            end += 1
+        sha256 = images[len(runs)]
+        runs.append({"start": i, "end": end, "sha256": sha256, "url": f"/api/runs/{run}/images/{sha256}"})
+        i = end
+    return runs
+
+
 def sample_view(sample: dict[str, Any]) -> dict[str, Any]:
     """The token view of a stored training sample."""
     return _view("sample", sample["input_ids"], sample["loss_mask"], sample["logprobs"], sample["versions"],
-                 sample.get("turn_boundaries", []), id=sample["id"], branch=sample.get("branch", 0),
+                 sample.get("turn_boundaries", []), images=sample.get("images", []), id=sample["id"],
+                 branch=sample.get("branch", 0),
                  status=sample.get("status"), skip_reason=sample.get("skip_reason"), reward=sample.get("reward"),
                  advantages=sample["advantages"], trainer_logprobs=sample.get("trainer_logprobs"),
                  trainer_version=sample.get("trainer_version"))
@@ -57,8 +80,8 @@ def calls_views(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
         has_logprobs = len(doc.output_logprobs) == len(doc.output_ids)
         tokens.append(CallTokens.from_document(doc, advantage=0.0 if has_logprobs else None))
     merged = merge_trajectory(tokens, trainable_statuses=ALL_CALL_STATUSES)
-    return [_view("calls", s.input_ids, s.loss_mask, s.logprobs, s.versions, s.turn_boundaries, branch=branch)
-            for branch, s in enumerate(merged.samples)]
+    return [_view("calls", s.input_ids, s.loss_mask, s.logprobs, s.versions, s.turn_boundaries, branch=branch,
+                  images=s.images) for branch, s in enumerate(merged.samples)]
 
 
 class TokenTexts:

@@ -64,20 +64,31 @@ class ImageStore:
         """The image stored under ``sha256``; :class:`ImageError` when it is missing, incomplete or not what its id
         says (bytes of another hash)."""
         files = await self.files.find_one({"_id": sha256})
-        if files is None:
-            raise ImageError(f"image {sha256}: not in the database (GridFS bucket {BUCKET!r})")
-        parts = [doc["data"] async for doc in self.chunks.find({"files_id": sha256}).sort("n", 1)]
-        data = b"".join(parts)
-        if len(data) != files["length"]:
-            raise ImageError(f"image {sha256}: {len(data)} of its {files['length']} bytes are stored")
-        image = load_image(data, f"image {sha256}")
-        if image.sha256 != sha256:
-            raise ImageError(f"image {sha256}: its stored bytes hash to {image.sha256}")
-        return image
+        parts = [doc["data"] async for doc in self.chunks.find({"files_id": sha256}).sort("n", 1)] if files else []
+        return _checked(sha256, files, parts)
 
     async def get_many(self, ids: list[str]) -> dict[str, LoadedImage]:
         """Each distinct image of ``ids`` by id."""
         return {sha256: await self.get(sha256) for sha256 in dict.fromkeys(ids)}
+
+
+def read_image_sync(db: Database, sha256: str) -> LoadedImage:
+    """:meth:`ImageStore.get` with a synchronous client (the dashboard, ``agentrl export``)."""
+    files = db[f"{BUCKET}.files"].find_one({"_id": sha256})
+    parts = [doc["data"] for doc in db[f"{BUCKET}.chunks"].find({"files_id": sha256}).sort("n", 1)] if files else []
+    return _checked(sha256, files, parts)
+
+
+def _checked(sha256: str, files: dict | None, parts: list[bytes]) -> LoadedImage:
+    if files is None:
+        raise ImageError(f"image {sha256}: not in the database (GridFS bucket {BUCKET!r})")
+    data = b"".join(parts)
+    if len(data) != files["length"]:
+        raise ImageError(f"image {sha256}: {len(data)} of its {files['length']} bytes are stored")
+    image = load_image(data, f"image {sha256}")
+    if image.sha256 != sha256:
+        raise ImageError(f"image {sha256}: its stored bytes hash to {image.sha256}")
+    return image
 
 
 def put_images_sync(db: Database, images: list[LoadedImage]) -> None:

@@ -96,12 +96,17 @@
     // one HTML string per view, set at once: much faster than styling 30,000 elements one by one
     containers.forEach(function (box) {
       const view = views[Number(box.dataset.view)], scale = scales[mode], starts = new Set(view.turn_starts);
-      const parts = new Array(view.ids.length);
+      const parts = new Array(view.ids.length), pictures = {};
+      (view.image_runs || []).forEach(function (run) { pictures[run.start] = run; });
       for (let i = 0; i < view.ids.length; i++) {
         const colour = scale(view, i);
         let style = colour ? "background: " + colour : "";
         if (!view.mask[i] && mode !== "version") style += (style ? "; " : "") + "color: #9ca3af";
-        parts[i] = '<span data-i="' + i + '"' + (starts.has(i) && i > 0 ? ' class="turn"' : "") +
+        const picture = pictures[i];  // an image's tokens follow its picture
+        parts[i] = (picture ? '<img class="token-image" src="' + escapeHtml(picture.url) + '" alt="image ' +
+          escapeHtml(picture.sha256) + '" title="image ' + escapeHtml(picture.sha256.slice(0, 12)) + ": " +
+          (picture.end - picture.start) + ' tokens">' : "") +
+          '<span data-i="' + i + '"' + (starts.has(i) && i > 0 ? ' class="turn"' : "") +
           (style ? ' style="' + style + '"' : "") + ">" + view.shown[i] + "</span>";
       }
       box.innerHTML = parts.join("");
