@@ -79,6 +79,15 @@ def scripted_vision_model_dir(request: pytest.FixtureRequest, tmp_path_factory: 
 
 
 @pytest.fixture(scope="session")
+def babyai_vision_model_dir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny Qwen2.5-VL that answers BabyAI's pictures with ``Action: turn left`` (``scripted_vision_model``)."""
+    from scripted_vision_model import build_babyai_vision_model
+
+    source = (Path(__file__).parent / "scripted_vision_model.py").read_bytes()
+    return cached_model_dir(request, tmp_path_factory, "babyai-vision-model", source, build_babyai_vision_model)
+
+
+@pytest.fixture(scope="session")
 def scripted_engine_url(scripted_model_dir: Path) -> Iterator[str]:
     """An unregistered engine serving the scripted model; samplers get it with ``--inference_urls``."""
     engine = start_engine(scripted_model_dir)

@@ -83,8 +83,6 @@ async def _sequences(path: Path, tools: ToolManager) -> list[tuple[list[int], li
 
 def build_scripted_vision_model(out_dir: Path, entry: Path, steps: int = 100, seed: int = 0) -> Path:
     """Train a tiny Qwen2.5-VL on the script (``entry``: server-everything's ``dist/index.js``) and save it."""
-    from transformers import AutoModelForImageTextToText
-
     torch.manual_seed(seed)
     path = build_tiny_vision_model(out_dir, family="qwen2_5_vl", seed=seed, hidden_size=128)
 
@@ -92,7 +90,60 @@ def build_scripted_vision_model(out_dir: Path, entry: Path, steps: int = 100, se
         async with ToolManager(everything_config(entry)) as tools:
             return await _sequences(path, tools)
 
-    sequences = asyncio.run(collect())
+    return train_on_vision_sequences(path, asyncio.run(collect()), steps)
+
+
+def babyai_sequences(path: Path) -> list[tuple[list[int], list[int], list]]:
+    """BabyAI episodes 0 and 1 with pictures (``agentrl envs serve babyai --images``), rendered as the episode
+    loop renders them: each observation's picture before its text, the model turning left three times."""
+    from transformers import AutoTokenizer
+
+    from agentrl.envs.actions import episode_messages, format_action, observation_message
+    from agentrl.envs.babyai import BabyAIEnv
+    from agentrl.envs.babyai import spec as babyai_spec
+
+    tokenizer, processor, spec = AutoTokenizer.from_pretrained(path), VisionProcessor(path), babyai_spec()
+
+    def seen(message: dict, picture) -> dict:
+        return {**message, "content": [{"type": "image", "image": picture.sha256},
+                                       {"type": "text", "text": message["content"]}]}
+
+    sequences = []
+    for data_idx in (0, 1):
+        env = BabyAIEnv()
+        observation = env.reset(data_idx)
+        picture = load_image(env.image(), "view")
+        messages = episode_messages(spec.instruction, observation)
+        messages[-1] = seen(messages[-1], picture)
+        conversation = TokenConversation(tokenizer, messages, None, vision=processor,
+                                         pictures={picture.sha256: picture})
+        ids, mask = list(conversation.prompt_ids), [0] * len(conversation.prompt_ids)
+        for turn in range(3):
+            text = format_action("turn left", spec.action_format)
+            out = tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            ids, mask = ids + out, mask + [1] * len(out)
+            if turn == 2:
+                break
+            step = env.step("turn left")
+            picture = load_image(env.image(), "view")
+            conversation.pictures[picture.sha256] = picture
+            delta = conversation.append(out, text, [seen(observation_message(step.observation), picture)])
+            ids, mask = ids + delta.delta_ids, mask + [0] * len(delta.delta_ids)
+        sequences.append((ids, mask, [conversation.pictures[sha] for sha in conversation.images]))
+    return sequences
+
+
+def build_babyai_vision_model(out_dir: Path, steps: int = 80, seed: int = 0) -> Path:
+    """A tiny Qwen2.5-VL that answers BabyAI's pictures and observations with ``Action: turn left``."""
+    torch.manual_seed(seed)
+    path = build_tiny_vision_model(out_dir, family="qwen2_5_vl", seed=seed, hidden_size=128)
+    return train_on_vision_sequences(path, babyai_sequences(path), steps)
+
+
+def train_on_vision_sequences(path: Path, sequences: list[tuple[list[int], list[int], list]], steps: int) -> Path:
+    """Fit the vision-language model at ``path`` to ``(input_ids, loss_mask, images)`` sequences and save it."""
+    from transformers import AutoModelForImageTextToText
+
     processor = VisionProcessor(path)
     model = AutoModelForImageTextToText.from_pretrained(path)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

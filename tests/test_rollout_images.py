@@ -246,3 +246,60 @@ def _audit(db_uri: str, tmp_path: Path, task_sha: str, logo: str, logo_bytes: by
     assert user["content"][0] == {"type": "image_url", "image_url": {"url": f"records.jsonl.images/{task_sha}.png"}}
     tool = next(m for m in rows[0]["messages"] if m["role"] == "tool")
     assert tool["content"][-1]["image_url"]["url"] == f"records.jsonl.images/{logo}.png"
+
+
+def test_babyai_observations_are_pictures_a_vision_policy_sees(db_uri: str, tmp_path: Path,
+                                                                babyai_vision_model_dir: Path, launch_engine) -> None:
+    """``agentrl envs serve babyai --images`` draws the agent's view beside every observation (an ``image`` field
+    AgentGym's clients ignore; without the flag there is none); a vision-language policy's episode shows each
+    picture before its observation's text, stored once each, its tokens expanded, every call naming the pictures
+    of its prompt in order."""
+    from agentrl.envs.client import AgentGymClient
+    from agentrl.envs.local import start_local_server
+
+    plain_url, stop_plain = start_local_server("babyai")
+    url, stop = start_local_server("babyai", images=True)
+    try:
+        async def probe() -> tuple:
+            drawn, plain = AgentGymClient("babyai", url), AgentGymClient("babyai", plain_url)
+            try:
+                instance = await drawn.create()
+                _, _, first = await drawn.reset_seen(instance, 0)
+                step = await drawn.step(instance, "turn left")
+                other = await plain.create()
+                return first, step.info.get("image"), (await plain.reset_seen(other, 0))[2]
+            finally:
+                await drawn.aclose()
+                await plain.aclose()
+
+        first, stepped, none = asyncio.run(probe())
+        assert (first.format, first.width, first.height) == ("PNG", 56, 56) and stepped and none is None
+        tasks = tmp_path / "tasks.jsonl"
+        tasks.write_text("".join(json.dumps({"id": f"babyai-{i}", "query": f"babyai task {i}", "scorer": "env_reward",
+                                             "env": {"name": "babyai", "data_idx": i}}) + "\n" for i in (0, 1)))
+        upload(db_uri, tasks, "--num_generations", "2", "--scorer", "env_reward")
+        engine: EngineProcess = launch_engine(babyai_vision_model_dir)
+        try:
+            run_sampler(agentrl_cmd(
+                "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(babyai_vision_model_dir),
+                "--inference_urls", engine.url, "--env_server", f"babyai={url}", "--max_turns", "3",
+                "--max_new_tokens", "8", "--temperature", "0", "--exit_when_done", "true"))
+        finally:
+            engine.stop()
+    finally:
+        stop()
+        stop_plain()
+    records = documents(db_uri, "Record")
+    assert len(records) == 4 and not [r for r in records if r["status"] == "failed"], records
+    processor = VisionProcessor(babyai_vision_model_dir)
+    stored = {doc["_id"] for doc in documents(db_uri, "images.files")}
+    for record in records:
+        calls = sorted((c for c in documents(db_uri, "DispatchedSamplingTask") if c["record_id"] == record["_id"]),
+                       key=lambda c: c["turn"])
+        assert [c["env_step"]["action"] for c in calls] == ["turn left"] * 3
+        assert [len(c["images"]) for c in calls] == [1, 2, 3]  # a picture per observation
+        for previous, call in zip(calls, calls[1:]):
+            assert call["images"][:len(previous["images"])] == previous["images"]
+        assert set(calls[-1]["images"]) <= stored
+        prompt = full_prompts(calls)[calls[-1]["_id"]]
+        assert prompt.count(processor.image_token_id) == len(calls[-1]["images"]) * processor.image_tokens(first)

@@ -22,6 +22,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     serve.add_argument("--port", type=int, default=8000, help="port (default: 8000; 0 picks a free one)")
     serve.add_argument("--instance_ttl_s", type=float, default=1800.0,
                        help="close instances idle for longer than this (default: 1800)")
+    serve.add_argument("--images", action="store_true",
+                       help="send a picture of every observation (an extra 'image' field, base64 PNG), for a "
+                            "vision-language policy, where the environment draws one (BabyAI: the agent's view)")
     serve.set_defaults(func=run_serve)
 
     tasks = actions.add_parser(
@@ -82,7 +85,7 @@ def run_list(args: argparse.Namespace) -> int:
 def run_serve(args: argparse.Namespace) -> int:
     from agentrl.envs.server import serve
 
-    return serve(args.name, args.host, args.port, instance_ttl_s=args.instance_ttl_s)
+    return serve(args.name, args.host, args.port, instance_ttl_s=args.instance_ttl_s, images=args.images)
 
 
 def run_tasks(args: argparse.Namespace) -> int:

@@ -52,14 +52,15 @@ hide something are opened first (the bot walks there), and in ``PutNext...Carryi
 subgoals are dropped since the agent starts with it in hand. A task the bot still cannot solve - it gives up,
 cycles without acting, or completes the mission too late to count as a success - raises ``EnvError``.
 
-Nothing is rendered: minigrid imports pygame but no display is opened, and minigrid's prints while it lays out a
-level go to stderr.
+Nothing is displayed: minigrid imports pygame but no window is opened (with ``--images`` the agent's view is drawn
+into an array, :meth:`BabyAIEnv.image`), and minigrid's prints while it lays out a level go to stderr.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import json
 import re
 import sys
@@ -75,8 +76,12 @@ from minigrid.core.grid import Grid
 from minigrid.core.world_object import WorldObj
 from minigrid.envs.babyai.core.verifier import PutNextInstr, SeqInstr
 from minigrid.utils.baby_ai_bot import BabyAIBot, GoNextToSubgoal, PickupSubgoal
+from PIL import Image
 
 from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
+
+IMAGE_TILE = 8
+"""Pixels per grid cell of the agent's view when it is drawn (``--images``): 7 cells, a 56 x 56 picture."""
 
 LEVELS: tuple[str, ...] = (
     "BabyAI-GoToRedBallGrey-v0", "BabyAI-GoToRedBall-v0", "BabyAI-GoToRedBallNoDists-v0",
@@ -458,6 +463,15 @@ class BabyAIEnv(Environment):
         carrying = f"{world.carrying.color} {world.carrying.type}" if world.carrying else "nothing"
         pose = f"{tuple(int(v) for v in world.agent_pos)}|{world.agent_dir}"
         return f"{self._level}:{self._seed}|{grid}|{pose}|{carrying}"
+
+    def image(self) -> bytes | None:
+        """The agent's 7x7 view as minigrid draws it (``get_pov_render``, tiles of :data:`IMAGE_TILE` pixels: a
+        56 x 56 PNG): the picture of what the observation describes."""
+        if self._game is None:
+            return None
+        out = io.BytesIO()
+        Image.fromarray(self._game.unwrapped.get_pov_render(tile_size=IMAGE_TILE)).save(out, "PNG")
+        return out.getvalue()
 
     def step(self, action: str) -> StepResult:
         game = self.game

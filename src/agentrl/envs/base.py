@@ -60,6 +60,11 @@ class Environment(ABC):
         none, and clients key the state by its observation text (which may alias different states)."""
         return None
 
+    def image(self) -> bytes | None:
+        """A picture of the current observation (PNG bytes), for a vision-language policy; None: the environment
+        draws none (``agentrl envs serve NAME --images`` sends it beside every observation)."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional: an environment that holds nothing frees nothing
         """Free the instance's resources (a JVM, a game)."""
 

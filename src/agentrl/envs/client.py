@@ -31,6 +31,7 @@ from agentrl.envs.protocol import (
     episode_reward,
     error_of,
     first_observation,
+    image_of,
     instance_body,
     read_id,
     read_observation,
@@ -40,6 +41,7 @@ from agentrl.envs.protocol import (
     step_body,
     wire_format,
 )
+from agentrl.vision.images import LoadedImage
 
 __all__ = ["AgentGymClient", "EnvServerError", "EnvUnavailable", "episode_reward"]
 
@@ -99,10 +101,14 @@ class AgentGymClient:
 
     async def reset_keyed(self, instance: int, data_idx: int) -> tuple[str, str]:
         """:meth:`reset`, and the key of the first state (``agentrl.envs.protocol.state_key_of``)."""
+        return (await self.reset_seen(instance, data_idx))[:2]
+
+    async def reset_seen(self, instance: int, data_idx: int) -> tuple[str, str, LoadedImage | None]:
+        """:meth:`reset_keyed`, and the first observation's picture where the server draws one."""
         response = await self._request("POST", "/reset", json=reset_body(self.format, instance, data_idx),
                                        idempotent=True)
         observation = self._read(first_observation, self.format, response)
-        return observation, state_key_of(observation, response)
+        return observation, state_key_of(observation, response), self._read(image_of, response)
 
     async def step(self, instance: int, action: str) -> StepResult:
         """Apply ``action``: ``reward`` is this step's; ``info["score"]`` the cumulative score where reported."""

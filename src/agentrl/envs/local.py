@@ -34,8 +34,9 @@ class EnvServerProcess:
     or ``with``."""
 
     def __init__(self, name: str, *, host: str = "127.0.0.1", port: int = 0, instance_ttl_s: float | None = None,
-                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0):
+                 env: dict[str, str] | None = None, startup_timeout_s: float = 120.0, images: bool = False):
         self.name, self.host, self.port = name, host, port
+        self.images = images
         self.instance_ttl_s = instance_ttl_s
         self.env = env or {}
         self.startup_timeout_s = startup_timeout_s
@@ -60,6 +61,8 @@ class EnvServerProcess:
                    "--host", self.host, "--port", str(self.port)]
         if self.instance_ttl_s is not None:
             command += ["--instance_ttl_s", str(self.instance_ttl_s)]
+        if self.images:
+            command.append("--images")
         read_fd, self._watch_fd = os.pipe()
         try:
             self.process = subprocess.Popen(

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from agentrl.envs.base import StepResult
+from agentrl.vision.images import ImageError, LoadedImage, decode_image_string
 
 ERROR_NOT_VALID = "The id {id} is not valid."
 ERROR_DELETED = "The task with environment {id} has been deleted."
@@ -52,6 +53,9 @@ ROUTES_REFUSED_WHEN_DONE = ("step", "observation", "detail")
 
 STATE_KEY_FIELD = "state_key"
 """Ours: the environment's key of the state an observation shows (an extra field of reset and step responses)."""
+IMAGE_FIELD = "image"
+"""An extra field of reset and step responses: a picture of the observation, base64 (or a data: URI), from servers
+that draw one (ours with ``--images``)."""
 
 
 @dataclass(frozen=True)
@@ -210,6 +214,20 @@ def read_step(response: Any) -> StepResult:
     info = {key: value for key, value in response.items()
             if key not in ("observation", "state", "reward", "done") and value is not None}
     return StepResult(observation=observation, reward=reward, done=bool(response.get("done", False)), info=info)
+
+
+def image_of(response: Any) -> LoadedImage | None:
+    """The picture a reset or step response (or a step's ``info``) carries in :data:`IMAGE_FIELD`, checked; None
+    without one. :class:`ProtocolError` for one that is not a usable image."""
+    value = response.get(IMAGE_FIELD) if isinstance(response, Mapping) else None
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ProtocolError(f"expected a base64 picture in {IMAGE_FIELD!r}, got {type(value).__name__}")
+    try:
+        return decode_image_string(value, f"the observation's {IMAGE_FIELD!r}")
+    except ImageError as error:
+        raise ProtocolError(str(error)) from None
 
 
 def state_key_of(observation: str, response: Any) -> str:

@@ -21,6 +21,7 @@ Logging: one line per instance created or closed, none per step.
 # real annotations, not as strings naming local variables it cannot resolve.
 
 import asyncio
+import base64
 import logging
 import os
 import sys
@@ -40,6 +41,7 @@ from agentrl.envs.protocol import (
     ERROR_FINISHED,
     ERROR_NOT_RESET,
     ERROR_NOT_VALID,
+    IMAGE_FIELD,
     STATE_KEY_FIELD,
     ProtocolError,
     WireFormat,
@@ -81,8 +83,9 @@ class Instance:
 class InstancePool:
     """The open instances of one environment kind, and the operations behind the routes (each returns the body)."""
 
-    def __init__(self, spec: EnvSpec, fmt: WireFormat, *, instance_ttl_s: float, workers: int):
+    def __init__(self, spec: EnvSpec, fmt: WireFormat, *, instance_ttl_s: float, workers: int, images: bool = False):
         self.spec, self.fmt = spec, fmt
+        self.images = images  # every observation also carries its picture (IMAGE_FIELD), where the env draws one
         self.instance_ttl_s = instance_ttl_s
         self.instances: dict[int, Instance] = {}
         self.next_id = 0
@@ -121,7 +124,7 @@ class InstancePool:
                                  f"to {self.spec.num_tasks - 1}"}
             instance.has_task = False  # until this reset succeeds: never step a half-reset environment
             try:
-                observation, detail = await self._call(_reset_env, instance.env, data_idx)
+                observation, detail = await self._call(_reset_env, instance.env, data_idx, self.images)
             except Exception as error:  # noqa: BLE001
                 return self._failure("reset", instance_id, error)
             self._start_episode(instance, observation, detail)
@@ -132,12 +135,12 @@ class InstancePool:
             if error:
                 return error
             try:
-                result, key = await self._call(_step_env, instance.env, action)
+                result, key, image = await self._call(_step_env, instance.env, action, self.images)
             except Exception as error:  # noqa: BLE001
                 return self._failure("step", instance_id, error)
             score = result.info.get("score", instance.state["score"] + result.reward)
             instance.state.update(observation=result.observation, reward=result.reward, score=float(score),
-                                  done=result.done, **{STATE_KEY_FIELD: key})
+                                  done=result.done, **{STATE_KEY_FIELD: key, IMAGE_FIELD: image})
             return self._respond(self.fmt.step_fields, instance, "step")
 
     async def observation(self, instance_id: int) -> Any:
@@ -233,8 +236,8 @@ class InstancePool:
     def _respond(self, fields: tuple[str, ...], instance: Instance, what: str) -> dict[str, Any]:
         """The response of ``fields``; one that carries an observation also carries the environment's state key
         (an extra field AgentGym clients ignore), where it has one."""
-        key = instance.state.get(STATE_KEY_FIELD)
-        extra = {STATE_KEY_FIELD: key} if key is not None and "observation" in fields else {}
+        extra = {name: instance.state[name] for name in (STATE_KEY_FIELD, IMAGE_FIELD)
+                 if instance.state.get(name) is not None and "observation" in fields}
         try:
             return {**payload(fields, instance.state, what=what), **extra}
         except ProtocolError as error:
@@ -270,17 +273,23 @@ class InstancePool:
             raise
 
 
-def _reset_env(env: Environment, data_idx: int) -> tuple[str, dict[str, Any]]:
+def _reset_env(env: Environment, data_idx: int, images: bool) -> tuple[str, dict[str, Any]]:
     observation = env.reset(data_idx)
-    return observation, {**env.detail(), STATE_KEY_FIELD: env.state_key()}
+    return observation, {**env.detail(), STATE_KEY_FIELD: env.state_key(), IMAGE_FIELD: _picture(env, images)}
 
 
-def _step_env(env: Environment, action: str) -> tuple[StepResult, str | None]:
-    return env.step(action), env.state_key()
+def _step_env(env: Environment, action: str, images: bool) -> tuple[StepResult, str | None, str | None]:
+    return env.step(action), env.state_key(), _picture(env, images)
+
+
+def _picture(env: Environment, images: bool) -> str | None:
+    """The environment's picture of its observation, base64 (with ``images``, where it draws one)."""
+    data = env.image() if images else None
+    return None if data is None else base64.b64encode(data).decode("ascii")
 
 
 def create_app(spec: EnvSpec, *, instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S,
-               workers: int = DEFAULT_WORKERS) -> FastAPI:
+               workers: int = DEFAULT_WORKERS, images: bool = False) -> FastAPI:
     """The FastAPI app serving ``spec`` in its AgentGym wire format (see the module docstring)."""
     fmt = wire_format(spec.name)
     if not fmt.served:
@@ -288,7 +297,7 @@ def create_app(spec: EnvSpec, *, instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S,
                          "serve the environment under another name (it then gets the generic dialect)")
     if instance_ttl_s <= 0:
         raise ValueError(f"instance_ttl_s must be positive, got {instance_ttl_s}")
-    pool = InstancePool(spec, fmt, instance_ttl_s=instance_ttl_s, workers=workers)
+    pool = InstancePool(spec, fmt, instance_ttl_s=instance_ttl_s, workers=workers, images=images)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -351,7 +360,7 @@ def create_app(spec: EnvSpec, *, instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S,
 
 
 def serve(name: str, host: str = "127.0.0.1", port: int = 8000, *,
-          instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S) -> int:
+          instance_ttl_s: float = DEFAULT_INSTANCE_TTL_S, images: bool = False) -> int:
     """Serve environment ``name`` until SIGINT/SIGTERM (or, under :data:`PARENT_FD_ENV`, until the starting
     process exits); prints :data:`READY_LINE` once listening. Returns the exit code."""
     import uvicorn
@@ -360,7 +369,7 @@ def serve(name: str, host: str = "127.0.0.1", port: int = 8000, *,
 
     try:
         spec = get_spec(name)
-        app = create_app(spec, instance_ttl_s=instance_ttl_s)
+        app = create_app(spec, instance_ttl_s=instance_ttl_s, images=images)
     except (EnvError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1

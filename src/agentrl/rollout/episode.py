@@ -8,7 +8,9 @@ AgentGym HTTP protocol (:mod:`agentrl.envs.client`). The episode:
 2. renders the environment's instruction (system) and first observation (user) with the chat template; each turn
    the model generates, its action is parsed (:func:`agentrl.envs.actions.parse_action`) and stepped, and the
    observation is appended as the next user turn — the token delta, exactly as tool results are, so every call's
-   prompt extends the previous prompt + output. A turn without an action is told so and stepped no further (the
+   prompt extends the previous prompt + output. Where the server draws each observation (``agentrl envs serve NAME
+   --images``: an ``image`` field) a vision-language policy sees the picture before the observation's text (stored
+   in GridFS, named in the calls' ``images``). A turn without an action is told so and stepped no further (the
    call is labelled ``formaterror``). Each call stores its step: ``env_step: {action, observation, reward, done}``,
    and for per-turn credit its ``step_reward`` (scaled by ``reward_scale``, as the score), ``done`` and the
    ``state_key`` of the state it acted in (the server's, else a hash of the observation it answered);
@@ -41,13 +43,14 @@ from typing import Any
 from agentrl.envs.actions import NO_ACTION_HINT, episode_messages, observation_message, parse_action
 from agentrl.envs.base import EnvError, EnvSpec, StepResult
 from agentrl.envs.client import EnvServerError
-from agentrl.envs.protocol import episode_reward, state_key_of
+from agentrl.envs.protocol import ProtocolError, episode_reward, image_of, state_key_of
 from agentrl.failpoints import failpoint
 from agentrl.rollout.agent import AgentResources, GenerationFailed, TrajectoryResult, TurnState, generate_turn
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.tool_parsers import TrajectoryOutcome
 from agentrl.store import CallStatus, SlotLease
 from agentrl.store.call_log import CallLog
+from agentrl.vision.images import LoadedImage
 
 logger = logging.getLogger(__name__)
 
@@ -92,22 +95,25 @@ async def run_episode(res: AgentResources, lease: SlotLease, calls: CallLog) -> 
         try:
             await res.store.records.set_env_instance(lease.record_id, lease.lease_id,
                                                      {"name": name, "url": client.base_url, "id": instance})
-            observation, state_key = await client.reset_keyed(instance, episode.data_idx)
+            observation, state_key, picture = await client.reset_seen(instance, episode.data_idx)
         except EnvServerError as error:
             return _ended(TrajectoryOutcome.ENV_START_ERROR, 0, state, episode, f"environment reset failed: {error}")
-        return await _play(res, lease, calls, client, instance, observation, state_key, state, episode)
+        return await _play(res, lease, calls, client, instance, (observation, picture), state_key, state, episode)
     finally:
         await asyncio.shield(_close(res, lease.record_id, client, instance))
 
 
-async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: Any, instance: int, observation: str,
-                state_key: str, state: TurnState, episode: Episode) -> TrajectoryResult:
+async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: Any, instance: int,
+                first: tuple[str, LoadedImage | None], state_key: str, state: TurnState,
+                episode: Episode) -> TrajectoryResult:
     cfg, task, spec = res.config.rollout, lease.task, episode.spec
     env = episode_of(task.metadata) or {}
     action_format = env.get("action_format") or spec.action_format
     max_turns = min(int(env.get("max_turns") or cfg.max_turns), cfg.max_turns)
-    conversation = TokenConversation(
-        res.tokenizer, episode_messages(task.system_prompt or spec.instruction, observation), None)
+    pictures: dict[str, LoadedImage] = {}
+    messages = episode_messages(task.system_prompt or spec.instruction, first[0])
+    messages[-1] = await _seen(res, pictures, messages[-1], first[1])
+    conversation = TokenConversation(res.tokenizer, messages, None, vision=res.vision, pictures=pictures)
     for turn in range(max_turns):
         try:
             generated = await generate_turn(res, lease, calls, conversation, turn, state)
@@ -115,7 +121,7 @@ async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: A
             return _ended(TrajectoryOutcome.FAILED_ERROR, turn, state, episode, str(error))
         action = parse_action(generated.text, action_format)
         if action is None:
-            observation, done = NO_ACTION_HINT[action_format], False
+            observation, done, picture = NO_ACTION_HINT[action_format], False, None
             calls.relabel(generated.call_id, CallStatus.FORMATERROR, error="no action in the reply",
                           env_step={"action": None, "observation": observation, "reward": 0.0, "done": False},
                           step_reward=0.0, done=False, state_key=state_key)
@@ -128,6 +134,11 @@ async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: A
                               f"environment step failed: {error}")
             episode.steps.append(step)
             observation, done = step.observation, step.done
+            try:
+                picture = image_of(step.info)
+            except ProtocolError as error:
+                return _ended(TrajectoryOutcome.ENV_ERROR, turn + 1, state, episode,
+                              f"environment step failed: {error}")
             calls.annotate(generated.call_id, env_step={
                 "action": action, "observation": observation, "reward": step.reward, "done": done,
                 **({"score": step.info["score"]} if "score" in step.info else {})},
@@ -135,10 +146,23 @@ async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: A
             state_key = state_key_of(observation, step.info)
         if done:
             return _ended(TrajectoryOutcome.DONE, turn + 1, state, episode, None)
-        state.appended(conversation.append(generated.output_ids, generated.text, [observation_message(observation)]))
+        message = await _seen(res, conversation.pictures, observation_message(observation), picture)
+        state.appended(conversation.append(generated.output_ids, generated.text, [message]))
         if len(conversation.prompt_ids) + cfg.max_new_tokens > cfg.max_prompt_tokens:
             return _ended(TrajectoryOutcome.LENGTH_LIMIT_ERROR, turn + 1, state, episode, None)
     return _ended(TrajectoryOutcome.TURNS_LIMIT_ERROR, max_turns, state, episode, None)
+
+
+async def _seen(res: AgentResources, pictures: dict[str, LoadedImage], message: dict[str, Any],
+                picture: LoadedImage | None) -> dict[str, Any]:
+    """``message`` (an observation) with its picture before its text, for a vision-language policy (the picture
+    stored in GridFS and added to the conversation's ``pictures``); as it is otherwise."""
+    if picture is None or res.vision is None:
+        return message
+    await res.store.images.put(picture)
+    pictures[picture.sha256] = picture
+    return {**message, "content": [{"type": "image", "image": picture.sha256},
+                                   {"type": "text", "text": message["content"]}]}
 
 
 def _ended(outcome: TrajectoryOutcome, turns: int, state: TurnState, episode: Episode,
