@@ -207,10 +207,11 @@ def test_an_mcp_tool_returns_a_picture_the_model_sees(db_uri: str, tmp_path: Pat
     assert len({r["score"] for r in records}) == 2  # both endings were sampled: a group with signal
     samples = documents(db_uri, "DBRecordData")
     assert samples and all(s["images"] == [task_sha, logo] for s in samples)
-    _audit(db_uri, tmp_path, task_sha, logo, stored.data)
+    export = _audit(db_uri, tmp_path, task_sha, logo, stored.data)
+    _sft_on_the_export(db_uri, export, scripted_vision_model_dir, tmp_path / "sft-out", task_sha, logo)
 
 
-def _audit(db_uri: str, tmp_path: Path, task_sha: str, logo: str, logo_bytes: bytes) -> None:
+def _audit(db_uri: str, tmp_path: Path, task_sha: str, logo: str, logo_bytes: bytes) -> Path:
     """The run's pictures in ``agentrl dashboard`` (conversation, token view, the image route) and in ``agentrl
     export`` (files beside the JSONL, referenced from the messages)."""
     import httpx
@@ -246,6 +247,28 @@ def _audit(db_uri: str, tmp_path: Path, task_sha: str, logo: str, logo_bytes: by
     assert user["content"][0] == {"type": "image_url", "image_url": {"url": f"records.jsonl.images/{task_sha}.png"}}
     tool = next(m for m in rows[0]["messages"] if m["role"] == "tool")
     assert tool["content"][-1]["image_url"]["url"] == f"records.jsonl.images/{logo}.png"
+    return out
+
+
+def _sft_on_the_export(db_uri: str, export: Path, model: Path, out: Path, task_sha: str, logo: str) -> None:
+    """The export back in as SFT data (``agentrl sft upload``: image_url parts read from the files beside it), and
+    one cross-entropy step on it with the pictures."""
+    from agentrl.train import main
+    from rollout_fixtures import run_env
+
+    done = subprocess.run(agentrl_cmd("sft", "upload", str(export), "--db_connection_string", db_uri, "--split", "sft",
+                                      "--model_name_or_path", str(model)),
+                          capture_output=True, text=True, env=run_env(), timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    samples = documents(db_uri, "DBRecordData", {"split": "sft"})
+    processor = VisionProcessor(model)
+    assert samples and all(s["images"] == [task_sha, logo] for s in samples)
+    runs = [len(run) for run in "".join("x" if t == processor.image_token_id else " "
+                                        for t in samples[0]["input_ids"]).split()]
+    assert len(runs) == 2
+    assert main(trainer_args(db_uri, model, out, "--split", "sft", "--enable_sampling", "false",
+                             "--loss_calculater", "CrossEntropy", "--train_batch_size", "2", "--max_steps", "1")) == 0
+    assert {s["status"] for s in documents(db_uri, "DBRecordData", {"split": "sft"})} >= {"trained"}
 
 
 def test_babyai_observations_are_pictures_a_vision_policy_sees(db_uri: str, tmp_path: Path,

@@ -113,6 +113,11 @@ def test_a_template_that_rewrites_earlier_turns_is_rejected_with_the_line(tokeni
     assert len(parse_sft_file(path, tokenizer).samples) == 2  # the real template extends its prefixes
 
 
+TINY_PNG = ("data:image/png;base64,iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAIAAACQd1PeAAAADElEQVR4nGNgZGIGAAAOAAfXb+R4AAAAAElF"
+            "TkSuQmCC")
+"""A 1 x 1 PNG."""
+
+
 def test_invalid_lines_are_reported_and_nothing_is_inserted(db_uri: str, tmp_path: Path) -> None:
     path = write_jsonl(tmp_path / "bad.jsonl", [
         MESSAGES_LINE,
@@ -123,7 +128,7 @@ def test_invalid_lines_are_reported_and_nothing_is_inserted(db_uri: str, tmp_pat
         {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "tool_calls": [
             {"function": {"name": "calculate", "arguments": "{oops"}}]}]},
         {"conversations": [{"from": "human", "value": "hi", "loss": True}, {"from": "gpt", "value": "yo"}]},
-        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]},
+        {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": TINY_PNG}}]},
                       {"role": "assistant", "content": "a cat"}]},
         GYM_LINE,
     ])
@@ -134,7 +139,8 @@ def test_invalid_lines_are_reported_and_nothing_is_inserted(db_uri: str, tmp_pat
     assert [p.split(":")[1] for p in problems] == ["2", "3", "4", "5", "6", "7", "8"], result.stderr
     assert "invalid JSON" in problems[0] and "'messages' list" in problems[1] and "'robot'" in problems[2]
     assert "no assistant message to train on" in problems[3] and "'arguments' is not valid JSON" in problems[4]
-    assert "only assistant messages can be trained" in problems[5] and "not text ('image_url')" in problems[6]
+    assert "only assistant messages can be trained" in problems[5]
+    assert "pictures need a vision-language model" in problems[6]  # the embedded model is a text model
     assert "7 invalid lines; nothing was inserted" in result.stderr
     assert sft_docs(db_uri) == []
 

@@ -76,15 +76,17 @@ def run_upload(args: argparse.Namespace) -> int:
         return 2
     try:
         from agentrl.inference.policy_tokenizer import policy_tokenizer
+        from agentrl.vision.processor import VisionProcessor
 
         tokenizer = policy_tokenizer(args.model_name_or_path)
+        vision = VisionProcessor.of(args.model_name_or_path) if args.model_name_or_path else None
     except (OSError, ValueError) as error:
         print(f"error: cannot load the tokenizer of {args.model_name_or_path}: {error}", file=sys.stderr)
         return 2
     options = SFTOptions(split=args.split, max_length=args.max_length,
                          overlong="truncate" if args.truncate else "reject")
     try:
-        parsed = parse_sft_file(args.file, tokenizer, options)
+        parsed = parse_sft_file(args.file, tokenizer, options, vision)
     except SFTFileError as error:  # the file as a whole (missing, not UTF-8, tokenizer without a template)
         for problem in error.problems:
             print(problem, file=sys.stderr)

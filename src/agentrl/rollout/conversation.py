@@ -23,7 +23,7 @@ from typing import Any
 from transformers import PreTrainedTokenizerBase
 
 from agentrl.vision.images import LoadedImage
-from agentrl.vision.processor import VisionProcessor, refuse_images
+from agentrl.vision.processor import VisionProcessor, message_images, refuse_images
 
 
 @dataclass(frozen=True)
@@ -104,8 +104,3 @@ class TokenConversation:
         self.restart(messages)
         return TurnDelta(delta_ids=list(self.prompt_ids), delta_text=self._text, new_branch=True)
 
-
-def message_images(messages: list[dict[str, Any]]) -> list[str]:
-    """The sha256 of every ``{"type": "image", "image": SHA256}`` part of ``messages``, in order."""
-    return [part["image"] for message in messages if isinstance(message.get("content"), list)
-            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]

@@ -4,7 +4,10 @@ Two line formats are accepted (one conversation per line, or a JSON list of them
 
 - OpenAI chat (fine-tuning) format: ``{"messages": [{"role": ..., "content": ...}, ...], "tools": [...]}``.
   Roles ``system`` (``developer`` is read as ``system``), ``user``, ``assistant`` and ``tool``. ``content`` is a
-  string or a list of ``{"type": "text", "text": ...}`` parts. An assistant message may carry ``tool_calls``
+  string or a list of ``{"type": "text", "text": ...}`` parts and, for a vision-language model, ``{"type":
+  "image_url", "image_url": {"url": ...}}`` parts (a ``data:`` URI, or an image file relative to the SFT file: what
+  ``agentrl export`` writes), kept in their order, each checked, stored once in GridFS with the samples and expanded
+  to its image tokens as the agent loop expands them. An assistant message may carry ``tool_calls``
   (OpenAI objects, arguments as a JSON string or an object): they are given to the chat template when it renders
   them, else written into the message as ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>`` text (the
   format the ``qwen`` tool-call parser reads back); when the content already holds ``<tool_call>`` blocks (the
@@ -42,6 +45,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 from agentrl.store.models import DBRecordData
+from agentrl.vision.images import ImageError, LoadedImage, decode_image_string, load_image
+from agentrl.vision.processor import VisionInputError, VisionProcessor, message_images
 
 ROLE_ALIASES = {
     "system": "system", "developer": "system",
@@ -88,6 +93,8 @@ class Conversation:
     trained: list[bool]
     tools: list[dict[str, Any]] | None = None
     source_id: str | None = None
+    pictures: dict[str, LoadedImage] = field(default_factory=dict)
+    """The pictures its messages show (``{"type": "image", "image": SHA256}`` parts), by sha256."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class TokenisedConversation:
     loss_mask: list[int]
     turn_boundaries: list[int]
     truncated: bool = False
+    images: list[str] = field(default_factory=list)  # sha256 of the pictures of input_ids, in order
 
     @property
     def trained_tokens(self) -> int:
@@ -105,21 +113,59 @@ class TokenisedConversation:
 # ------------------------------------------------------------------------------------------------ normalising
 
 
-def _text(value: Any, where: str) -> str:
+def _content(value: Any, where: str, pictures: dict[str, LoadedImage] | None,
+             base_dir: Path | None) -> str | list[dict[str, Any]]:
+    """A message's content: its text, or (with an image part) text and ``{"type": "image", "image": SHA256}``
+    parts in order, the pictures added to ``pictures``."""
     if isinstance(value, str):
         return value
-    if isinstance(value, list):
-        parts = []
-        for index, part in enumerate(value):
-            if isinstance(part, str):
-                parts.append(part)
-            elif isinstance(part, dict) and part.get("type", "text") == "text" and isinstance(part.get("text"), str):
-                parts.append(part["text"])
+    if not isinstance(value, list):
+        raise ValueError(f"{where}: 'content' must be a string or a list of parts, got {type(value).__name__}")
+    parts: list[dict[str, Any]] = []
+    for index, part in enumerate(value):
+        if isinstance(part, str) or (isinstance(part, dict) and part.get("type", "text") == "text"
+                                     and isinstance(part.get("text"), str)):
+            text = part if isinstance(part, str) else part["text"]
+            if parts and parts[-1]["type"] == "text":
+                parts[-1] = {"type": "text", "text": parts[-1]["text"] + text}
             else:
-                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                raise ValueError(f"{where}: content part {index + 1} is not text ({kind!r}); only text is supported")
-        return "".join(parts)
-    raise ValueError(f"{where}: 'content' must be a string or a list of text parts, got {type(value).__name__}")
+                parts.append({"type": "text", "text": text})
+        elif isinstance(part, dict) and part.get("type") == "image_url" and pictures is not None:
+            url = part.get("image_url")
+            url = url.get("url") if isinstance(url, dict) else url
+            image = _picture(url, f"{where}: content part {index + 1}", base_dir)
+            pictures[image.sha256] = image
+            parts.append({"type": "image", "image": image.sha256})
+        else:
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise ValueError(f"{where}: content part {index + 1} is neither text nor an image_url ({kind!r})")
+    if all(part["type"] == "text" for part in parts):
+        return "".join(part["text"] for part in parts)
+    return parts
+
+
+def _picture(url: Any, where: str, base_dir: Path | None) -> LoadedImage:
+    """An ``image_url``'s picture: a ``data:`` URI, or a file relative to ``base_dir``; ``ValueError`` naming it."""
+    if not isinstance(url, str) or not url:
+        raise ValueError(f"{where}: expected {{'image_url': {{'url': 'data:image/...' or a file path}}}}")
+    try:
+        if url.startswith("data:"):
+            return decode_image_string(url, where)
+        path = Path(url) if base_dir is None else base_dir / url
+        try:
+            data = path.read_bytes()
+        except OSError as error:
+            raise ValueError(f"{where}: cannot read the image {str(path)!r} ({error.strerror or error})") from None
+        return load_image(data, f"{where} ({url})")
+    except ImageError as error:
+        raise ValueError(str(error)) from None
+
+
+def _text(value: Any, where: str) -> str:
+    """A message's text content (no pictures: AgentGym conversations, tool call ids)."""
+    content = _content(value, where, None, None)
+    assert isinstance(content, str)
+    return content
 
 
 def _trained_flag(entry: dict[str, Any], role: str, where: str) -> bool:
@@ -170,8 +216,9 @@ def _normalise_tool_calls(value: Any, where: str) -> list[dict[str, Any]]:
     return calls
 
 
-def normalise(obj: Any) -> Conversation:
-    """Validate one line (``messages`` or ``conversations`` format); raises ``ValueError`` saying what is wrong."""
+def normalise(obj: Any, base_dir: Path | None = None) -> Conversation:
+    """Validate one line (``messages`` or ``conversations`` format); raises ``ValueError`` saying what is wrong.
+    Image files of ``image_url`` parts are read relative to ``base_dir``."""
     if not isinstance(obj, dict):
         raise ValueError(f"expected a JSON object, got {type(obj).__name__}")
     if "messages" in obj:
@@ -186,6 +233,7 @@ def normalise(obj: Any) -> Conversation:
     messages: list[dict[str, Any]] = []
     trained: list[bool] = []
     tool_names: dict[str, str] = {}
+    pictures: dict[str, LoadedImage] = {}
     for index, entry in enumerate(entries):
         where = f"{kind}[{index}]"
         if not isinstance(entry, dict):
@@ -202,7 +250,10 @@ def normalise(obj: Any) -> Conversation:
             raise ValueError(f"{where}: only assistant messages can have tool_calls")
         if content is None and not calls:
             raise ValueError(f"{where}: no '{content_key}'")
-        message["content"] = _text(content, where) if content is not None else ""
+        message["content"] = _content(content, where, pictures if kind == "messages" else None, base_dir) \
+            if content is not None else ""
+        if isinstance(message["content"], list) and role not in ("user", "tool"):
+            raise ValueError(f"{where}: pictures may be in user and tool messages only")
         if calls:
             message["tool_calls"] = calls
             tool_names.update({call["id"]: call["name"] for call in calls})
@@ -228,7 +279,7 @@ def normalise(obj: Any) -> Conversation:
     source_id = next((obj[k] for k in ("id", "item_id", "task_id") if obj.get(k) not in (None, "")), None)
     if source_id is not None and not isinstance(source_id, (str, int)):
         raise ValueError(f"field 'id': expected a string or an integer, got {type(source_id).__name__}")
-    return Conversation(messages, trained, tools, None if source_id is None else str(source_id))
+    return Conversation(messages, trained, tools, None if source_id is None else str(source_id), pictures)
 
 
 # ------------------------------------------------------------------------------------------------- tokenising
@@ -237,10 +288,11 @@ def normalise(obj: Any) -> Conversation:
 class ChatTokeniser:
     """Renders conversations with one tokenizer's chat template and builds their assistant-only loss masks."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, vision: VisionProcessor | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("the tokenizer has no chat template (SFT data is rendered with it)")
         self.tokenizer = tokenizer
+        self.vision = vision  # a vision-language model's image tokens (None: pictures are refused)
         vocab = tokenizer.get_vocab()
         ends = {vocab[token] for token in END_OF_TURN_TOKENS if token in vocab}
         if tokenizer.eos_token_id is not None:
@@ -294,7 +346,13 @@ class ChatTokeniser:
         return messages, tools
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None, *,
-               generation_prompt: bool) -> list[int]:
+               generation_prompt: bool, pictures: dict[str, LoadedImage] | None = None) -> list[int]:
+        """The ids of ``messages`` rendered by the chat template, each picture's placeholder expanded to its image
+        tokens (``pictures``: the conversation's)."""
+        shown = message_images(messages)
+        if shown and self.vision is None:
+            raise ValueError(f"{len(shown)} picture(s), but the model is a text model: pictures need a "
+                             "vision-language model (--model_name_or_path)")
         kwargs: dict[str, Any] = {"tokenize": False, "add_generation_prompt": generation_prompt}
         if tools:
             kwargs["tools"] = tools
@@ -302,7 +360,14 @@ class ChatTokeniser:
             text = self.tokenizer.apply_chat_template(messages, **kwargs)
         except Exception as error:  # noqa: BLE001 - template errors become the line's error message
             raise ValueError(f"the chat template failed: {type(error).__name__}: {error}") from None
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        if not shown:
+            return ids
+        try:
+            return self.vision.expand(ids, [self.vision.image_tokens(pictures[sha256]) for sha256 in shown])
+        except VisionInputError as error:
+            raise ValueError(f"the chat template does not render the pictures as image placeholders: {error}") \
+                from None
 
     def tokenise(self, conversation: Conversation, *, max_length: int | None = None,
                  overlong: Overlong = "reject") -> TokenisedConversation:
@@ -310,17 +375,19 @@ class ChatTokeniser:
         messages, tools = self.prepare(conversation)
         offset = len(messages) - len(conversation.messages)  # a system message added for the tools
         trained = [False] * offset + list(conversation.trained)
-        full = self.render(messages, tools, generation_prompt=False)
+        pictures = conversation.pictures
+        full = self.render(messages, tools, generation_prompt=False, pictures=pictures)
         mask = [0] * len(full)
         boundaries = [0]
         for index, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             where = f"message {index + 1 - offset} (assistant)"
-            start = self._prefix_length(self.render(messages[:index], tools, generation_prompt=True), full, where,
+            start = self._prefix_length(self.render(messages[:index], tools, generation_prompt=True,
+                                                    pictures=pictures), full, where,
                                         "the messages before it, with the generation prompt")
-            end = self._prefix_length(self.render(messages[:index + 1], tools, generation_prompt=False), full,
-                                      where, "the messages up to it")
+            end = self._prefix_length(self.render(messages[:index + 1], tools, generation_prompt=False,
+                                                  pictures=pictures), full, where, "the messages up to it")
             if end < start:
                 raise ValueError(f"{where}: the chat template renders the messages up to it shorter than the "
                                  "generation prompt before it; cannot locate its tokens")
@@ -345,7 +412,14 @@ class ChatTokeniser:
         if not any(mask):
             raise ValueError(f"no trained token within the first {max_length} tokens" if truncated
                              else "the trained assistant messages render to no tokens")
-        return TokenisedConversation(full, mask, boundaries, truncated)
+        images = message_images(messages)
+        if truncated and images:  # keep whole pictures only: cut before one the limit splits
+            full, mask, kept = _whole_images(full, mask, self.vision)
+            images, boundaries = images[:kept], [b for b in boundaries if b < len(full)]
+            if not any(mask):
+                raise ValueError(f"no trained token within the first {max_length} tokens before a picture they "
+                                 "would split")
+        return TokenisedConversation(full, mask, boundaries, truncated, images)
 
     @staticmethod
     def _prefix_length(prefix: list[int], full: list[int], where: str, what: str) -> int:
@@ -358,8 +432,23 @@ class ChatTokeniser:
         return len(prefix)
 
 
+def _whole_images(ids: list[int], mask: list[int], vision: VisionProcessor) -> tuple[list[int], list[int], int]:
+    """``ids`` and ``mask`` cut before a picture they end inside (its ``<|vision_start|>``), and how many whole
+    pictures remain."""
+    whole, start = 0, None
+    for i, token in enumerate(ids):
+        if token == vision.vision_start_id:
+            start = i
+        elif token == vision.vision_end_id and start is not None:
+            whole, start = whole + 1, None
+    if start is not None:
+        return ids[:start], mask[:start], whole
+    return ids, mask, whole
+
+
 def sample_id(split: str, tokens: TokenisedConversation) -> str:
-    canonical = json.dumps([split, tokens.input_ids, tokens.loss_mask], separators=(",", ":"))
+    canonical = json.dumps([split, tokens.input_ids, tokens.loss_mask, *([tokens.images] if tokens.images else [])],
+                           separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()[:24]
 
 
@@ -371,7 +460,8 @@ def to_sample(tokens: TokenisedConversation, split: str, source_id: str | None) 
     return DBRecordData(
         id=f"{record_id}#b0", record_id=record_id, task_id=f"sft:{split}:{source_id or digest}", split=split,
         branch=0, seq=0, input_ids=tokens.input_ids, loss_mask=tokens.loss_mask, logprobs=[0.0] * n,
-        versions=[-1] * n, advantages=[0.0] * n, reward=None, turn_boundaries=tokens.turn_boundaries, num_tokens=n)
+        versions=[-1] * n, advantages=[0.0] * n, reward=None, turn_boundaries=tokens.turn_boundaries,
+        images=tokens.images, num_tokens=n)
 
 
 # ------------------------------------------------------------------------------------------------------ files
@@ -383,6 +473,8 @@ class ParsedSFTFile:
     problems: list[str] = field(default_factory=list)
     duplicates: int = 0
     truncated: int = 0
+    images: dict[str, LoadedImage] = field(default_factory=dict)
+    """The samples' pictures by sha256 (stored with them)."""
 
     @property
     def tokens(self) -> int:
@@ -397,8 +489,10 @@ class ParsedSFTFile:
         return max((s.num_tokens for _, s in self.samples), default=0)
 
 
-def parse_sft_file(path: str | Path, tokenizer: Any, options: SFTOptions = SFTOptions()) -> ParsedSFTFile:
-    """Validate and tokenise every line; problems are collected as ``FILE:LINE: message``."""
+def parse_sft_file(path: str | Path, tokenizer: Any, options: SFTOptions = SFTOptions(),
+                   vision: VisionProcessor | None = None) -> ParsedSFTFile:
+    """Validate and tokenise every line; problems are collected as ``FILE:LINE: message``. ``vision``: a
+    vision-language model's image tokens (pictures are refused without)."""
     from agentrl.store.task_files import iter_entries
 
     path = Path(path)
@@ -409,7 +503,7 @@ def parse_sft_file(path: str | Path, tokenizer: Any, options: SFTOptions = SFTOp
     except UnicodeDecodeError as error:
         raise SFTFileError([f"{path}: not UTF-8 text ({error})"]) from error
     try:
-        chat = ChatTokeniser(tokenizer)
+        chat = ChatTokeniser(tokenizer, vision)
     except ValueError as error:
         raise SFTFileError([f"{path}: {error}"]) from error
     parsed = ParsedSFTFile()
@@ -419,7 +513,7 @@ def parse_sft_file(path: str | Path, tokenizer: Any, options: SFTOptions = SFTOp
             parsed.problems.append(f"{path}:{line}: invalid JSON: {obj.msg} (column {obj.colno})")
             continue
         try:
-            conversation = normalise(obj)
+            conversation = normalise(obj, path.parent)
             tokens = chat.tokenise(conversation, max_length=options.max_length, overlong=options.overlong)
         except ValueError as error:
             parsed.problems.append(f"{path}:{line}: {error}")
@@ -429,6 +523,7 @@ def parse_sft_file(path: str | Path, tokenizer: Any, options: SFTOptions = SFTOp
             parsed.duplicates += 1
             continue
         seen.add(sample.id)
+        parsed.images.update((sha256, conversation.pictures[sha256]) for sha256 in sample.images)
         parsed.truncated += tokens.truncated
         parsed.samples.append((line, sample))
     if not parsed.samples and not parsed.problems:
@@ -453,6 +548,8 @@ async def upload_sft(store: Any, parsed: ParsedSFTFile, *, skip_invalid: bool = 
     if parsed.problems and (not skip_invalid or not parsed.samples):
         raise SFTFileError(parsed.problems)
     samples: Sequence[DBRecordData] = [sample for _, sample in parsed.samples]
+    for image in parsed.images.values():  # before the samples that name them
+        await store.images.put(image)
     inserted = 0
     for start in range(0, len(samples), chunk):
         inserted += await store.samples.enqueue(list(samples[start:start + chunk]))

@@ -138,6 +138,13 @@ class VisionProcessor:
         return out
 
 
+def message_images(messages: list[dict[str, Any]]) -> list[str]:
+    """The sha256 of every ``{"type": "image", "image": SHA256}`` part of chat ``messages``, in order (how
+    AgentRL's conversations hold pictures; the chat templates render such a part as an image placeholder)."""
+    return [part["image"] for message in messages if isinstance(message.get("content"), list)
+            for part in message["content"] if isinstance(part, dict) and part.get("type") == "image"]
+
+
 def refuse_images(model_name: str, count: int) -> None:
     """The error for images sent to a text-only model."""
     if count:
@@ -146,4 +153,4 @@ def refuse_images(model_name: str, count: int) -> None:
 
 
 __all__ = ["ImageError", "ImageInputs", "VISION_MODEL_TYPES", "VisionInputError", "VisionProcessor",
-           "is_vision_model", "model_class", "model_type", "refuse_images"]
+           "is_vision_model", "message_images", "model_class", "model_type", "refuse_images"]
