@@ -1,5 +1,6 @@
 """CUDA paths: the engine in bf16, a trainer step under NCCL with FSDP2, LoRA adapters published to an engine on the
-GPU, a QLoRA step, the bf16 head, the paged decode kernel and the captured decode steps. Marker ``gpu``; every test
+GPU, a QLoRA step, the bf16 head, the paged decode kernel, the captured decode steps and a Qwen2.5-VL-3B shape with
+pictures. Marker ``gpu``; every test
 skips without a CUDA device. ``scripts/gpu_check.sh`` runs them (``pytest -m gpu tests/test_gpu.py``) on a GPU
 machine; the rest of the suite covers the same code on CPU.
 
@@ -285,3 +286,92 @@ async def test_captured_decode_steps_match_eager_ones_and_follow_weight_updates(
     assert [o.generated_tokens for o in outputs[True]] == [o.generated_tokens for o in outputs[False]]
     assert max(g["max_abs_diff"] for g in gaps) <= FP32_CUDA_ATOL and updated <= FP32_CUDA_ATOL
     assert all(o.versions == [("v2", 24)] for o in after)
+
+
+def test_a_qwen2_5_vl_3b_shape_serves_trains_and_publishes_with_images(mongo_server_uri: str, tmp_path: Path) -> None:
+    """A random-weight model of Qwen2.5-VL-3B's widths (``QWEN2_5_VL_3B_SHAPE``: 4 of its text layers and vision
+    blocks): the bf16 engine answers prompts with a picture each, the trainer (one process, bf16 layers, fp32 head)
+    rebuilds the pictures' pixels from GridFS and agrees with the engine within the bf16 bound before its update,
+    takes one step and publishes in memory; the engine then serves the new version with pictures."""
+    import io
+
+    from PIL import Image
+
+    from agentrl.inference.tiny_model import QWEN2_5_VL_3B_SHAPE, build_tiny_vision_model
+    from agentrl.vision.images import load_image
+    from agentrl.vision.processor import VisionProcessor
+
+    model_dir = build_tiny_vision_model(tmp_path / "vlm", shape=QWEN2_5_VL_3B_SHAPE, max_pixels=448 * 448)
+    processor = VisionProcessor(model_dir)
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    pictures = []
+    for seed in range(4):
+        out = io.BytesIO()
+        pixels = torch.randint(0, 255, (224 + 56 * seed, 280, 3), generator=torch.Generator().manual_seed(seed),
+                               dtype=torch.uint8).numpy()
+        Image.fromarray(pixels).save(out, "PNG")
+        pictures.append(load_image(out.getvalue(), f"picture {seed}"))
+    prompts_ids = []
+    for picture in pictures:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": [
+            {"type": "image"}, {"type": "text", "text": "Describe the picture."}]}], add_generation_prompt=True,
+            tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompts_ids.append(processor.expand(ids, [processor.image_tokens(picture)]))
+    name = "t_" + uuid.uuid4().hex[:12]
+    uri = with_database(mongo_server_uri, name)
+    engine = start_engine(model_dir, "--device", "cuda", "--dtype", "bfloat16", "--max_total_tokens", "32768")
+    try:
+        async def sample() -> list:
+            async with SGLangClient(engine.url) as client:
+                return await asyncio.gather(*[client.generate(
+                    ids, {"temperature": 1.0, "max_new_tokens": 32, "sampling_seed": i, "ignore_eos": True},
+                    image_data=[picture.data_uri()]) for i, (ids, picture) in enumerate(zip(prompts_ids, pictures))])
+
+        results = asyncio.run(sample())
+        samples = []
+        for i, (prompt, result, picture) in enumerate(zip(prompts_ids, results, pictures)):
+            output = result.output_ids
+            samples.append(DBRecordData(
+                id=f"v{i}", record_id=f"vr{i}", task_id="vision", seq=i, input_ids=list(prompt) + output,
+                loss_mask=[0] * len(prompt) + [1] * len(output),
+                logprobs=[0.0] * len(prompt) + list(result.output_token_logprobs),
+                versions=[-1] * len(prompt) + [0] * len(output),
+                advantages=[0.0] * len(prompt) + [1.0 if i % 2 else -1.0] * len(output),
+                turn_boundaries=[0], images=[picture.sha256], num_tokens=len(prompt) + len(output)))
+
+        async def store() -> None:
+            async with Store(uri) as db:
+                for picture in pictures:
+                    await db.images.put(picture)
+            await enqueue(uri, samples, services=[engine.url])
+
+        asyncio.run(store())
+        done = run_trainer(trainer_args(uri, model_dir, tmp_path / "out", "--train_batch_size", str(len(samples)),
+                                        "--enable_sampling", "false", "--max_steps", "1", "--save_steps", "0",
+                                        dtype=None), timeout_s=300)
+        assert done.returncode == 0, done.stdout[-4000:]
+
+        async def served() -> object:
+            async with SGLangClient(engine.url) as client:
+                return await client.generate(prompts_ids[0], {"temperature": 0, "max_new_tokens": 4},
+                                             image_data=[pictures[0].data_uri()])
+
+        after = asyncio.run(served())
+    finally:
+        engine.stop()
+    client = sync_client(uri)
+    try:
+        values = client[name].Metric.find_one({"step": 1})["values"]
+        client.drop_database(name)
+    finally:
+        client.close()
+    record_figures("qwen2_5_vl_3b_shape", {
+        "logprob_mismatch_mean": values["logprob_mismatch_mean"], "logprob_mismatch_max": values[
+            "logprob_mismatch_max"], "image_tokens": [processor.image_tokens(p) for p in pictures],
+        "tokens_per_s": values["tokens_per_s"], "grad_norm": values["grad_norm"],
+        "served_version_after": after.meta_info.get("weight_version")})
+    assert values["logprob_mismatch_mean"] < BF16_MEAN_BOUND, values
+    assert values["grad_norm"] > 0 and after.meta_info.get("weight_version") == "1", (values, after.meta_info)

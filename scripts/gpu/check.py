@@ -188,7 +188,7 @@ def steps(ctx: Context) -> list[Step]:
              figures=lambda w, o: last_json_line(o)),
         Step("imports", [*self_probe, "imports"], 120, figures=lambda w, o: last_json_line(o)),
         Step("pytest_gpu", [python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-s", "-q",
-                            f"--junitxml={work}/pytest.xml"], 240, cuda=True,
+                            f"--junitxml={work}/pytest.xml"], 360, cuda=True,
              dry_argv=[python, "-m", "pytest", "-m", "gpu", "tests/test_gpu.py", "-q", "--collect-only"],
              figures=pytest_figures),
         Step("bench_trainer", [python, "bench/trainer.py", "--model_config", MODEL_CONFIG, "--samples_per_step",

@@ -266,7 +266,7 @@ class _SGLangSamplingRunner(ModelRunner):
         """The step's logits rows [rows, vocab]: from the decode graphs where they serve the step, else eagerly (on
         embeddings, when a request of the step has images)."""
         requests = self.inputs_and_outputs.requests_in_batch
-        vision = self.vision if self.vision is not None and self.vision.prompts else None
+        vision = self.vision
         routed = [(r.state.request_id, r.query_length) for r in requests] if vision is not None else []
         if model.config._attn_implementation != paged_attention.PAGED_ATTENTION:
             logits = vision.step_logits(model, batch_data, routed) if vision is not None else None

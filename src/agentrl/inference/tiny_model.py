@@ -83,13 +83,25 @@ VISION_CHAT_TEMPLATE = (
 image rendered as the Qwen-VL placeholder, as Qwen's own templates do)."""
 
 
+QWEN2_5_VL_3B_SHAPE = {
+    "text": {"hidden_size": 2048, "intermediate_size": 11008, "num_attention_heads": 16, "num_key_value_heads": 2,
+             "num_hidden_layers": 4, "initializer_range": 0.02},
+    "vision": {"hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16, "depth": 4, "out_hidden_size": 2048,
+               "window_size": 112, "fullatt_block_indexes": [3], "initializer_range": 0.02},
+    "rope_section": [16, 24, 24],
+}
+"""Qwen2.5-VL-3B-Instruct's widths (its ``config.json``), with 4 of its 36 text layers and 4 of its 32 vision
+blocks: the GPU check's model (the shapes its kernels see, in the minutes the check has)."""
+
+
 def build_tiny_vision_model(out_dir: str | Path, *, family: str = "qwen2_5_vl", seed: int = 0,
-                            hidden_size: int = 64, max_pixels: int = 112 * 112) -> Path:
+                            hidden_size: int = 64, max_pixels: int = 112 * 112,
+                            shape: dict | None = None) -> Path:
     """Save a seeded random Qwen-VL model (``family``: ``qwen2_5_vl`` or ``qwen3_vl``) with two thin text layers
     and a two-block vision tower, the embedded tokenizer with the four vision tokens and a chat template that
     renders images, and the family's image processor (at most ``max_pixels`` pixels an image: 16 tokens at the
-    default) into ``out_dir``; return it. No pretrained small VLM ships in a package here: tests and the CPU demo
-    use this one."""
+    default) into ``out_dir``; return it. ``shape`` (Qwen2.5-VL only, e.g. :data:`QWEN2_5_VL_3B_SHAPE`) overrides
+    the text and vision widths. No pretrained small VLM ships in a package here: the tests use these."""
     import torch
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -110,13 +122,17 @@ def build_tiny_vision_model(out_dir: str | Path, *, family: str = "qwen2_5_vl", 
               "out_hidden_size": hidden_size, "initializer_range": 0.2}  # 0.2: outputs that depend on the image
     tokens = {"image_token_id": image, "video_token_id": video, "vision_start_token_id": start,
               "vision_end_token_id": end, "tie_word_embeddings": True}
+    if shape is not None:
+        if family != "qwen2_5_vl":
+            raise ValueError("shape is for qwen2_5_vl models")
+        text, vision, section = text | shape["text"], vision | shape["vision"], shape["rope_section"]
     if family == "qwen2_5_vl":
         from transformers import Qwen2_5_VLConfig as Config
         from transformers import Qwen2_5_VLForConditionalGeneration as Model
 
         config = Config(text_config=text | {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6,
                                                                 "mrope_section": section}},
-                        vision_config=vision | {"fullatt_block_indexes": [1], "window_size": 56}, **tokens)
+                        vision_config={"fullatt_block_indexes": [1], "window_size": 56} | vision, **tokens)
         patch = 14
     elif family == "qwen3_vl":
         from transformers import Qwen3VLConfig as Config

@@ -141,16 +141,17 @@ class VisionEncoder:
 
     def step_logits(self, model: torch.nn.Module, batch: dict, requests: list[tuple[str, int]]) -> torch.Tensor | None:
         """The step's logits ``[1, tokens, vocab]`` when one of its ``(request id, query tokens)`` has a vision
-        prompt; None otherwise (the text path serves it)."""
+        prompt, or a pad id is among its tokens (a request cancelled while its prompt is computed: its prompt is
+        gone, its rows get token 0's embedding, its output is dropped); None otherwise (the text path serves it)."""
         spans, offset = [], 0
         for request_id, tokens in requests:
             prompt = self.prompts.get(request_id)
             if prompt is not None:
                 spans.append((offset, tokens, prompt))
             offset += tokens
-        if not spans:
-            return None
         ids, positions = batch["input_ids"][0], batch["position_ids"][0].long()
+        if not spans and not bool((ids >= self.vocab_size).any()):
+            return None
         embeds = model.get_input_embeddings()(torch.where(ids < self.vocab_size, ids, 0).long())
         rotary = positions.expand(3, -1).clone()
         visual = torch.zeros_like(positions, dtype=torch.bool)
