@@ -106,7 +106,8 @@ class InstancePool:
         instance = Instance(instance_id, env, {"id": instance_id, "deleted": False, "done": False})
         if self.fmt.create_loads_task:
             try:
-                observation, detail = await self._call(_reset_env, env, instance_id % self.spec.num_tasks)
+                observation, detail = await self._call(_reset_env, env, instance_id % self.spec.num_tasks,
+                                                       self.images)
             except Exception as error:  # noqa: BLE001
                 await self._close_env(instance, "its first reset failed")
                 return self._failure("create", instance_id, error)

@@ -35,8 +35,10 @@ class DirectInferencePool:
     def client(self, base_url: str) -> SGLangClient:
         return self._clients[base_url.rstrip("/")]
 
-    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any]) -> tuple[GenerateResult, str]:
-        """Generate on the least-busy URL; returns the result and the URL that made it."""
+    async def generate(self, input_ids: list[int], sampling_params: dict[str, Any],
+                       image_data: list[str] | None = None) -> tuple[GenerateResult, str]:
+        """Generate on the least-busy URL (with the prompt's images, if any); returns the result and the URL that
+        made it."""
         errors: list[str] = []
         failed: set[str] = set()
         for attempt in range(self.max_attempts):
@@ -45,7 +47,7 @@ class DirectInferencePool:
             self._in_flight[url] += 1
             try:
                 async with self._slots[url]:
-                    return await self._clients[url].generate(input_ids, sampling_params), url
+                    return await self._clients[url].generate(input_ids, sampling_params, image_data=image_data), url
             except InferenceRequestError:
                 raise
             except InferenceServiceError as error:

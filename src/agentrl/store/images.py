@@ -28,17 +28,21 @@ from __future__ import annotations
 from datetime import UTC, datetime
 
 from bson.binary import Binary
+from pymongo import ASCENDING, IndexModel
 from pymongo.asynchronous.database import AsyncDatabase
 from pymongo.database import Database
 from pymongo.errors import DuplicateKeyError, OperationFailure
 
 from agentrl.failpoints import failpoint
-from agentrl.store.indexes import INDEXES
 from agentrl.vision.images import ImageError, LoadedImage, load_image
 
 BUCKET = "images"
 CHUNK_BYTES = 255 * 1024
 """GridFS's default chunk size."""
+CHUNK_INDEX = IndexModel([("files_id", ASCENDING), ("n", ASCENDING)], name="files_id_1_n_1", unique=True)
+"""GridFS's own index of a bucket's chunks, unique (two writers of one chunk make one document), created by the
+first write of a process as drivers create it on a first upload: a run without images has no bucket (NX-27017 makes
+GridFS tables of its own for any ``*.chunks`` collection, which generic reads of every collection choke on)."""
 
 
 class ImageStore:
@@ -47,12 +51,16 @@ class ImageStore:
     def __init__(self, db: AsyncDatabase):
         self.files = db[f"{BUCKET}.files"]
         self.chunks = db[f"{BUCKET}.chunks"]
+        self._indexed = False
 
     async def put(self, image: LoadedImage) -> str:
         """Store ``image`` (a no-op if it is there); returns its id, the sha256."""
         stored = await self.files.find_one({"_id": image.sha256})
         if stored is not None and stored.get("length") == len(image.data):
             return image.sha256
+        if not self._indexed:
+            await self.chunks.create_indexes([CHUNK_INDEX])
+            self._indexed = True
         chunks, files = gridfs_documents(image)
         for chunk in chunks:
             await _insert_once(self.chunks.insert_one, chunk)
@@ -94,7 +102,8 @@ def _checked(sha256: str, files: dict | None, parts: list[bytes]) -> LoadedImage
 def put_images_sync(db: Database, images: list[LoadedImage]) -> None:
     """:meth:`ImageStore.put` of each image, with a synchronous client (``agentrl tasks upload``)."""
     files, chunks = db[f"{BUCKET}.files"], db[f"{BUCKET}.chunks"]
-    chunks.create_indexes(INDEXES[chunks.name])
+    if images:
+        chunks.create_indexes([CHUNK_INDEX])
     for image in {image.sha256: image for image in images}.values():
         stored = files.find_one({"_id": image.sha256})
         if stored is not None and stored.get("length") == len(image.data):

@@ -46,9 +46,6 @@ INDEXES: dict[str, list[IndexModel]] = {
         _index("status", "heartbeat_at", "running_requests", name="pick_service"),
     ],
     "Metric": [_index("split", "step", name="metrics_by_step")],
-    # GridFS's own index of a bucket's chunks (the spec's, which drivers create on a first upload): unique, so two
-    # writers' upserts of one chunk make one document
-    "images.chunks": [IndexModel([("files_id", ASCENDING), ("n", ASCENDING)], name="files_id_1_n_1", unique=True)],
 }
 
 
