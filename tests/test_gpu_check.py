@@ -82,7 +82,7 @@ def test_dry_run_lists_every_check_and_skips_the_cuda_ones(kit: Path, tmp_path: 
         assert entry["status"] == "skipped" and "dry run" in entry["reason"], entry
     log = (tmp_path / "gpu_check.log").read_text()
     assert "dry run: would train a qwen3 model (28 layers, hidden 1024)" in log
-    assert "7 tests collected" in log
+    assert "8 tests collected" in log
     profiled = report["checks"]["rl_loop"]["profile"]  # the kit's py-spy ran the dry run, its profile was read
     assert profiled["main"]["samples"] > 0, profiled
     assert any(name.startswith("main (loop.py)") for name, _ in profiled["main"]["inclusive"]), profiled
