@@ -52,9 +52,9 @@ def vision_engine(vision_model: Path, launch_engine) -> Iterator[str]:
         engine.stop()
 
 
-@pytest.mark.parametrize("transport", ["auto", "disk"])  # in memory (shared memory here), and from disk
+@pytest.mark.parametrize(("transport", "lora"), [("auto", False), ("disk", False), ("auto", True)])
 def test_tasks_with_images_roll_out_token_exact_and_train(db_uri: str, tmp_path: Path, vision_model: Path,
-                                                          vision_engine: str, transport: str) -> None:
+                                                          vision_engine: str, transport: str, lora: bool) -> None:
     pictures = {"a.png": picture(1, (60, 90)), "b.png": picture(2, (112, 56)), "c.png": picture(3, (84, 84))}
     for name, data in pictures.items():
         (tmp_path / name).write_bytes(data)
@@ -123,7 +123,8 @@ def test_tasks_with_images_roll_out_token_exact_and_train(db_uri: str, tmp_path:
     client.close()
     half = str(-(-len(samples) // 2))  # two steps (a trajectory may have branched: more samples than records)
     assert main(trainer_args(db_uri, vision_model, tmp_path / "out", "--train_batch_size", half,
-                             "--max_steps", "2", "--max_staleness", "none", "--weight_transport", transport)) == 0
+                             "--max_steps", "2", "--max_staleness", "none", "--weight_transport", transport,
+                             *(("--use_peft", "--lora_target_modules", "q_proj", "v_proj") if lora else ()))) == 0
     metrics = {doc["step"]: doc["values"] for doc in documents(db_uri, "Metric", {"split": "train"})}
     assert sorted(metrics) == [1, 2]
     assert metrics[1]["logprob_mismatch_max"] < 1e-4, metrics[1]
