@@ -54,3 +54,26 @@ def engine_url(tiny_model_dir: Path) -> Iterator[str]:
         yield engine.url
     finally:
         engine.stop()
+
+
+def picture(seed: int, size: tuple[int, int] = (60, 90), kind: str = "PNG") -> bytes:
+    """A seeded random picture's encoded bytes (``size`` is height, width), for the image tests."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, kind)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def vision_engine(vision_model: Path) -> Iterator[str]:
+    """URL of an ``agentrl engine`` serving the module's ``vision_model`` (a fixture each image test module
+    defines: one tiny VLM family or several)."""
+    engine = start_engine(vision_model)
+    try:
+        yield engine.url
+    finally:
+        engine.stop()

@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 from pymongo import MongoClient
 
 from cli_helpers import agentrl
+from inference_fixtures import picture
 
 
 def write_jsonl(path: Path, rows: list) -> Path:
@@ -95,17 +97,6 @@ def test_content_hash_ids_make_unnamed_tasks_idempotent(db_uri: str, tmp_path: P
     assert len(stored) == 2 and all(t["_id"] == f"train:{t['content_hash']}" for t in stored)
 
 
-def picture(seed: int, size: tuple[int, int] = (30, 40), kind: str = "PNG") -> bytes:
-    import io
-
-    import numpy as np
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, kind)
-    return out.getvalue()
-
-
 def test_task_images_are_checked_then_stored_once_in_gridfs(db_uri: str, tmp_path: Path) -> None:
     """``images``: files relative to the task file or data: URIs; every bad one is reported with its line and item
     and nothing is written; good ones are stored once (GridFS) before the Tasks that name them by sha256."""
@@ -159,3 +150,32 @@ def test_task_images_are_checked_then_stored_once_in_gridfs(db_uri: str, tmp_pat
         assert files[sha["b"]]["metadata"]["contentType"] == "image/jpeg"
     finally:
         client.close()
+
+
+def test_an_upload_killed_between_an_images_chunks_and_its_files_document(db_uri: str, tmp_path: Path) -> None:
+    """Crash window ``images.before_files``, the process killed there (``exit``): no Task is inserted (they come
+    after their images), the picture is not readable, and the same upload again completes both."""
+    import asyncio
+    import hashlib
+
+    from agentrl.store import Store
+    from agentrl.vision.images import ImageError
+
+    (tmp_path / "big.png").write_bytes(picture(3, (600, 300)))  # several chunks
+    path = write_jsonl(tmp_path / "t.jsonl", [{"id": "p", "query": "q?", "answer": "a", "images": ["big.png"]}])
+    sha = hashlib.sha256((tmp_path / "big.png").read_bytes()).hexdigest()
+
+    async def read() -> bytes:
+        async with Store(db_uri) as store:
+            return (await store.images.get(sha)).data
+
+    killed = agentrl("tasks", "upload", str(path), "--db_connection_string", db_uri,
+                     env={"AGENTRL_FAILPOINTS": "images.before_files=exit"})
+    assert killed.returncode == 86, killed.stderr
+    assert tasks(db_uri) == []
+    with pytest.raises(ImageError):
+        asyncio.run(read())
+    again = agentrl("tasks", "upload", str(path), "--db_connection_string", db_uri)
+    assert again.returncode == 0 and "inserted 1 tasks" in again.stdout, again.stderr
+    assert asyncio.run(read()) == (tmp_path / "big.png").read_bytes()
+    assert [t["images"] for t in tasks(db_uri)] == [[sha]]

@@ -83,8 +83,15 @@ def test_engine_generates_with_logprobs_in_bf16(scripted_model_dir: Path) -> Non
 def engine_samples(url: str, model_dir: Path) -> list[DBRecordData]:
     """Completions sampled by the engine at ``url``, as queued samples carrying its logprobs."""
     ids = prompts(model_dir)
+    return as_samples(ids, asyncio.run(sampled(url, ids)))
+
+
+def as_samples(prompt_ids: list[list[int]], results: list, images: list[list[str]] | None = None
+               ) -> list[DBRecordData]:
+    """Queued samples of the engine's completions of ``prompt_ids`` (advantages -1, +1, ... in turn), each with
+    its prompt's images (sha256) if given."""
     samples = []
-    for i, (prompt, result) in enumerate(zip(ids, asyncio.run(sampled(url, ids)))):
+    for i, (prompt, result) in enumerate(zip(prompt_ids, results, strict=True)):
         output = result.output_ids
         samples.append(DBRecordData(
             id=f"s{i}", record_id=f"r{i}", task_id="t", seq=i, input_ids=list(prompt) + output,
@@ -92,7 +99,7 @@ def engine_samples(url: str, model_dir: Path) -> list[DBRecordData]:
             logprobs=[0.0] * len(prompt) + list(result.output_token_logprobs),
             versions=[-1] * len(prompt) + [0] * len(output),
             advantages=[0.0] * len(prompt) + [1.0 if i % 2 else -1.0] * len(output),
-            turn_boundaries=[0], num_tokens=len(prompt) + len(output)))
+            turn_boundaries=[0], images=images[i] if images else [], num_tokens=len(prompt) + len(output)))
     return samples
 
 
@@ -330,17 +337,7 @@ def test_a_qwen2_5_vl_3b_shape_serves_trains_and_publishes_with_images(mongo_ser
                     ids, {"temperature": 1.0, "max_new_tokens": 32, "sampling_seed": i, "ignore_eos": True},
                     image_data=[picture.data_uri()]) for i, (ids, picture) in enumerate(zip(prompts_ids, pictures))])
 
-        results = asyncio.run(sample())
-        samples = []
-        for i, (prompt, result, picture) in enumerate(zip(prompts_ids, results, pictures)):
-            output = result.output_ids
-            samples.append(DBRecordData(
-                id=f"v{i}", record_id=f"vr{i}", task_id="vision", seq=i, input_ids=list(prompt) + output,
-                loss_mask=[0] * len(prompt) + [1] * len(output),
-                logprobs=[0.0] * len(prompt) + list(result.output_token_logprobs),
-                versions=[-1] * len(prompt) + [0] * len(output),
-                advantages=[0.0] * len(prompt) + [1.0 if i % 2 else -1.0] * len(output),
-                turn_boundaries=[0], images=[picture.sha256], num_tokens=len(prompt) + len(output)))
+        samples = as_samples(prompts_ids, asyncio.run(sample()), [[picture.sha256] for picture in pictures])
 
         async def store() -> None:
             async with Store(uri) as db:

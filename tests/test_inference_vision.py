@@ -6,35 +6,23 @@ images for a text model get a 400 naming the image."""
 from __future__ import annotations
 
 import base64
-import io
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import numpy as np
 import openai
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
-from agentrl.inference.process import EngineProcess
 from agentrl.inference.tiny_model import build_tiny_vision_model
 from agentrl.vision.images import load_image
 from agentrl.vision.processor import VisionProcessor
+from inference_fixtures import picture
 
 pytestmark = pytest.mark.xdist_group("vision-engine")
 
 FAMILIES = ("qwen2_5_vl", "qwen3_vl")
 QUESTION = [{"type": "image"}, {"type": "text", "text": "What is in the picture?"}]
-
-
-def picture(seed: int, size: tuple[int, int] = (60, 90), kind: str = "PNG") -> bytes:
-    """A random picture's encoded bytes (height, width)."""
-    pixels = np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)
-    out = io.BytesIO()
-    Image.fromarray(pixels).save(out, kind)
-    return out.getvalue()
 
 
 def data_uri(data: bytes, mime: str = "image/png") -> str:
@@ -44,15 +32,6 @@ def data_uri(data: bytes, mime: str = "image/png") -> str:
 @pytest.fixture(scope="module", params=FAMILIES)
 def vision_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vision_model(tmp_path_factory.mktemp(request.param), family=request.param)
-
-
-@pytest.fixture(scope="module")
-def vision_engine(vision_model: Path, launch_engine) -> Iterator[str]:
-    engine: EngineProcess = launch_engine(vision_model)
-    try:
-        yield engine.url
-    finally:
-        engine.stop()
 
 
 def prompt_ids(model_dir: Path, content: list[dict], images: list[bytes], *, expand: bool) -> list[int]:
@@ -224,3 +203,49 @@ def test_token_counts_from_the_size_equal_the_processors_grids(family: str, tmp_
         image = load_image(picture(0, size), "size")
         grid = processor.inputs([image]).grids()[0]
         assert processor.image_tokens(image) == processor.grid_tokens(grid), size
+
+
+@pytest.mark.parametrize("kernels", ["this CPU's", "by row count (emulated)"])
+async def test_the_same_image_prompt_gets_the_same_bits_cached_or_computed_whole(
+        tmp_path: Path, kernels: str, monkeypatch: pytest.MonkeyPatch, emulate_matmul) -> None:
+    """A greedy request with a picture, three times on one batcher (the prefix cache emptied, kept, emptied: its
+    picture's blocks computed, then served from the cache): the same tokens and logprobs to the bit, on this CPU's
+    kernels and on kernels that depend on the row count (``tests/emulated_kernels.py``, as a Xeon with AMX)."""
+    from agentrl.inference import paged_attention
+    from agentrl.inference.batching import BatchingConfig, ContinuousBatcher, RequestSampling
+    from agentrl.inference.vision_inputs import VisionEncoder
+    from emulated_kernels import count_kernel, long_query_sdpa
+
+    if kernels != "this CPU's":
+        emulate_matmul(lambda real: count_kernel(16, real))
+        long_query_sdpa(64, monkeypatch)
+    cached: list[bool] = []
+    from_batch = paged_attention.StepLayout.from_batch.__func__
+
+    def spy(cls, batch: dict, *args) -> paged_attention.StepLayout:
+        layout = from_batch(cls, batch, *args)
+        cached.extend(p.slots is not None for p in layout.prefills)
+        return layout
+
+    monkeypatch.setattr(paged_attention.StepLayout, "from_batch", classmethod(spy))
+    model_dir = build_tiny_vision_model(tmp_path / "vlm")
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
+    encoder = VisionEncoder(model, VisionProcessor(model_dir))
+    batcher = ContinuousBatcher(model, BatchingConfig(max_total_tokens=2048, page_size=16), vision=encoder)
+    image = picture(30, (84, 112))
+    batcher.start()
+    try:
+        for content in (QUESTION, [{"type": "text", "text": "Look:"}, *QUESTION]):  # other lengths after the pages
+            prompt = encoder.prompt(prompt_ids(model_dir, content, [image], expand=False), [load_image(image, "x")])
+            runs = []
+            for fresh in (True, False, True):
+                if fresh:
+                    batcher.reset_prefix_cache()
+                cached.clear()
+                runs.append(await batcher.generate(prompt.cache_ids, max_new_tokens=10, stop_token_ids=[],
+                                                   sampling=RequestSampling(top_k=1), vision=prompt))
+                assert cached[0] is not fresh, (fresh, cached)
+            assert all(run.generated_tokens == runs[0].generated_tokens for run in runs)
+            assert all(run.logprobs == runs[0].logprobs for run in runs), [run.logprobs for run in runs]
+    finally:
+        batcher.stop()

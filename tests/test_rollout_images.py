@@ -9,22 +9,19 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import io
 import json
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from PIL import Image
 from transformers import AutoModelForImageTextToText
 
 from agentrl.inference.process import EngineProcess
 from agentrl.inference.tiny_model import build_tiny_vision_model
 from agentrl.store import Store
 from agentrl.vision.processor import VisionProcessor
+from inference_fixtures import picture
 from rollout_fixtures import agentrl_cmd, documents, upload
 from test_rollout_sampler import full_prompts, run_sampler
 from trainer_fixtures import trainer_args
@@ -32,24 +29,9 @@ from trainer_fixtures import trainer_args
 pytestmark = pytest.mark.xdist_group("vision-rollout")
 
 
-def picture(seed: int, size: tuple[int, int]) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, "PNG")
-    return out.getvalue()
-
-
 @pytest.fixture(scope="module")
 def vision_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_vision_model(tmp_path_factory.mktemp("vlm"), family="qwen2_5_vl")
-
-
-@pytest.fixture(scope="module")
-def vision_engine(vision_model: Path, launch_engine) -> Iterator[str]:
-    engine: EngineProcess = launch_engine(vision_model)
-    try:
-        yield engine.url
-    finally:
-        engine.stop()
 
 
 @pytest.mark.parametrize(("transport", "lora"), [("auto", False), ("disk", False), ("auto", True)])

@@ -5,29 +5,21 @@ writer dies between its chunks and its files document, and refused when missing,
 from __future__ import annotations
 
 import asyncio
-import io
 
-import numpy as np
 import pytest
 from gridfs import AsyncGridFSBucket
-from PIL import Image
 
 from agentrl import failpoints
 from agentrl.store import Store
 from agentrl.store.images import BUCKET, CHUNK_BYTES
 from agentrl.vision.images import ImageError, load_image
+from inference_fixtures import picture
 
 
 async def chunk_count(store: Store, files_id: str) -> int:
     """An image's chunks (found by ``files_id``, not counted: NX-27017's GridFS tables answer ``count_documents``
     and projections with "no such column" errors, and an empty filter with nothing)."""
     return len(await store.db[f"{BUCKET}.chunks"].find({"files_id": files_id}).to_list())
-
-
-def picture(seed: int, size: tuple[int, int] = (40, 60)) -> bytes:
-    out = io.BytesIO()
-    Image.fromarray(np.random.default_rng(seed).integers(0, 255, (*size, 3), dtype=np.uint8)).save(out, "PNG")
-    return out.getvalue()
 
 
 async def test_an_image_is_stored_once_in_gridfs_layout(db_uri: str) -> None:

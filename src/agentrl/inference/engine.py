@@ -340,8 +340,11 @@ class InferenceEngine:
         """Serve one OpenAI ``/v1/chat/completions`` request with the model's chat template (``image_url`` parts of
         a message's content are its images, rendered by the template as image placeholders)."""
         messages, images = chat_images(request.messages)
-        if self.vision is None and images:
-            await self._vision_prompt([], images)  # refuses them
+        if self.vision is None:  # before the template, which may not take a list of parts at all
+            try:
+                refuse_images(self.model_name, len(images))
+            except VisionInputError as error:
+                raise BadRequest(str(error)) from None
         try:
             prompt = self.tokenizer.apply_chat_template(
                 messages, tools=request.tools, add_generation_prompt=True, tokenize=False,

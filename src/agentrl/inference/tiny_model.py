@@ -12,9 +12,20 @@ from pathlib import Path
 from agentrl.inference.embedded_model import default_tokenizer_path
 
 
+def seeded(seed: int, build, *args, **kwargs):
+    """``build(*args, **kwargs)`` with torch's generator seeded by ``seed``, the caller's state restored after."""
+    import torch
+
+    generator_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        return build(*args, **kwargs)
+    finally:
+        torch.random.set_rng_state(generator_state)
+
+
 def build_tiny_model(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2, hidden_size: int = 64) -> Path:
     """Save a seeded random ``LlamaForCausalLM`` and the embedded tokenizer into ``out_dir``; return it."""
-    import torch
     from transformers import AutoTokenizer, GenerationConfig, LlamaConfig, LlamaForCausalLM
 
     out = Path(out_dir)
@@ -34,12 +45,7 @@ def build_tiny_model(out_dir: str | Path, *, seed: int = 0, num_layers: int = 2,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = LlamaForCausalLM(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    model = seeded(seed, LlamaForCausalLM, config)
     model.generation_config = GenerationConfig(
         bos_token_id=config.bos_token_id, eos_token_id=config.eos_token_id, pad_token_id=config.pad_token_id
     )
@@ -57,12 +63,7 @@ def build_random_model(config_file: str | Path, out_dir: str | Path, *, seed: in
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     config = AutoConfig.for_model(**json.loads(Path(config_file).read_text()))
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    model = seeded(seed, AutoModelForCausalLM.from_config, config, dtype=torch.float32)
     model.save_pretrained(out_dir)
     AutoTokenizer.from_pretrained(default_tokenizer_path()).save_pretrained(out_dir)
     return Path(out_dir)
@@ -102,7 +103,6 @@ def build_tiny_vision_model(out_dir: str | Path, *, family: str = "qwen2_5_vl", 
     renders images, and the family's image processor (at most ``max_pixels`` pixels an image: 16 tokens at the
     default) into ``out_dir``; return it. ``shape`` (Qwen2.5-VL only, e.g. :data:`QWEN2_5_VL_3B_SHAPE`) overrides
     the text and vision widths. No pretrained small VLM ships in a package here: the tests use these."""
-    import torch
     from transformers import AutoTokenizer, GenerationConfig
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
@@ -146,12 +146,7 @@ def build_tiny_vision_model(out_dir: str | Path, *, family: str = "qwen2_5_vl", 
         patch = 16
     else:
         raise ValueError(f"family must be qwen2_5_vl or qwen3_vl, not {family!r}")
-    generator_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = Model(config)
-    finally:
-        torch.random.set_rng_state(generator_state)
+    model = seeded(seed, Model, config)
     model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id,
                                                eos_token_id=tokenizer.eos_token_id,
                                                pad_token_id=tokenizer.pad_token_id)

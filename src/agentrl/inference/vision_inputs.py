@@ -1,11 +1,12 @@
 """Images in ``agentrl engine``: a request's vision prompt, and the inputs of a batching step that holds one.
 
 At admission (:meth:`VisionEncoder.prompt`, on a worker thread) a request's images are turned into its
-:class:`VisionPrompt`: the image processor's pixels and patch grids, the prompt's ``<|image_pad|>`` runs expanded
-to them (:meth:`~agentrl.vision.processor.VisionProcessor.expand`), each image's embeddings from the vision tower
-(kept per image sha256 and weights in an LRU of :data:`EMBEDDING_CACHE_BYTES`: a trajectory's later turns send the
-same pictures again), the prompt's multimodal rotary positions from the model's own ``get_rope_index`` and the
-offset ``delta`` of the positions after it. The ids the batcher sees have each image's tokens replaced by that
+:class:`VisionPrompt`: the prompt's ``<|image_pad|>`` runs expanded to the images' token counts
+(:meth:`~agentrl.vision.processor.VisionProcessor.expand`), each image's patch grid and embeddings from the image
+processor and the vision tower (kept per image sha256 and weights in an LRU of :data:`EMBEDDING_CACHE_BYTES`: a
+trajectory's later turns send the same pictures again, and cost neither pixels nor tower), the prompt's
+multimodal rotary positions from the model's own ``get_rope_index`` and the offset ``delta`` of the positions
+after it. The ids the batcher sees have each image's tokens replaced by that
 image's *pad id*, ``vocab_size + sha256 mod 2**30`` (SGLang's ``pad_value``): the prefix cache's block hashes then
 tell two images apart, and a later turn with the same picture reuses its cached blocks. The ids the engine
 validates, reports and returns are the real ones.
@@ -37,6 +38,15 @@ PAD_ID_RANGE = 2 ** 30
 """Pad ids are ``vocab_size + (int(sha256) mod PAD_ID_RANGE)``: beyond the vocabulary, inside the batcher's int32."""
 
 
+Features = tuple[tuple[int, int, int], torch.Tensor, tuple[torch.Tensor, ...]]
+"""An image's patch grid, embeddings [tokens, hidden] and deepstack features (Qwen3-VL; else empty)."""
+
+
+def _nbytes(features: Features) -> int:
+    _, embeds, layers = features
+    return sum(t.numel() * t.element_size() for t in (embeds, *layers))
+
+
 @dataclass(frozen=True)
 class VisionPrompt:
     """One request's prompt with images, ready for the batcher."""
@@ -64,25 +74,24 @@ class VisionEncoder:
         self.deepstack = processor.model_type == "qwen3_vl"
         self.lock = threading.Lock()  # an encoding and a weight swap never overlap
         self.prompts: dict[str, VisionPrompt] = {}  # requests being generated, by batcher request id
-        self._cache: OrderedDict[str, tuple[torch.Tensor, tuple[torch.Tensor, ...]]] = OrderedDict()
+        self._cache: OrderedDict[str, Features] = OrderedDict()
         self._cache_bytes = 0
 
     # ---------------------------------------------------------------------------------------------- admission
 
     def prompt(self, ids: list[int], images: list[LoadedImage]) -> VisionPrompt:
-        """The vision prompt of ``ids`` with ``images`` (blocking: image processing and the vision tower)."""
-        inputs = self.processor.inputs(images)
-        grids = inputs.grids()
-        ids = self.processor.expand(ids, [self.processor.grid_tokens(grid) for grid in grids])
+        """The vision prompt of ``ids`` with ``images`` (blocking: the pixels and the vision tower of the images
+        not cached; a later turn re-sending its pictures costs neither)."""
+        ids = self.processor.expand(ids, [self.processor.image_tokens(image) for image in images])
         with self.lock, torch.no_grad():
-            features = self._features(images, inputs.pixel_values, grids)
+            features = self._features(images)
             device = self.model.device
             ids_tensor = torch.tensor([ids], device=device)
             token_types = (ids_tensor == self.processor.image_token_id).int()
-            positions, delta = self.model.model.get_rope_index(
-                ids_tensor, token_types, image_grid_thw=inputs.image_grid_thw.to(device))
-        embeds = torch.cat([embed for embed, _ in features])
-        deepstack = tuple(torch.cat([layers[k] for _, layers in features]) for k in range(len(features[0][1])))
+            grids = torch.tensor([grid for grid, _, _ in features], device=device)
+            positions, delta = self.model.model.get_rope_index(ids_tensor, token_types, image_grid_thw=grids)
+        embeds = torch.cat([embed for _, embed, _ in features])
+        deepstack = tuple(torch.cat([layers[k] for _, _, layers in features]) for k in range(len(features[0][2])))
         is_image = torch.tensor(ids) == self.processor.image_token_id
         image_rows = torch.full((len(ids),), -1, dtype=torch.long)
         image_rows[is_image] = torch.arange(int(is_image.sum()))
@@ -96,10 +105,11 @@ class VisionEncoder:
         return VisionPrompt(ids=ids, cache_ids=cache_ids, image_rows=image_rows.to(device), embeds=embeds,
                             deepstack=deepstack, mrope=positions[:, 0].to(device), delta=int(delta.reshape(-1)[0]))
 
-    def _features(self, images: list[LoadedImage], pixel_values: torch.Tensor,
-                  grids: list[tuple[int, int, int]]) -> list[tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
-        """Each image's embeddings (and deepstack features), from the cache or the vision tower."""
-        out: list[tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None] = []
+    def _features(self, images: list[LoadedImage]) -> list[Features]:
+        """Each image's patch grid and embeddings (and deepstack features): from the cache, else the image
+        processor and the vision tower (one call for all the images not cached). Its token count is checked against
+        the grid (the sampler counted it from the size)."""
+        out: list[Features | None] = []
         missing: list[int] = []
         for i, image in enumerate(images):
             cached = self._cache.get(image.sha256)
@@ -109,28 +119,26 @@ class VisionEncoder:
                 missing.append(i)
             out.append(cached)
         if missing:
-            starts = [0]
-            for t, h, w in grids:
-                starts.append(starts[-1] + t * h * w)
-            pixels = torch.cat([pixel_values[starts[i]:starts[i + 1]] for i in missing]).to(self.model.device)
-            grid = torch.tensor([grids[i] for i in missing], device=self.model.device)
-            encoded = self.model.model.get_image_features(pixels, grid, return_dict=True)
+            inputs = self.processor.inputs([images[i] for i in missing])
+            device = self.model.device
+            encoded = self.model.model.get_image_features(inputs.pixel_values.to(device),
+                                                          inputs.image_grid_thw.to(device), return_dict=True)
             layers = getattr(encoded, "deepstack_features", None) or []
-            for j, i in enumerate(missing):
-                features = (encoded.pooler_output[j], tuple(layer[j] for layer in layers))
+            for j, (i, grid) in enumerate(zip(missing, inputs.grids(), strict=True)):
+                features = (grid, encoded.pooler_output[j], tuple(layer[j] for layer in layers))
                 out[i] = features
                 self._remember(images[i].sha256, features)
         return out  # type: ignore[return-value]
 
-    def _remember(self, sha256: str, features: tuple[torch.Tensor, tuple[torch.Tensor, ...]]) -> None:
-        size = sum(t.numel() * t.element_size() for t in (features[0], *features[1]))
+    def _remember(self, sha256: str, features: Features) -> None:
+        size = _nbytes(features)
         if sha256 in self._cache or size > EMBEDDING_CACHE_BYTES:
             return
         self._cache[sha256] = features
         self._cache_bytes += size
         while self._cache_bytes > EMBEDDING_CACHE_BYTES:
-            _, (embed, layers) = self._cache.popitem(last=False)
-            self._cache_bytes -= sum(t.numel() * t.element_size() for t in (embed, *layers))
+            _, dropped = self._cache.popitem(last=False)
+            self._cache_bytes -= _nbytes(dropped)
 
     def forget(self) -> None:
         """Drop the cached embeddings (new weights)."""

@@ -66,7 +66,12 @@ class LoadedImage:
             return image.convert("RGB")
 
     def data_uri(self) -> str:
-        """The image as a ``data:`` URI (what an OpenAI ``image_url`` part or SGLang's ``image_data`` carries)."""
+        """The image as a ``data:`` URI (what an OpenAI ``image_url`` part or SGLang's ``image_data`` carries),
+        encoded once: every LLM call of a trajectory sends its pictures again."""
+        return self._data_uri
+
+    @cached_property
+    def _data_uri(self) -> str:
         return f"data:{self.mime_type};base64,{base64.b64encode(self.data).decode('ascii')}"
 
 
