@@ -7,12 +7,13 @@ preset resolves under each of its tables' conditions."""
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import pytest
 
 from agentrl.config_flags import flag_fields
 from agentrl.rollout.config import SamplerConfig
-from agentrl.run.config import PRESETS, SECTIONS, SHARED, SHORT_NAMES, WIRED, RunConfig
+from agentrl.run.config import PRESETS, SECTIONS, SHARED, SHORT_NAMES, TASK_SETS, WIRED, RunConfig
 from agentrl.run.layers import resolve
 from agentrl.store.models import RunValues
 from agentrl.training.config import TrainConfig
@@ -62,3 +63,13 @@ def test_every_preset_resolves_under_each_condition(preset: str) -> None:
         flags = {"mode": mode, "env": env, "lora_r": lora_r, "model": model, "run_name": "r"}
         config = resolve({key: value for key, value in flags.items() if value is not None}, preset).config
         assert config.run_name == "r"
+
+
+def test_a_presets_relative_paths_are_the_repositorys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # not the repository: a preset's paths do not depend on where the run starts
+    config = resolve({}, "cpu-vision-demo").config
+    assert (config.tasks, config.eval_tasks, config.warmup_tasks) == tuple(
+        TASK_SETS / f"pictures_{name}.jsonl" for name in ("rl", "heldout", "warmup"))
+    assert all(path.is_file() for path in (config.tasks, config.eval_tasks, config.warmup_tasks))
+    assert resolve({"tasks": "mine.jsonl"}, "cpu-vision-demo").config.tasks == Path("mine.jsonl")  # a flag's: as given
+    assert config.model == "embedded-vision" and config.mcp_config == "none"

@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from pymongo import MongoClient
 
 from agentrl.store.embedded import embedded_server
 from example_fixtures import ROOT, ExampleRun
@@ -93,3 +94,45 @@ def test_eval_example_evaluates_and_reuses_its_stored_result(tmp_path: Path, scr
     assert "reusing the stored result" in outputs[1] and "reusing the stored result" not in outputs[2]
     # an engine only where something is sampled: the reuse starts none
     assert ["serving at" in output for output in outputs] == [True, False, True], outputs
+
+
+def test_minirl_vision_example_runs_the_loop_with_pictures(tmp_path: Path) -> None:
+    """`minirl_vision_example.sh` (`agentrl run --preset cpu-vision-demo`) on its embedded path with a tiny random VLM
+    for speed: picture tasks uploaded with their pictures, held-out evaluations, a warm-up on demonstrations with
+    pictures, one RL step; the pictures are in GridFS once each and named by the samples the trainer trained."""
+    from agentrl.inference.tiny_model import build_tiny_vision_model
+
+    model = build_tiny_vision_model(tmp_path / "vlm", max_pixels=112 * 112)
+    run_dir, db_dir = tmp_path / "run", tmp_path / "db"
+    env = {**{k: v for k, v in os.environ.items() if k != "AGENTRL_DB"}, "MODEL": str(model), "NUM_TASKS": "4",
+           "NUM_EVAL_TASKS": "2", "WARMUP": "2", "WARMUP_THREADS": "1", "TRAIN_STEPS": "1", "TRAIN_TIME_S": "0",
+           "TRAIN_BATCH_SIZE": "4", "SAVE_STEPS": "1", "SYNC_EVERY": "1", "ENGINE_THREADS": "1",
+           "RUN_DIR": str(run_dir), "AGENTRL_DB_DIR": str(db_dir),  # noise answers: keep the groups
+           "EXTRA_SAMPLE_FLAGS": "--seed 1 --zero_variance_threshold 0 --drop_zero_advantage false"}
+    done = subprocess.run([str(ROOT / "minirl_vision_example.sh"), "ci_vision"], capture_output=True, text=True,
+                          env=env, timeout=600)
+    out = done.stdout
+    assert done.returncode == 0, out[-4000:] + done.stderr[-4000:]
+    assert "MINIRL step 1/1 trained, 4 samples" in out and "run ci_vision finished" in out, out[-4000:]
+    assert "held-out accuracy (2 tasks, greedy): before" in out and "tools: none" in out
+    demo = json.loads((run_dir / "warmup" / "demos.jsonl").read_text().splitlines()[0])
+    assert demo["messages"][1]["content"][0]["type"] == "image_url"
+    tasks = [json.loads(line) for line in (ROOT / "assets/tasks/pictures_rl.jsonl").read_text().splitlines()[:4]]
+    server = embedded_server(db_dir)
+    server.start()
+    try:
+        uri = server.uri("ci_vision")
+        named = {doc["_id"]: doc.get("images", []) for doc in documents(uri, "Task")}
+        assert {len(named[f"train:{task['id']}"]) for task in tasks} == {1}
+        pictures = {sha256 for task in tasks for sha256 in named[f"train:{task['id']}"]}
+        assert len(pictures) == 4
+        client = MongoClient(uri)
+        try:  # each stored once (a GridFS files document by sha256)
+            assert all(len(list(client.get_default_database()["images.files"].find({"_id": sha256}))) == 1
+                       for sha256 in pictures)
+        finally:
+            client.close()
+        trained = [s for s in documents(uri, "DBRecordData") if s["status"] == "trained"]
+        assert len(trained) == 4 and all(len(s["images"]) == 1 and s["images"][0] in pictures for s in trained)
+    finally:
+        server.stop()

@@ -1,4 +1,5 @@
-"""`agentrl model default`: print the path of the embedded model (converted once from the bundled GGUF).
+"""`agentrl model default [--vision]`: print the path of the embedded model (converted once from the bundled GGUF),
+or of the embedded vision-language model (built once from it: :mod:`agentrl.inference.embedded_vision_model`).
 `agentrl model merge ADAPTER --out DIR`: a LoRA adapter (e.g. a ``--use_peft`` checkpoint) merged into its base."""
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     actions = parser.add_subparsers(dest="model_action", metavar="ACTION", required=True)
     default = actions.add_parser(
         "default", help="print the cached Hugging Face directory of SmolLM2-135M-Instruct (converting it once)")
+    default.add_argument("--vision", action="store_true",
+                         help="the embedded vision-language model instead: SmolLM2-135M-Instruct with a random vision "
+                              "tower of its own, a Qwen2.5-VL (built once; --model embedded-vision of agentrl run)")
     default.set_defaults(func=run)
     merge = actions.add_parser(
         "merge", help="merge a LoRA adapter directory (e.g. a --use_peft checkpoint) into its base model",
@@ -26,9 +30,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from agentrl.inference.embedded_model import EmbeddedModelError, default_model_path
+    from agentrl.inference.embedded_vision_model import default_vision_model_path
 
     try:
-        print(default_model_path())
+        print(default_vision_model_path() if args.vision else default_model_path())
     except EmbeddedModelError as error:
         print(f"error: {error}")
         return 1

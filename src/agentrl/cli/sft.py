@@ -187,7 +187,8 @@ def run_demos(args: argparse.Namespace) -> int:
         async with manager as tools:
             for line, task in entries:
                 try:
-                    demos.append(await demonstrate(task, tools, query_prompt=args.query_prompt))
+                    demos.append(await demonstrate(task, tools, query_prompt=args.query_prompt,
+                                                   images=parsed.images))
                 except DemonstrationError as error:
                     failures.append(f"{args.tasks}:{line}: {error}")
         return demos, failures

@@ -7,7 +7,8 @@ parser reads, as the model is to write them), the tool's **real** result (the ca
 rollouts use), and a last turn giving the Task's answer in its answer schema. It is written in the OpenAI ``messages``
 form that ``agentrl sft upload`` reads, which renders it with the chat template into the same token ids as a rollout
 that produced these outputs (the system message holds the prompt without the tool instructions; ``tools`` carries the
-specs, and the upload adds the instructions exactly as the agent loop does).
+specs, and the upload adds the instructions exactly as the agent loop does). A Task's pictures come before its text in
+the user message, as ``image_url`` parts with ``data:`` URIs, where the agent loop puts them.
 
 Which calls a Task demonstrates: its ``demo_calls`` metadata (a list of ``{"name", "arguments"}``), or, for
 calculator tasks such as the built-in set, ``calculate`` with its ``expression``. A Task with a **worked solution**
@@ -23,6 +24,7 @@ from typing import Any
 from agentrl.store.models import Task
 from agentrl.tools import ToolManager
 from agentrl.trajectory.prompting import system_prompt_for
+from agentrl.vision.images import LoadedImage
 
 ANSWER_TEMPLATES = {
     "boxed": "The answer is \\boxed{{{answer}}}.",
@@ -74,13 +76,21 @@ def check(task: Task) -> list[dict[str, Any]]:
     return demo_calls(task)
 
 
-async def demonstrate(task: Task, tools: ToolManager | None, *, query_prompt: str = "{query}") -> dict[str, Any]:
+async def demonstrate(task: Task, tools: ToolManager | None, *, query_prompt: str = "{query}",
+                      images: dict[str, LoadedImage] | None = None) -> dict[str, Any]:
     """The demonstration of ``task`` in the SFT ``messages`` form (see the module docstring); ``tools`` may be
-    None for tasks that need no calls."""
+    None for tasks that need no calls; ``images`` holds the Task's pictures by sha256."""
     calls = check(task)
+    user: str | list[dict[str, Any]] = query_prompt.format(query=task.query)
+    if task.images:
+        missing = [sha256 for sha256 in task.images if sha256 not in (images or {})]
+        if missing:
+            raise DemonstrationError(f"the task's image {missing[0]} was not loaded")
+        user = [*({"type": "image_url", "image_url": {"url": images[sha256].data_uri()}} for sha256 in task.images),
+                {"type": "text", "text": user}]
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": system_prompt_for(task.system_prompt, task.answer_schema)},
-        {"role": "user", "content": query_prompt.format(query=task.query)},
+        {"role": "user", "content": user},
     ]
     if calls and tools is None:
         raise DemonstrationError("the task's calls need tool servers: give --tools or --mcp_config")

@@ -127,8 +127,9 @@ class RunConfig(BaseModel):
         "--mode eval: eval-YYYYmmdd-HHMMSS)")
     run_dir: Path | None = Field(None, description="run files and logs (default: runs/RUN_NAME in the repository)")
     model: str | None = Field(
-        None, description="Hugging Face directory to serve and train (default: the embedded SmolLM2-135M-Instruct); "
-        "with --sglang_urls the servers' model (its tokenizer)")
+        None, description="Hugging Face directory to serve and train (default: the embedded SmolLM2-135M-Instruct; "
+        "embedded-vision: it with a random vision tower of its own, a Qwen2.5-VL built once, as the picture demo "
+        "uses); with --sglang_urls the servers' model (its tokenizer)")
 
     # ------------------------------------------------------------------------------------- database, inference
     mongo_uri: str | None = Field(

@@ -16,6 +16,7 @@ from agentrl.run.stages import RunState
 def train(run: RunState) -> None:
     """The RL run: the held-out evaluations of the starting, warmed-up and final model frame a warm-up and RL."""
     config = run.config
+    stages.use_model(run)
     stages.use_database(run)
     if config.env:
         tasks, limit = stages.use_env(run), None
@@ -49,6 +50,7 @@ def evaluate(run: RunState) -> None:
     """--mode eval: `agentrl eval` of the model on the tasks, through the run's database and tools; on
     ``--sglang_urls``, else on the engine `agentrl eval` starts itself once it knows it has something to sample (a
     stored result is reused without one)."""
+    stages.use_model(run)
     stages.use_database(run)
     if run.config.env:
         stages.use_env(run)

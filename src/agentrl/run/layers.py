@@ -7,7 +7,8 @@ A file's top-level keys are the run's flags without ``--`` (run options, shared 
 flags of that process. A table ``[with_env]``, ``[with_lora]`` or ``[with_model]`` applies only with ``--env``,
 ``--lora_r`` > 0 or ``--model`` (these taken from every layer), after the file's own keys and in the order written;
 inside ``[with_env]`` a table named after an environment (``[with_env.sciworld]``) applies only to it, and tables
-nest (``[with_env.with_lora]``). The printed view is itself such a file: ``--print_config > my.toml`` then
+nest (``[with_env.with_lora]``). A relative path a preset gives (``tasks = "assets/tasks/pictures_rl.jsonl"``) is
+relative to the repository the presets ship in; elsewhere, to the working directory. The printed view is itself such a file: ``--print_config > my.toml`` then
 ``--config my.toml`` runs the same configuration.
 """
 
@@ -23,9 +24,11 @@ from pydantic import ValidationError
 
 from agentrl.config_files import ConfigFileError, read_toml, toml_value
 from agentrl.config_flags import describe_errors, flag_fields, flag_items, flag_values
-from agentrl.run.config import PRESETS, SECTIONS, SHARED, SHORT_NAMES, WIRED, RunConfig
+from agentrl.run.config import PRESETS, REPO, SECTIONS, SHARED, SHORT_NAMES, WIRED, RunConfig
 
 CONDITIONS = ("env", "lora", "model")
+PATH_OPTIONS = frozenset(name for name, info in RunConfig.model_fields.items() if "Path" in str(info.annotation))
+"""The run's options that are paths (a preset's relative ones are relative to the repository)."""
 Key = tuple[str | None, str]
 """(section or None for the run's own options, flag)."""
 
@@ -117,6 +120,9 @@ def resolve(flags: dict[str, Any], preset: str | None = None, config_file: Path 
     for origin, where, data in layers:
         for table_where, table in _tables(data, where if origin != "flag" else "", conditions):
             for key, (value, label) in _keys(table, table_where).items():
+                if origin == "preset" and key[0] is None and key[1] in PATH_OPTIONS and isinstance(value, str) \
+                        and not Path(value).is_absolute():
+                    value = str(REPO / value)
                 values[key], origins[key] = value, origin
                 labels[key] = label if origin != "flag" else "--" + (
                     ".".join(filter(None, key)) if key[0] and label.startswith("[") else label)

@@ -25,6 +25,8 @@ from agentrl.training.config import TrainConfig
 
 AGENTRL = [sys.executable, "-m", "agentrl.cli.main"]
 EMBEDDED_MODEL = "the embedded SmolLM2-135M-Instruct"
+EMBEDDED_VISION = "embedded-vision"
+"""``--model`` of the embedded vision-language model (:mod:`agentrl.inference.embedded_vision_model`)."""
 HELD_OUT_CONCURRENCY = 64
 """Trajectories in flight in a held-out evaluation (the engine's batch limit): 64 tasks at once take 0.90x the time
 of 16 at a time (CPU, embedded model); ``--eval.max_concurrent_samples_per_process`` may set another."""
@@ -67,6 +69,16 @@ class RunState:
     @property
     def prompt_flags(self) -> list[str]:
         return ["--query_prompt", self.config.query_prompt] if self.config.query_prompt else []
+
+
+def use_model(run: RunState) -> None:
+    """``--model embedded-vision``: the embedded vision-language model's directory, built on first use."""
+    if run.config.model == EMBEDDED_VISION:
+        from agentrl.inference.embedded_vision_model import default_vision_model_path
+
+        say("model: the embedded SmolLM2-135M-Instruct with a random vision tower of its own (built once)")
+        run.config.model = str(default_vision_model_path())
+        say(f"model: {run.config.model}")
 
 
 def model_flags(model: str | Path | None) -> list[str]:

@@ -84,6 +84,9 @@ class TrainConfig(BaseModel):
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
     freeze_vision_tower: bool = Field(False, description="a vision-language policy: train its language model only, "
                                       "the vision tower (model.visual) frozen (EasyR1's and verl's name)")
+    vision_learning_rate: float | None = Field(
+        None, gt=0, description="a vision-language policy: the learning rate of its vision tower (model.visual), "
+        "e.g. higher for a newly initialised one, as LLaVA's mm_projector_lr (default: --learning_rate)")
     cpu_ram_efficient_loading: bool = Field(
         True, description="several ranks: only rank 0 reads the weights into host memory, the others build the "
         "model on the meta device and receive their shards by broadcast (false: every rank reads them)")

@@ -4,6 +4,7 @@ schedule, built from the trainer's configuration."""
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import Any
 
@@ -97,9 +98,13 @@ def vision_setup(cfg: TrainConfig, parallel: ParallelState, model: torch.nn.Modu
     collectives in every pass, and a pass without images skips the vision tower's."""
     vision = VisionProcessor.of(path)
     if vision is None:
-        if cfg.freeze_vision_tower:
-            raise TrainerError(f"--freeze_vision_tower: {path} is a text model (it has no vision tower)")
+        for flag, given in (("freeze_vision_tower", cfg.freeze_vision_tower),
+                            ("vision_learning_rate", cfg.vision_learning_rate is not None)):
+            if given:
+                raise TrainerError(f"--{flag}: {path} is a text model (it has no vision tower)")
         return None
+    if cfg.freeze_vision_tower and cfg.vision_learning_rate is not None:
+        raise TrainerError("--vision_learning_rate: the vision tower is frozen (--freeze_vision_tower)")
     if parallel.distributed:
         raise TrainerError(f"{path} is a vision-language model ({vision.model_type}): it trains in one process "
                            f"for now (launch one process, or train a text model over several)")
@@ -140,11 +145,21 @@ def shared_prefix_min(cfg: TrainConfig, model: torch.nn.Module, ref_model: torch
     return MIN_SHARED_TOKENS
 
 
+VISION_TOWER = re.compile(r"(^|\.)visual\.")
+"""Names of a Qwen-VL policy's vision tower parameters (``model.visual.*``, also under PEFT's wrapper)."""
+
+
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
-    """AdamW, weight decay on matrices only."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    """AdamW, weight decay on matrices only; a vision tower's parameters at ``--vision_learning_rate`` if set
+    (the schedule scales every group alike; the first group's rate is the one logged)."""
+    groups = []
+    for vision in (False, True):
+        rate = cfg.vision_learning_rate if vision and cfg.vision_learning_rate is not None else cfg.learning_rate
+        chosen = [(name, p) for name, p in model.named_parameters()
+                  if p.requires_grad and (cfg.vision_learning_rate is not None
+                                          and VISION_TOWER.search(name) is not None) == vision]
+        groups += [{"params": [p for _, p in chosen if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr": rate},
+                   {"params": [p for _, p in chosen if p.ndim < 2], "weight_decay": 0.0, "lr": rate}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
