@@ -8,8 +8,8 @@ flags of that process. A table ``[with_env]``, ``[with_lora]`` or ``[with_model]
 ``--lora_r`` > 0 or ``--model`` (these taken from every layer), after the file's own keys and in the order written;
 inside ``[with_env]`` a table named after an environment (``[with_env.sciworld]``) applies only to it, and tables
 nest (``[with_env.with_lora]``). A relative path a preset gives (``tasks = "assets/tasks/pictures_rl.jsonl"``) is
-relative to the repository the presets ship in; elsewhere, to the working directory. The printed view is itself such a file: ``--print_config > my.toml`` then
-``--config my.toml`` runs the same configuration.
+relative to the repository the presets ship in; elsewhere, to the working directory. The printed view is itself
+such a file: ``--print_config > my.toml`` then ``--config my.toml`` runs the same configuration.
 """
 
 from __future__ import annotations
