@@ -18,7 +18,7 @@ from agentrl.inference.tiny_model import build_tiny_model
 CONVERT_SCRIPT = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from agentrl.inference.embedded_model import _cached
+    from agentrl.inference.embedded_model import cached_model_dir
 
     log = Path(sys.argv[1])
 
@@ -30,7 +30,7 @@ CONVERT_SCRIPT = textwrap.dedent("""
             raise RuntimeError("conversion interrupted")
         (out_dir / "weights.bin").write_text("w")
 
-    print(_cached("demo-model", convert))
+    print(cached_model_dir("demo-model", convert))
 """)
 
 

@@ -252,25 +252,34 @@ def write_jsonl(tasks: list[dict[str, Any]], path: str | Path) -> None:
             handle.write(json.dumps(task, ensure_ascii=False) + "\n")
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description="Generate arithmetic tool-use tasks.")
+def generator_main(argv: list[str] | None, description: str,
+                   generate: Callable[[int, int, str], list[dict[str, Any]]],
+                   shipped_sets: dict[str, tuple[int, int, str]]) -> int:
+    """The command line of a task-set generator: ``--out FILE`` (``--n``, ``--seed``, ``--prefix``; defaults: the
+    first shipped set's) or ``--shipped [DIR]``, every set of ``shipped_sets`` rewritten."""
+    n, seed, prefix = next(iter(shipped_sets.values()))
+    parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--out", default=None, help="write N tasks of SEED here")
-    parser.add_argument("--n", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--prefix", default="arith", help="task ids are PREFIX-0000, PREFIX-0001, ...")
+    parser.add_argument("--n", type=int, default=n)
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--prefix", default=prefix, help="task ids are PREFIX-0000, PREFIX-0001, ...")
     parser.add_argument("--shipped", default=None, metavar="DIR", nargs="?", const="assets/tasks",
                         help="regenerate the shipped sets (SHIPPED_SETS) in DIR (default: assets/tasks)")
     args = parser.parse_args(argv)
     if args.shipped:
-        for name, (n, seed, prefix) in SHIPPED_SETS.items():
-            write_jsonl(generate_arith_tasks(n, seed, prefix), Path(args.shipped) / name)
+        for name, (n, seed, prefix) in shipped_sets.items():
+            write_jsonl(generate(n, seed, prefix), Path(args.shipped) / name)
             print(f"wrote {n} tasks to {Path(args.shipped) / name}")
     elif args.out:
-        write_jsonl(generate_arith_tasks(args.n, args.seed, args.prefix), args.out)
+        write_jsonl(generate(args.n, args.seed, args.prefix), args.out)
         print(f"wrote {args.n} tasks to {args.out}")
     else:
         parser.error("give --out FILE or --shipped [DIR]")
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return generator_main(argv, "Generate arithmetic tool-use tasks.", generate_arith_tasks, SHIPPED_SETS)
 
 
 if __name__ == "__main__":

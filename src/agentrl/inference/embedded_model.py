@@ -59,15 +59,16 @@ def gguf_path() -> Path:
 
 def default_model_path() -> Path:
     """The cached Hugging Face directory of the embedded model, converting it on first use (~30 s)."""
-    return _cached(MODEL_DIR_NAME, _convert_model)
+    return cached_model_dir(MODEL_DIR_NAME, _convert_model)
 
 
 def default_tokenizer_path() -> Path:
     """A cached directory with only the embedded model's tokenizer and chat template (converts in seconds)."""
-    return _cached(TOKENIZER_DIR_NAME, _convert_tokenizer)
+    return cached_model_dir(TOKENIZER_DIR_NAME, _convert_tokenizer)
 
 
-def _cached(name: str, convert: Callable[[Path, Path], None]) -> Path:
+def cached_model_dir(name: str, convert: Callable[[Path, Path], None]) -> Path:
+    """``$AGENTRL_HOME/models/NAME``, made once by ``convert(gguf_file, directory)`` (atomically, under a lock)."""
     home = models_home()
     target = home / name
     if (target / COMPLETE_MARKER).is_file():

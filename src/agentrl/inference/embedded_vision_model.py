@@ -4,11 +4,12 @@ No pretrained small VLM ships in a package here, so the picture demo (``./minirl
 a ``Qwen2_5_VLForConditionalGeneration`` whose language model *is* SmolLM2-135M-Instruct — same widths, 30 layers,
 its weights copied, Qwen2's q/k/v biases zero (then the two attention blocks compute the same function), one
 rotary section per axis that sums to the head's (text alone gets equal positions on every axis, so multimodal
-rotary positions reduce to SmolLM2's) — and a small **random** vision tower (two blocks of width 128, about 1.3 M
+rotary positions reduce to SmolLM2's) — and a small **random** vision tower (two blocks of width 128, 1.2 M
 parameters) whose output is scaled to the norm of the text embeddings. On text it answers as the embedded model
-does (tested); what it sees it has to learn, which the demo's warm-up and RL do on generated pictures.
+does (tested: equal logits); what it sees it has to learn, which the picture demo does not manage yet
+(docs/images.md).
 
-It is built once (about 20 s) into ``$AGENTRL_HOME/models/`` (as the embedded model is converted: atomically, under
+It is built once (about 10 s) into ``$AGENTRL_HOME/models/`` (as the embedded model is converted: atomically, under
 a file lock); ``agentrl model default --vision`` prints its directory. The tokenizer is the embedded one with the
 four Qwen-VL vision tokens added (their embeddings the mean of the others), the chat template the embedded one
 that also renders image parts, the image processor transformers' PIL one with at most 112 x 112 pixels an image
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from agentrl.inference.embedded_model import _cached, default_model_path
+from agentrl.inference.embedded_model import cached_model_dir, default_model_path
 
 VISION_MODEL_DIR_NAME = "SmolLM2-135M-Instruct-VL-1"
 """The cached directory's name: its number changes with what :func:`build_vision_model` makes, so that a cache of an
@@ -33,7 +34,8 @@ SEED = 0
 
 def default_vision_model_path() -> Path:
     """The cached directory of the embedded vision-language model, building it on first use."""
-    return _cached(VISION_MODEL_DIR_NAME, lambda _source, out_dir: build_vision_model(default_model_path(), out_dir))
+    return cached_model_dir(VISION_MODEL_DIR_NAME,
+                            lambda _gguf, out_dir: build_vision_model(default_model_path(), out_dir))
 
 
 def build_vision_model(text_model: str | Path, out_dir: str | Path, *, seed: int = SEED) -> Path:

@@ -152,14 +152,14 @@ VISION_TOWER = re.compile(r"(^|\.)visual\.")
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:
     """AdamW, weight decay on matrices only; a vision tower's parameters at ``--vision_learning_rate`` if set
     (the schedule scales every group alike; the first group's rate is the one logged)."""
+    tower = {id(p) for name, p in model.named_parameters() if VISION_TOWER.search(name)} \
+        if cfg.vision_learning_rate is not None else set()
+    trained = [p for p in model.parameters() if p.requires_grad]
     groups = []
-    for vision in (False, True):
-        rate = cfg.vision_learning_rate if vision and cfg.vision_learning_rate is not None else cfg.learning_rate
-        chosen = [(name, p) for name, p in model.named_parameters()
-                  if p.requires_grad and (cfg.vision_learning_rate is not None
-                                          and VISION_TOWER.search(name) is not None) == vision]
-        groups += [{"params": [p for _, p in chosen if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr": rate},
-                   {"params": [p for _, p in chosen if p.ndim < 2], "weight_decay": 0.0, "lr": rate}]
+    for rate, params in ((cfg.learning_rate, [p for p in trained if id(p) not in tower]),
+                         (cfg.vision_learning_rate, [p for p in trained if id(p) in tower])):
+        groups += [{"params": [p for p in params if p.ndim >= 2], "weight_decay": cfg.weight_decay, "lr": rate},
+                   {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0, "lr": rate}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=cfg.learning_rate,
                              betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon)
 
