@@ -127,6 +127,43 @@ def test_tasks_with_images_roll_out_token_exact_and_train(db_uri: str, tmp_path:
         "model_path": str(vision_model), "weight_version": "0"}).raise_for_status()
 
 
+def test_evaluations_show_the_model_each_tasks_pictures(db_uri: str, tmp_path: Path, vision_model: Path,
+                                                         vision_engine: str) -> None:
+    """`agentrl eval` of a task file and of a stored split: the evaluation's copies of the Tasks keep their pictures
+    (stored in GridFS first) and every call sends them (an evaluation that dropped them scored a blind model)."""
+    pictures = {"a.png": picture(4, (56, 56)), "b.png": picture(5, (84, 56))}
+    for name, data in pictures.items():
+        (tmp_path / name).write_bytes(data)
+    sha = {name: hashlib.sha256(data).hexdigest() for name, data in pictures.items()}
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "one", "question": "What colour?", "answer": "red", "images": ["a.png"]})
+                     + "\n" + json.dumps({"id": "two", "question": "Which?", "answer": "left",
+                                          "images": ["b.png", "a.png"]}) + "\n")
+    common = ["--db_connection_string", db_uri, "--inference_urls", vision_engine, "--model_name_or_path",
+              str(vision_model), "--mcp_config", "none", "--scorer", "exact", "--max_turns", "1",
+              "--max_new_tokens", "4", "--json"]
+    from rollout_fixtures import run_env
+
+    def evaluate(*args: str) -> dict:
+        done = subprocess.run(agentrl_cmd("eval", *common, *args), capture_output=True, text=True, env=run_env(),
+                              timeout=180)
+        assert done.returncode == 0, done.stdout + done.stderr
+        return json.loads(done.stdout)
+
+    want = {"one": [sha["a.png"]], "two": [sha["b.png"], sha["a.png"]]}
+    from_file = evaluate("--tasks", str(tasks))
+    stored = asyncio.run(_read_images(db_uri, list(sha.values())))  # stored by the evaluation itself
+    assert [image.data for image in stored] == [pictures["a.png"], pictures["b.png"]]
+    upload(db_uri, tasks, "--split", "heldout")
+    from_split = evaluate("--split", "heldout")
+    for result in (from_file, from_split):
+        copies = documents(db_uri, "Task", {"split": result["split"]})
+        assert {t["_id"].rsplit(":", 1)[1]: t["images"] for t in copies} == want
+        calls = documents(db_uri, "DispatchedSamplingTask", {"task_id": {"$in": [t["_id"] for t in copies]}})
+        assert len(calls) == 2 and all(c["images"] == want[c["task_id"].rsplit(":", 1)[1]] for c in calls)
+        assert result["metrics"]["errors"] == 0
+
+
 def _load(pictures: dict[str, bytes], sha: dict[str, str], wanted: str):
     from agentrl.vision.images import load_image
 

@@ -62,6 +62,7 @@ from agentrl.store.connection import DB_HELP
 from agentrl.store.evals import Eval, EvalStatus
 from agentrl.store.models import OPEN_TASK_STATES
 from agentrl.store.task_files import TaskFileError, UploadDefaults, parse_file
+from agentrl.vision.images import LoadedImage
 
 logger = logging.getLogger(__name__)
 
@@ -153,15 +154,18 @@ def task_type_of(task: Task) -> str:
     return str(value) if value else UNTYPED
 
 
-def load_task_file(cfg: EvalConfig) -> list[Task]:
-    """Parse and validate the whole task file (raises :class:`TaskFileError` listing ``FILE:LINE`` problems)."""
+def load_task_file(cfg: EvalConfig) -> tuple[list[Task], list[LoadedImage]]:
+    """Parse and validate the whole task file (raises :class:`TaskFileError` listing ``FILE:LINE`` problems): its
+    Tasks (the first ``--limit``) and the images they refer to."""
     defaults = UploadDefaults(split=_PLACEHOLDER_SPLIT, num_generations=1, scorer=cfg.scorer,
                               answer_schema=cfg.answer_schema, max_attempts=cfg.max_attempts)
     parsed = parse_file(cfg.tasks, defaults)
     if parsed.problems:
         raise TaskFileError(parsed.problems)
     tasks = [task for _, task in parsed.tasks]
-    return tasks[: cfg.limit] if cfg.limit else tasks
+    tasks = tasks[: cfg.limit] if cfg.limit else tasks
+    wanted = {sha256 for task in tasks for sha256 in task.images}
+    return tasks, [image for sha256, image in parsed.images.items() if sha256 in wanted]
 
 
 async def load_split_tasks(store: Store, split: str, limit: int | None) -> list[Task]:
@@ -184,7 +188,7 @@ async def insert_tasks(store: Store, tasks: list[Task], split: str, generations:
     collection = store.db[Task.collection]
     base = time.time_ns()
     fresh = [Task(id=f"{split}:{task_suffix(t)}", split=split, order=base + i, query=t.query, answer=t.answer,
-                  system_prompt=t.system_prompt, scorer=t.scorer, answer_schema=t.answer_schema,
+                  system_prompt=t.system_prompt, images=t.images, scorer=t.scorer, answer_schema=t.answer_schema,
                   task_type=t.task_type, metadata=t.metadata, content_hash=t.content_hash,
                   num_generations=generations, max_attempts=max_attempts, unclaimed=generations,
                   remaining=generations)
@@ -322,7 +326,7 @@ async def evaluate(cfg: EvalConfig) -> EvalOutcome:
     """Run (or reuse) the evaluation described by ``cfg``; see the module docstring."""
     if bool(cfg.tasks) == bool(cfg.split):
         raise EvalError("give exactly one of --tasks FILE and --split NAME")
-    tasks = load_task_file(cfg) if cfg.tasks else None  # validated before anything is started or written
+    tasks, images = load_task_file(cfg) if cfg.tasks else (None, [])  # validated before anything is started/written
     agent_digest = file_digest(cfg.tools.agent_config_path)
     mcp_digest = file_digest(cfg.tools.mcp_config)
     module_digests = [file_digest(m) for m in cfg.tools.scorer_module]
@@ -367,6 +371,8 @@ async def evaluate(cfg: EvalConfig) -> EvalOutcome:
             logger.info("reusing the stored result of evaluation %s (%s)", key, job.finished_at)
             return EvalOutcome(job, reused=True, database=store.db.name)
         generations = cfg.num_samples_per_task * cfg.repeats
+        for image in images:  # before the Tasks that refer to them (a split's are in this database already)
+            await store.images.put(image)
         inserted = await insert_tasks(store, tasks, job.split, generations, cfg.max_attempts)
         logger.info("evaluation %s: %d tasks × %d samples on split %s (%d tasks inserted)", key, len(tasks),
                     generations, job.split, inserted)
