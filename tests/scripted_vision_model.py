@@ -164,3 +164,31 @@ def train_on_vision_sequences(path: Path, sequences: list[tuple[list[int], list[
         optimizer.step()
     model.save_pretrained(path)
     return path
+
+
+def build_placeholder_vision_model(out_dir: Path, picture: bytes, query: str, steps: int = 30, seed: int = 0) -> Path:
+    """A tiny Qwen2.5-VL whose first reply to ``query`` about ``picture`` (as the agent loop renders them, no tools)
+    is ``<|image_pad|>``: a policy that generates a picture's placeholder token. Trained on the prompt alone (a
+    placeholder among the forward pass's inputs would need an image of its own)."""
+    from transformers import AutoModelForImageTextToText, AutoTokenizer
+
+    torch.manual_seed(seed)
+    path = build_tiny_vision_model(out_dir, family="qwen2_5_vl", seed=seed, hidden_size=128)
+    tokenizer, processor = AutoTokenizer.from_pretrained(path), VisionProcessor(path)
+    image = load_image(picture, "task picture")
+    messages, template_tools = initial_messages(query=query, answer_schema="boxed", system_prompt=None, tools=[],
+                                                tokenizer=tokenizer, images=[image.sha256])
+    conversation = TokenConversation(tokenizer, messages, template_tools, vision=processor,
+                                     pictures={image.sha256: image})
+    x, inputs = torch.tensor([conversation.prompt_ids]), processor.inputs([image])
+    model = AutoModelForImageTextToText.from_pretrained(path)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        logits = model(input_ids=x, pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw,
+                       mm_token_type_ids=(x == processor.image_token_id).int()).logits[0, -1]
+        loss = torch.nn.functional.cross_entropy(logits[None], torch.tensor([processor.image_token_id]))
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+    model.save_pretrained(path)
+    return path

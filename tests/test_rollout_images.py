@@ -164,6 +164,41 @@ def test_evaluations_show_the_model_each_tasks_pictures(db_uri: str, tmp_path: P
         assert result["metrics"]["errors"] == 0
 
 
+def test_a_generated_picture_placeholder_ends_the_trajectory_untrained(db_uri: str, tmp_path: Path) -> None:
+    """A policy that writes ``<|image_pad|>``: no picture stands behind it, so no trainer could forward its ids (before
+    this guard, every turn re-rendered its prompt without them and each call's sample — the placeholders in its
+    output — was queued for the trainer). The trajectory ends ``vision_token_error`` at its first such reply, the
+    call says why, the group stage drops it (nothing queued) and the sampler finishes the Task."""
+    from inference_fixtures import start_engine
+    from scripted_vision_model import build_placeholder_vision_model
+
+    image, query = picture(6, (56, 56)), "What colour dominates?"
+    model = build_placeholder_vision_model(tmp_path / "model", image, query)
+    (tmp_path / "a.png").write_bytes(image)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"id": "one", "question": query, "answer": "red", "images": ["a.png"]}) + "\n")
+    upload(db_uri, tasks, "--num_generations", "2")
+    engine = start_engine(model)
+    try:
+        run_sampler(agentrl_cmd(
+            "sample", "--db_connection_string", db_uri, "--model_name_or_path", str(model),
+            "--inference_urls", engine.url, "--max_turns", "3", "--max_new_tokens", "4", "--temperature", "0",
+            "--zero_variance_threshold", "0", "--drop_zero_advantage", "false", "--exit_when_done", "true"))
+    finally:
+        engine.stop()
+    processor = VisionProcessor(model)
+    records = documents(db_uri, "Record")
+    assert len(records) == 2 and {r["outcome"] for r in records} == {"vision_token_error"}, records
+    assert {r["failure_class"] for r in records} == {"vision_token"}
+    assert all(r["num_turns"] == 1 and "placeholder" in r["error"] for r in records)
+    calls = documents(db_uri, "DispatchedSamplingTask")
+    assert len(calls) == 2 and all(c["status"] == "formaterror" and c["output_ids"][0] == processor.image_token_id
+                                   for c in calls), calls
+    assert documents(db_uri, "DBRecordData") == []
+    [task] = documents(db_uri, "Task")
+    assert task["status"] == "completed"
+
+
 def _load(pictures: dict[str, bytes], sha: dict[str, str], wanted: str):
     from agentrl.vision.images import load_image
 

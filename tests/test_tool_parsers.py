@@ -182,7 +182,7 @@ def test_error_taxonomy_values() -> None:
     assert [str(s) for s in CALL_ERROR_STATUSES] == ["formaterror", "toolfailed", "repeaterror"]
     assert [o.value for o in TrajectoryOutcome] == [
         "answer", "turns_limit_error", "length_limit_error", "repetition_error", "failed_error", "done",
-        "env_start_error", "env_error"]
+        "env_start_error", "env_error", "vision_token_error"]
     assert {"failed_error", "env_start_error", "env_error"} == NO_VERDICT_OUTCOMES
 
 

@@ -105,6 +105,11 @@ class GenerationFailed(Exception):
     """The service rejected the request or aborted the generation: the trajectory ends as ``failed_error``."""
 
 
+class PlaceholderGenerated(Exception):
+    """A vision-language policy generated a picture's placeholder token: the trajectory ends as
+    ``vision_token_error`` (another turn on those ids would be refused, and no trainer can forward them)."""
+
+
 @dataclass
 class TurnState:
     """Where a trajectory stands between LLM calls: what the next call's prompt extends."""
@@ -168,6 +173,11 @@ async def generate_turn(res: AgentResources, lease: SlotLease, calls: CallLog, c
         output_text=result.text, weight_version=version, weight_version_spans=spans if len(spans) > 1 else None,
         finish_reason=result.finish_reason, service_id=service_id, latency_s=time.monotonic() - started)
     state.previous_call = call.id
+    if res.vision is not None and not res.vision.placeholder_ids.isdisjoint(result.output_ids):
+        error = (f"the model generated a picture's placeholder token (ids {sorted(res.vision.placeholder_ids)}) "
+                 "that no picture stands behind")
+        calls.relabel(call.id, CallStatus.FORMATERROR, error=error)
+        raise PlaceholderGenerated(error)
     return Generated(call.id, result.text, list(result.output_ids), version)
 
 
@@ -214,6 +224,9 @@ async def _roll_out(res: AgentResources, lease: SlotLease, calls: CallLog, mcp_s
             generated = await generate_turn(res, lease, calls, conversation, turn, state)
         except GenerationFailed as error:
             return TrajectoryResult(FAILED, None, turn, state.branches, state.first_version, error=str(error))
+        except PlaceholderGenerated as error:
+            return TrajectoryResult(TrajectoryOutcome.VISION_TOKEN_ERROR, None, turn + 1, state.branches,
+                                    state.first_version, error=str(error))
         text = generated.text
 
         answer = extract_answer(text, task.answer_schema)

@@ -45,7 +45,14 @@ from agentrl.envs.base import EnvError, EnvSpec, StepResult
 from agentrl.envs.client import EnvServerError
 from agentrl.envs.protocol import ProtocolError, episode_reward, image_of, state_key_of
 from agentrl.failpoints import failpoint
-from agentrl.rollout.agent import AgentResources, GenerationFailed, TrajectoryResult, TurnState, generate_turn
+from agentrl.rollout.agent import (
+    AgentResources,
+    GenerationFailed,
+    PlaceholderGenerated,
+    TrajectoryResult,
+    TurnState,
+    generate_turn,
+)
 from agentrl.rollout.conversation import TokenConversation
 from agentrl.rollout.tool_parsers import TrajectoryOutcome
 from agentrl.store import CallStatus, SlotLease
@@ -119,6 +126,8 @@ async def _play(res: AgentResources, lease: SlotLease, calls: CallLog, client: A
             generated = await generate_turn(res, lease, calls, conversation, turn, state)
         except GenerationFailed as error:
             return _ended(TrajectoryOutcome.FAILED_ERROR, turn, state, episode, str(error))
+        except PlaceholderGenerated as error:
+            return _ended(TrajectoryOutcome.VISION_TOKEN_ERROR, turn + 1, state, episode, str(error))
         action = parse_action(generated.text, action_format)
         if action is None:
             observation, done, picture = NO_ACTION_HINT[action_format], False, None

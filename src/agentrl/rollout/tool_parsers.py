@@ -65,6 +65,9 @@ class TrajectoryOutcome(StrEnum):
     """The environment instance could not be created or reset (no verdict on the policy)."""
     ENV_ERROR = "env_error"
     """The environment failed during the episode (no verdict on the policy)."""
+    VISION_TOKEN_ERROR = "vision_token_error"
+    """A vision-language policy generated an image or video placeholder token (``<|image_pad|>``) that no picture
+    stands behind: its ids can be neither served again nor trained (a verdict on the policy, never trained)."""
 
 
 NO_VERDICT_OUTCOMES: frozenset[str] = frozenset({TrajectoryOutcome.FAILED_ERROR, TrajectoryOutcome.ENV_START_ERROR,
@@ -78,6 +81,7 @@ OUTCOME_FAILURES: dict[str, FailureClass] = {
     TrajectoryOutcome.LENGTH_LIMIT_ERROR: FailureClass.CONTEXT_LIMIT,
     TrajectoryOutcome.TURNS_LIMIT_ERROR: FailureClass.TURN_LIMIT,
     TrajectoryOutcome.REPETITION_ERROR: FailureClass.REPETITION,
+    TrajectoryOutcome.VISION_TOKEN_ERROR: FailureClass.VISION_TOKEN,
 }
 """The failure class of a Record not trained because of how its trajectory ended (outcomes not listed: its group
 stage decision says why)."""

@@ -175,6 +175,8 @@ class FailureClass(StrEnum):
     """``--max_turns`` turns without an answer (``turns_limit_error``), not kept by the group stage."""
     REPETITION = "repetition"
     """The model repeated itself (``repetition_error``), not kept by the group stage."""
+    VISION_TOKEN = "vision_token"
+    """The model generated a vision placeholder token (``vision_token_error``): its ids cannot be trained."""
     SCORE_ERROR = "score_error"
     """The scorer could not score the answer (``score_error``): the slot is settled as failed."""
     LEASE_LOST = "lease_lost"

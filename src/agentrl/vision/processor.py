@@ -79,6 +79,10 @@ class VisionProcessor:
         self.image_token_id: int = int(config["image_token_id"])
         self.vision_start_id: int = int(config["vision_start_token_id"])
         self.vision_end_id: int = int(config["vision_end_token_id"])
+        self.placeholder_ids: frozenset[int] = frozenset(
+            int(config[key]) for key in ("image_token_id", "video_token_id") if config.get(key) is not None)
+        """The ids that stand for a picture's (or a video's) tokens: a prompt's only where a picture is given, so a
+        generated one can be neither served again (its count fits no image) nor trained."""
         self.merge_size: int = int(config["vision_config"]["spatial_merge_size"])
         self.image_processor: Any = AutoImageProcessor.from_pretrained(str(path))
 
