@@ -4,8 +4,9 @@ Each task is one 112 x 112 PNG (16 image tokens for the embedded vision-language
 background, inline as a ``data:`` URI in the task's ``images``, and a question whose one-word answer is in the picture
 alone: the colour of a large shape or of a small one, which side or which half a shape is on, how many shapes there
 are, the colour of the larger of two. The six task types are meant to be graded (a large shape's colour is easier
-to see than a small one's, two halves easier than four counts); guessing scores 0.29 on average. The embedded
-vision-language model (:mod:`agentrl.inference.embedded_vision_model`) does not learn them yet (docs/images.md).
+to see than a small one's, two halves easier than four counts); guessing scores 0.29 on average. The picture demo
+teaches them to the embedded vision-language model (:mod:`agentrl.inference.embedded_vision_model`; docs/images.md):
+colours first, positions and counts hardly.
 Answers are scored ``exact`` in the ``boxed`` schema; each task's ``demo_response`` is its warm-up demonstration.
 
 Three disjoint sets are shipped (``SHIPPED_SETS``; different seeds): ``pictures_rl.jsonl`` for RL,
@@ -118,7 +119,7 @@ def data_uri(png: bytes) -> str:
 
 
 SHIPPED_SETS: dict[str, tuple[int, int, str]] = {
-    "pictures_rl.jsonl": (240, 10, "pictures"),
+    "pictures_rl.jsonl": (480, 10, "pictures"),
     "pictures_heldout.jsonl": (120, 11, "pictures-heldout"),
     "pictures_warmup.jsonl": (240, 12, "pictures-warmup"),
 }
