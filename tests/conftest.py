@@ -96,6 +96,10 @@ SHARED_ON_ONE_WORKER = ("minirl_example_run",)
 WHOLE_RUN_TIMEOUT_S = 900
 """The timeout of a test that uses ``minirl_example_run``: the first one builds the scripted model and runs the whole
 example script in its setup (on a fresh clone, under the suite's load: more than the default 300 s)."""
+TRAINED_VLM_FIXTURES = ("scripted_vision_model_dir", "babyai_vision_model_dir")
+TRAINED_VLM_TIMEOUT_S = 600
+"""The timeout of a test whose fixture trains a tiny VLM in its setup: 197-270 s of setup alone under the suite's
+load on a slow 2-core EPYC (one test failed at the default 300 s)."""
 # A module of 10 s or more on one worker (measured; its tests start engines, samplers, trainers) says so itself:
 # ``pytestmark = pytest.mark.slow``, so that ``./scripts/test.sh -m "not slow"`` runs the rest, about 550 tests, in
 # under 5 minutes. Those of a minute or more add ``start_rank`` (``pytest.mark.slow(start_rank=N)``): they start
@@ -126,6 +130,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
                 item.add_marker(pytest.mark.xdist_group(shared or item.module.__name__))
         if "minirl_example_run" in item.fixturenames and item.get_closest_marker("timeout") is None:
             item.add_marker(pytest.mark.timeout(WHOLE_RUN_TIMEOUT_S))
+        elif set(TRAINED_VLM_FIXTURES) & set(item.fixturenames) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(TRAINED_VLM_TIMEOUT_S))
         if config.getoption("loadgroup", False) and (group := item.get_closest_marker("xdist_group")) is not None:
             group_node_id(item, str(group.args[0] if group.args else group.kwargs.get("name", "default")))
 
