@@ -21,8 +21,8 @@ from agentrl.inference.process import EngineProcess
 from agentrl.inference.tiny_model import build_tiny_vision_model
 from agentrl.store import Store
 from agentrl.vision.processor import VisionProcessor
-from inference_fixtures import picture
-from rollout_fixtures import agentrl_cmd, documents, upload
+from inference_fixtures import picture, start_engine
+from rollout_fixtures import agentrl_cmd, documents, run_env, upload
 from test_rollout_sampler import full_prompts, run_sampler
 from trainer_fixtures import trainer_args
 
@@ -142,7 +142,6 @@ def test_evaluations_show_the_model_each_tasks_pictures(db_uri: str, tmp_path: P
     common = ["--db_connection_string", db_uri, "--inference_urls", vision_engine, "--model_name_or_path",
               str(vision_model), "--mcp_config", "none", "--scorer", "exact", "--max_turns", "1",
               "--max_new_tokens", "4", "--json"]
-    from rollout_fixtures import run_env
 
     def evaluate(*args: str) -> dict:
         done = subprocess.run(agentrl_cmd("eval", *common, *args), capture_output=True, text=True, env=run_env(),
@@ -169,7 +168,6 @@ def test_a_generated_picture_placeholder_ends_the_trajectory_untrained(db_uri: s
     this guard, every turn re-rendered its prompt without them and each call's sample — the placeholders in its
     output — was queued for the trainer). The trajectory ends ``vision_token_error`` at its first such reply, the
     call says why, the group stage drops it (nothing queued) and the sampler finishes the Task."""
-    from inference_fixtures import start_engine
     from scripted_vision_model import build_placeholder_vision_model
 
     image, query = picture(6, (56, 56)), "What colour dominates?"
@@ -272,7 +270,6 @@ def _audit(db_uri: str, tmp_path: Path, task_sha: str, logo: str, logo_bytes: by
     import httpx
     from pymongo.uri_parser import parse_uri
 
-    from rollout_fixtures import run_env
     from test_dashboard import start_dashboard, stop
 
     run = parse_uri(db_uri)["database"]
@@ -309,7 +306,6 @@ def _sft_on_the_export(db_uri: str, export: Path, model: Path, out: Path, task_s
     """The export back in as SFT data (``agentrl sft upload``: image_url parts read from the files beside it), and
     one cross-entropy step on it with the pictures."""
     from agentrl.train import main
-    from rollout_fixtures import run_env
 
     done = subprocess.run(agentrl_cmd("sft", "upload", str(export), "--db_connection_string", db_uri, "--split", "sft",
                                       "--model_name_or_path", str(model)),

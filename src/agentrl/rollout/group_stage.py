@@ -54,7 +54,7 @@ from agentrl.failpoints import failpoint
 from agentrl.rollout.config import GroupConfig
 from agentrl.rollout.curriculum import CurriculumConfig, next_round, round_task
 from agentrl.rollout.mcp_state import history_state_keys, state_tools
-from agentrl.rollout.tool_parsers import NO_VERDICT_OUTCOMES, OUTCOME_FAILURES, TrajectoryOutcome
+from agentrl.rollout.tool_parsers import NEVER_TRAINED_OUTCOMES, NO_VERDICT_OUTCOMES, OUTCOME_FAILURES
 from agentrl.rollout.turn_rewards import TURN_REWARDS
 from agentrl.store import (
     DBRecordData,
@@ -76,7 +76,6 @@ from agentrl.trajectory.step_credit import Step, StepCredit, step_credits
 logger = logging.getLogger(__name__)
 
 CONTEXT_ERRORS = ("length_limit_error", "turns_limit_error")
-UNTRAINABLE = "vision_token_error: a generated picture placeholder no picture stands behind cannot be trained"
 MAX_SAMPLE_BYTES = 16 * 1024 * 1024 - 64 * 1024
 """MongoDB's document size limit (16 MiB), less room for the fields the queue adds to a sample."""
 _BYTES_PER_TOKEN = 80
@@ -141,9 +140,8 @@ def decide(records: list[Record], cfg: GroupConfig) -> tuple[dict[str, str], dic
     different numbers of turns can teach. Samples without a verdict never count (before, three successes and an
     ``env_error`` scored 0 passed the gate and trained with advantages 0)."""
     kept: dict[str, str] = {}
-    dropped: dict[str, str] = {r.id: str(r.outcome) for r in records if r.outcome in NO_VERDICT_OUTCOMES}
-    dropped |= {r.id: UNTRAINABLE for r in records if r.outcome == TrajectoryOutcome.VISION_TOKEN_ERROR}
-    candidates = [r for r in with_verdict(records) if r.id not in dropped]
+    dropped: dict[str, str] = {r.id: str(r.outcome) for r in records if r.outcome in NEVER_TRAINED_OUTCOMES}
+    candidates = [r for r in records if r.id not in dropped]
     if not candidates:
         return {}, dropped, {}
     rng = random.Random(f"{cfg.seed}:{records[0].task_id}")

@@ -73,6 +73,9 @@ class TrajectoryOutcome(StrEnum):
 NO_VERDICT_OUTCOMES: frozenset[str] = frozenset({TrajectoryOutcome.FAILED_ERROR, TrajectoryOutcome.ENV_START_ERROR,
                                                  TrajectoryOutcome.ENV_ERROR})
 """Outcomes that say nothing about the policy (infrastructure failed): never trained, errors in evaluations."""
+NEVER_TRAINED_OUTCOMES: frozenset[str] = NO_VERDICT_OUTCOMES | {TrajectoryOutcome.VISION_TOKEN_ERROR}
+"""Outcomes the group stage always drops: no verdict, or ids no trainer can forward (a generated picture placeholder:
+a verdict on the policy, wrong in evaluations)."""
 
 OUTCOME_FAILURES: dict[str, FailureClass] = {
     TrajectoryOutcome.FAILED_ERROR: FailureClass.ABORTED_GENERATION,
