@@ -21,7 +21,6 @@ from agentrl.inference.tiny_model import build_tiny_model, build_tiny_vision_mod
 from agentrl.run.config import TASK_SETS
 from agentrl.training.config import TrainConfig
 from agentrl.training.errors import TrainerError
-from agentrl.training.parallel import ParallelState
 from agentrl.training.policy_setup import build_optimizer, vision_setup
 from rollout_fixtures import agentrl_cmd, run_env
 
@@ -114,9 +113,8 @@ def test_a_vision_tower_learns_at_its_own_rate(tmp_path: Path) -> None:
     path = build_tiny_vision_model(tmp_path / "vlm")
     model = AutoModelForImageTextToText.from_pretrained(path)
     tower = {id(p) for p in model.model.visual.parameters()}
-    parallel = ParallelState()
     config = TrainConfig(learning_rate=1e-5, vision_learning_rate=1e-3, weight_decay=0.1)
-    assert vision_setup(config, parallel, model, path) is not None
+    assert vision_setup(config, path) is not None
     groups = build_optimizer(config, model).param_groups
     assert sum(len(g["params"]) for g in groups) == len(list(model.parameters()))
     for group in groups:
@@ -127,10 +125,10 @@ def test_a_vision_tower_learns_at_its_own_rate(tmp_path: Path) -> None:
     assert groups[0]["lr"] == 1e-5  # the rate logged is the language model's
     assert {g["lr"] for g in build_optimizer(TrainConfig(learning_rate=1e-5), model).param_groups} == {1e-5}
     with pytest.raises(TrainerError, match="frozen"):
-        vision_setup(TrainConfig(vision_learning_rate=1e-3, freeze_vision_tower=True), parallel, model, path)
+        vision_setup(TrainConfig(vision_learning_rate=1e-3, freeze_vision_tower=True), path)
     text = build_tiny_model(tmp_path / "text")
     with pytest.raises(TrainerError, match="--vision_learning_rate: .* is a text model"):
-        vision_setup(TrainConfig(vision_learning_rate=1e-3), parallel, torch.nn.Linear(1, 1), text)
+        vision_setup(TrainConfig(vision_learning_rate=1e-3), text)
 
 
 @pytest.mark.slow

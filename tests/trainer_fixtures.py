@@ -80,6 +80,63 @@ def make_samples(model_dir: Path, groups: int, group_size: int = 4, *, seed: int
     return samples
 
 
+def make_vision_samples(model_dir: Path, pictured: Sequence[bool], *, seed: int = 0, prefix: str = "v"
+                        ) -> tuple[list[DBRecordData], list]:
+    """One single-turn trajectory per entry of ``pictured`` for the tiny vision-language model at ``model_dir``
+    (those marked True show a random picture of 56×56 or 84×56 pixels, its ``<|image_pad|>`` run expanded, the
+    others are text only), as queued DBRecordData with the model's own logprobs (it sees the pictures); returns
+    ``(samples, pictures)`` (``LoadedImage``s, to store in GridFS)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+    from transformers import AutoModelForImageTextToText
+
+    from agentrl.vision.images import load_image
+    from agentrl.vision.processor import VisionProcessor
+
+    rng = random.Random(seed)
+    processor = VisionProcessor(model_dir)
+    model = AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()
+    samples, pictures = [], []
+    for index, with_picture in enumerate(pictured):
+        def tokens(n: int) -> list[int]:
+            return [rng.randrange(VOCAB_LOW, VOCAB_HIGH) for _ in range(n)]
+
+        prompt, images = tokens(rng.randint(3, 6)), []
+        if with_picture:
+            pixels = np.random.default_rng(seed * 1000 + index).integers(0, 255, (56, rng.choice((56, 84)), 3),
+                                                                         dtype=np.uint8)
+            buffer = io.BytesIO()
+            Image.fromarray(pixels).save(buffer, "PNG")
+            images = [load_image(buffer.getvalue(), f"picture {index}")]
+            prompt = processor.expand(prompt + processor.placeholder + tokens(2),
+                                      [processor.image_tokens(images[0])])
+        output = tokens(rng.randint(3, 6))
+        input_ids = prompt + output
+        loss_mask = [0] * len(prompt) + [1] * len(output)
+        with torch.no_grad():
+            ids = torch.tensor([input_ids])
+            extra = {}
+            if images:
+                inputs = processor.inputs(images)
+                extra = {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.image_grid_thw,
+                         "mm_token_type_ids": (ids == processor.image_token_id).int()}
+            logits = model(input_ids=ids, **extra).logits[0, :-1].float()
+            picked = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
+        behaviour = [0.0] + picked.tolist()
+        record_id = f"{prefix}{index}/0/0"
+        samples.append(DBRecordData(
+            id=f"{record_id}#b0", record_id=record_id, task_id=f"{prefix}{index}", seq=0, input_ids=input_ids,
+            loss_mask=loss_mask, logprobs=[lp if m else 0.0 for lp, m in zip(behaviour, loss_mask)],
+            versions=[0 if m else -1 for m in loss_mask], advantages=[(1.0 if index % 2 else -1.0) if m else 0.0
+                                                                      for m in loss_mask],
+            reward=float(index % 2), turn_boundaries=[0], num_tokens=len(input_ids),
+            images=[image.sha256 for image in images]))
+        pictures += images
+    return samples, pictures
+
+
 def sft_samples(count: int, *, seed: int = 0, length: int = 24, prefix: str = "sft") -> list[DBRecordData]:
     """``count`` copies-with-new-ids of a few fixed token sequences, loss on their second half (SFT data)."""
     rng = random.Random(seed)

@@ -3,8 +3,9 @@
 Ranks form a ``(dp, tp)`` mesh: tensor-parallel peers (``parallelize_module``: attention and MLP projections
 column/row-wise, embeddings, norms and the LM head replicated) see the same data; data-parallel ranks claim
 different samples and shard parameters, gradients and optimiser state with FSDP2 (``fully_shard`` per decoder
-layer and on the root). One process without launcher variables needs no process group at all; under ``torchrun``
-or ``accelerate launch`` the group uses NCCL on CUDA and gloo on CPU.
+layer and on the root; a vision-language model's vision blocks and tower too, the tower run in every pass:
+``agentrl.training.vision_parallel``). One process without launcher variables needs no process group at all;
+under ``torchrun`` or ``accelerate launch`` the group uses NCCL on CUDA and gloo on CPU.
 
 FSDP2 *averages* gradients over the data-parallel ranks; the losses are globally normalised sums, so the
 trainer multiplies each micro-batch loss by ``dp_size`` (gloo has no pre-multiplied sum to turn averaging off).
@@ -22,6 +23,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from agentrl.training.vision_parallel import BlankPicturePass, vision_blocks, vision_language_model
 
 logger = logging.getLogger(__name__)
 
@@ -187,8 +190,10 @@ def shutdown_parallel(state: ParallelState) -> None:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The decoder layers of a Hugging Face causal LM (``model.model.layers`` for Llama/Qwen/Mistral...)."""
-    base = getattr(model, model.base_model_prefix, model)
+    """The decoder layers of a Hugging Face causal LM (``model.model.layers`` for Llama/Qwen/Mistral...), or of a
+    vision-language model's language model (``model.model.language_model.layers`` for Qwen-VL)."""
+    vlm = vision_language_model(model)
+    base = vlm.language_model if vlm is not None else getattr(model, model.base_model_prefix, model)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList):
         raise ParallelError(f"{type(model).__name__}: cannot find its decoder layers (expected "
@@ -197,10 +202,11 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
 
 
 def apply_tensor_parallel(model: nn.Module, state: ParallelState) -> None:
-    """Split attention heads and MLP columns of every decoder layer over the ``tp`` mesh dimension."""
+    """Split attention heads and MLP columns of every decoder layer over the ``tp`` mesh dimension (a
+    vision-language model's language model; its vision tower is replicated, as the peers see the same data)."""
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    config = model.config
+    config = getattr(model.config, "text_config", None) or model.config
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name, None)
         if value is not None and value % state.tp_size:
@@ -223,7 +229,8 @@ def shard_model(model: nn.Module, state: ParallelState, *, bf16: bool, reshard_a
 
     Parameters stay fp32 (master weights). With ``bf16`` the decoder layers compute in bf16 and reduce gradients
     in fp32, while the root group (embeddings, final norm, LM head) keeps fp32 parameters: the logits that feed
-    the logprobs are fp32. Works on a meta-device model too (``materialize_from_main`` fills it afterwards).
+    the logprobs are fp32; a vision tower computes as the decoder layers do. Works on a meta-device model too
+    (``materialize_from_main`` fills it afterwards).
     """
     if not state.distributed:
         return
@@ -234,9 +241,16 @@ def shard_model(model: nn.Module, state: ParallelState, *, bf16: bool, reshard_a
     layer_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 \
         else MixedPrecisionPolicy()
     dp_mesh = state.mesh["dp"]
+    vlm = vision_language_model(model)
+    if vlm is not None:  # each vision block, then the rest of the tower (patch embedding, mergers): units of their own
+        for block in vision_blocks(model) or ():
+            fully_shard(block, mesh=dp_mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
+        fully_shard(vlm.visual, mesh=dp_mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=dp_mesh, mp_policy=layer_policy, reshard_after_forward=reshard_after_forward)
     fully_shard(model, mesh=dp_mesh, mp_policy=MixedPrecisionPolicy(), reshard_after_forward=reshard_after_forward)
+    if vlm is not None:
+        BlankPicturePass(model)  # every rank runs the tower in every pass (agentrl.training.vision_parallel)
 
 
 def materialize_from_main(model: nn.Module, state: ParallelState, source: nn.Module | None) -> None:

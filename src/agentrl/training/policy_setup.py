@@ -16,6 +16,7 @@ from agentrl.training.errors import TrainerError
 from agentrl.training.logprobs import shared_prefix_unsupported
 from agentrl.training.parallel import ParallelState
 from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
+from agentrl.training.vision_parallel import vision_language_model
 from agentrl.training.weights import load_sharded
 from agentrl.vision.processor import VisionProcessor
 
@@ -74,6 +75,8 @@ def build_policy(cfg: TrainConfig, parallel: ParallelState, path: str | Path, re
     """The policy from ``path`` (sharded over the ranks), with its LoRA adapter when ``lora_config`` is set."""
     def prepare(model: torch.nn.Module) -> None:
         model.config.use_cache = False
+        if cfg.freeze_vision_tower:
+            freeze_vision_tower(model)
         if cfg.gradient_checkpointing:
             model.activation_checkpointing_enable()
 
@@ -91,31 +94,30 @@ def build_policy(cfg: TrainConfig, parallel: ParallelState, path: str | Path, re
     return model
 
 
-def vision_setup(cfg: TrainConfig, parallel: ParallelState, model: torch.nn.Module, path: str | Path
-                 ) -> VisionProcessor | None:
-    """A vision-language policy's image processor (None for a text model), its vision tower frozen with
-    ``--freeze_vision_tower``. Such a policy trains in one process for now: FSDP2 ranks must make the same
-    collectives in every pass, and a pass without images skips the vision tower's."""
+def vision_setup(cfg: TrainConfig, path: str | Path) -> VisionProcessor | None:
+    """A vision-language policy's image processor (None for a text model); :class:`TrainerError` for a vision flag
+    that does not fit the model. Over several ranks FSDP2 shards the tower and runs it in every pass
+    (``agentrl.training.vision_parallel``)."""
     vision = VisionProcessor.of(path)
     if vision is None:
         for flag, given in (("freeze_vision_tower", cfg.freeze_vision_tower),
                             ("vision_learning_rate", cfg.vision_learning_rate is not None)):
             if given:
                 raise TrainerError(f"--{flag}: {path} is a text model (it has no vision tower)")
-        return None
-    if cfg.freeze_vision_tower and cfg.vision_learning_rate is not None:
+    elif cfg.freeze_vision_tower and cfg.vision_learning_rate is not None:
         raise TrainerError("--vision_learning_rate: the vision tower is frozen (--freeze_vision_tower)")
-    if parallel.distributed:
-        raise TrainerError(f"{path} is a vision-language model ({vision.model_type}): it trains in one process "
-                           f"for now (launch one process, or train a text model over several)")
-    if cfg.freeze_vision_tower:
-        tower = model.model.visual if hasattr(model, "model") and hasattr(model.model, "visual") else None
-        if tower is None:
-            raise TrainerError(f"--freeze_vision_tower: cannot find the vision tower (model.visual) of "
-                               f"{type(model).__name__}")
-        tower.requires_grad_(False)
-        logger.info("vision tower frozen: %d parameters not trained", sum(p.numel() for p in tower.parameters()))
     return vision
+
+
+def freeze_vision_tower(model: torch.nn.Module) -> None:
+    """``--freeze_vision_tower``: the tower's parameters take no gradient (before sharding, so FSDP2 neither
+    computes nor reduces any)."""
+    vlm = vision_language_model(model)
+    if vlm is None:
+        raise TrainerError(f"--freeze_vision_tower: cannot find the vision tower (model.visual) of "
+                           f"{type(model).__name__}")
+    vlm.visual.requires_grad_(False)
+    logger.info("vision tower frozen: %d parameters not trained", sum(p.numel() for p in vlm.visual.parameters()))
 
 
 def build_ref_model(cfg: TrainConfig, parallel: ParallelState, path: str | Path, bf16: bool) -> torch.nn.Module:

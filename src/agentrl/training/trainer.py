@@ -241,10 +241,10 @@ class Trainer:
             resolve_resume(cfg.resume_from_checkpoint, self.output_dir) if parallel.is_main else None)
         base_path = parallel.broadcast_from_main(base_model_path(cfg) if parallel.is_main else None)
         lora_config = lora_settings(cfg, resume, base_path)
+        self.vision = vision_setup(cfg, base_path)
         self.model = build_policy(cfg, parallel, base_path if lora_config is not None else resume or base_path,
                                   resume, lora_config, self.bf16)
         self.tokenizer = load_tokenizer(resume or base_path, cfg.trust_remote_code) if parallel.is_main else None
-        self.vision = vision_setup(cfg, parallel, self.model, base_path)
         ref_model = build_ref_model(cfg, parallel, cfg.ref_model_name_or_path or base_path,
                                     self.bf16) if cfg.loss.kl_coef else None
         self.optimizer = build_optimizer(cfg, self.model)
