@@ -114,6 +114,60 @@ def test_demos_are_accepted_by_the_sft_parser_and_replay_the_oracle(name: str, t
         assert actions == spec.oracle(data_idx)[:len(actions)]
 
 
+def test_demos_with_images_show_each_observation_as_a_picture_before_its_text(tmp_path: Path) -> None:
+    """``envs demos babyai --images``: every observation (the first one and each after an action) is the
+    environment's own picture of it, an ``image_url`` data URI before the text; the SFT parser of a vision-language
+    model takes them, each picture once per observation and its tokens expanded, and the first prompt renders to the
+    ids of a rollout's first call (the episode loop's image part, ``TokenConversation``)."""
+    needs("babyai")
+    from agentrl.inference.tiny_model import build_tiny_vision_model
+    from agentrl.rollout.conversation import TokenConversation
+    from agentrl.vision.images import load_image
+    from agentrl.vision.processor import VisionProcessor
+
+    spec = get_spec("babyai")
+    out = tmp_path / "demos.jsonl"
+    done = agentrl("envs", "demos", "babyai", "--num", "2", "--images", "--output", str(out))
+    assert done.returncode == 0, done.stderr
+    demos = [json.loads(line) for line in out.read_text().splitlines()]
+    shown: list[list[str]] = []
+    for demo in demos:
+        env, messages = spec.factory(), demo["messages"]
+        observation = env.reset(demo["env"]["data_idx"])
+        expected, pictures = [], []
+        for message in messages[1:]:
+            if message["role"] == "assistant":
+                observation = env.step(parse_action(message["content"], spec.action_format)).observation
+                continue
+            picture = load_image(env.image(), "replay")
+            pictures.append(picture)
+            expected.append([{"type": "image_url", "image_url": {"url": picture.data_uri()}},
+                             {"type": "text", "text": observation}])
+        env.close()
+        assert [m["content"] for m in messages if m["role"] == "user"] == expected
+        assert len(expected) >= 2 and len({p.sha256 for p in pictures}) >= 2  # the view changes as the agent acts
+        shown.append([p.sha256 for p in pictures])
+
+    model = build_tiny_vision_model(tmp_path / "vlm")
+    vision = VisionProcessor(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    parsed = parse_sft_file(out, tokenizer, vision=vision)
+    assert parsed.problems == [] and len(parsed.samples) == 2
+    for (_, sample), images in zip(parsed.samples, shown):
+        assert sample.images == images
+        assert sample.input_ids.count(vision.image_token_id) == sum(vision.image_tokens(parsed.images[sha])
+                                                                    for sha in images)
+    first = demos[0]["messages"]
+    picture = parsed.images[shown[0][0]]
+    rollout = [first[0], {"role": "user", "content": [{"type": "image", "image": picture.sha256},
+                                                      {"type": "text", "text": first[1]["content"][1]["text"]}]}]
+    prompt = TokenConversation(tokenizer, rollout, None, vision=vision, pictures={picture.sha256: picture}).prompt_ids
+    assert parsed.samples[0][1].input_ids[:len(prompt)] == list(prompt)
+
+    refused = agentrl("envs", "demos", COUNTER, "--num", "1", "--images", env=PLUGIN_ENV)
+    assert refused.returncode == 2 and "draws no picture" in refused.stderr, refused.stderr
+
+
 def test_demos_need_an_oracle() -> None:
     done = agentrl("envs", "demos", "test_envs_protocol:counter_spec_without_oracle", "--num", "2", env=PLUGIN_ENV)
     assert done.returncode == 2 and "has no oracle" in done.stderr

@@ -40,6 +40,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Successful episodes of the environment's oracle, as OpenAI messages conversations.")
     _add_selection(demos)
     demos.add_argument("--num", type=int, required=True, help="number of demonstrations")
+    demos.add_argument("--images", action="store_true",
+                       help="show each observation's picture before its text (an image_url part, data: URI), as "
+                            "`envs serve --images` does, for a vision-language policy (BabyAI: the agent's view)")
     demos.set_defaults(func=run_demos)
 
 
@@ -111,7 +114,7 @@ def run_demos(args: argparse.Namespace) -> int:
         print(f"\rdemos: {kept}/{args.num} kept, {tried} episodes played", end="", file=sys.stderr, flush=True)
 
     try:
-        rows = demo_rows(args.name, args.num, args.seed, args.split, progress=progress)
+        rows = demo_rows(args.name, args.num, args.seed, args.split, progress=progress, images=args.images)
     except (EnvError, ValueError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 2

@@ -10,7 +10,9 @@ Demonstrations are OpenAI ``messages`` conversations (``agentrl sft upload``): t
 first observation (:func:`agentrl.envs.actions.episode_messages`), then the oracle's actions as assistant turns
 (:func:`~agentrl.envs.actions.format_action`) alternating with the observations they produced, stepped on a real
 in-process instance. Only episodes that end in success within ``spec.max_turns`` are kept, and they end at the
-assistant turn that succeeded, so each renders to the tokens of a rollout that acted the same.
+assistant turn that succeeded, so each renders to the tokens of a rollout that acted the same. With ``images``
+(an environment that draws its observations, e.g. BabyAI) every observation is a picture, as an ``image_url`` part
+with a ``data:`` URI, before its text: what a vision-language policy's episode shows (``envs serve --images``).
 
 Both sample the split's task indices with a seeded shuffle, so ``--num N`` takes the first N of one fixed order.
 """
@@ -25,6 +27,7 @@ from agentrl.envs.actions import episode_messages, format_action, observation_me
 from agentrl.envs.base import EnvError, Environment, EnvSpec, StepResult
 from agentrl.envs.protocol import episode_reward
 from agentrl.envs.registry import get_spec
+from agentrl.vision.images import load_image
 
 
 def sampled_indices(spec: EnvSpec, split: str, num: int | None, seed: int) -> list[int]:
@@ -52,9 +55,10 @@ def task_row(name: str, data_idx: int) -> dict[str, Any]:
 
 
 def demo_rows(name: str, num: int, seed: int = 0, split: str = "train",
-              progress: Callable[[int, int], None] | None = None) -> list[dict[str, Any]]:
-    """Up to ``num`` successful oracle demonstrations from ``split`` (fewer if the split runs out first);
-    ``progress(kept, tried)`` is called after each episode. ``EnvError`` for an environment without an oracle."""
+              progress: Callable[[int, int], None] | None = None, images: bool = False) -> list[dict[str, Any]]:
+    """Up to ``num`` successful oracle demonstrations from ``split`` (fewer if the split runs out first), with each
+    observation's picture when ``images``; ``progress(kept, tried)`` is called after each episode. ``EnvError`` for
+    an environment without an oracle, or with ``images`` one that draws no picture."""
     spec = get_spec(name)
     if spec.oracle is None:
         raise EnvError(f"environment {spec.name!r} has no oracle, so it has no demonstrations")
@@ -65,7 +69,9 @@ def demo_rows(name: str, num: int, seed: int = 0, split: str = "train",
     try:
         for tried, data_idx in enumerate(sampled_indices(spec, split, None, seed), start=1):
             try:
-                messages = demonstration(spec, env, data_idx)
+                messages = demonstration(spec, env, data_idx, images=images)
+            except NoPictureError:
+                raise
             except EnvError:  # the oracle cannot solve this task, or the task cannot be loaded: skip it
                 messages = None
             if messages is not None:
@@ -80,11 +86,19 @@ def demo_rows(name: str, num: int, seed: int = 0, split: str = "train",
     return rows
 
 
-def demonstration(spec: EnvSpec, env: Environment, data_idx: int) -> list[dict[str, Any]] | None:
-    """The oracle's episode on task ``data_idx`` as messages, or None if it does not succeed within the turns;
-    ``ValueError`` if an oracle action would not read back from its assistant turn (a bug of the environment)."""
+class NoPictureError(EnvError):
+    """Demonstrations with pictures asked of an environment that draws none."""
+
+
+def demonstration(spec: EnvSpec, env: Environment, data_idx: int, images: bool = False
+                  ) -> list[dict[str, Any]] | None:
+    """The oracle's episode on task ``data_idx`` as messages (each observation with its picture when ``images``),
+    or None if it does not succeed within the turns; ``ValueError`` if an oracle action would not read back from
+    its assistant turn (a bug of the environment), :class:`NoPictureError` if ``images`` and it draws none."""
     assert spec.oracle is not None
     messages = episode_messages(spec.instruction, env.reset(data_idx))
+    if images:
+        messages[-1] = _with_picture(spec, env, messages[-1])
     steps: list[StepResult] = []
     for action in spec.oracle(data_idx)[:spec.max_turns]:
         reply = format_action(action, spec.action_format)
@@ -96,5 +110,17 @@ def demonstration(spec: EnvSpec, env: Environment, data_idx: int) -> list[dict[s
         success = episode_reward(steps) >= spec.success_reward
         if success or steps[-1].done:
             return messages if success else None
-        messages.append(observation_message(steps[-1].observation))
+        message = observation_message(steps[-1].observation)
+        messages.append(_with_picture(spec, env, message) if images else message)
     return None
+
+
+def _with_picture(spec: EnvSpec, env: Environment, message: dict[str, Any]) -> dict[str, Any]:
+    """An observation ``message`` with the environment's picture of it before its text (an ``image_url`` part)."""
+    data = env.image()
+    if data is None:
+        raise NoPictureError(f"environment {spec.name!r} draws no picture of its observations: drop --images "
+                             f"(BabyAI draws one)")
+    picture = load_image(data, f"environment {spec.name!r}'s picture")
+    return {**message, "content": [{"type": "image_url", "image_url": {"url": picture.data_uri()}},
+                                   {"type": "text", "text": message["content"]}]}
