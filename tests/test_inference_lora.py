@@ -168,3 +168,67 @@ def test_an_engine_without_enable_lora_refuses_adapters(engine_url: str, tmp_pat
     assert generate.status_code == 400 and "LoRA is not enabled" in generate.json()["error"]["message"]
     load = httpx.post(f"{engine_url}/load_lora_adapter", json={"lora_name": "a", "lora_path": str(tmp_path)})
     assert load.status_code == 400 and "--enable_lora" in load.json()["error_message"]
+
+
+async def test_a_vision_language_models_adapters_see_the_pictures(launch_engine: Callable[..., EngineProcess],
+                                                                  tmp_path: Path) -> None:
+    """A tiny Qwen2.5-VL served with ``--enable_lora``: a request with a picture and an adapter of the language model
+    gets PEFT's merged model's greedy tokens and logprobs on that picture, in the same batch as a base-model
+    request on it (one encoding of the picture serves both); an adapter of a vision-tower layer is refused."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForImageTextToText
+
+    from agentrl.inference.tiny_model import build_tiny_vision_model
+    from agentrl.vision.images import load_image
+    from agentrl.vision.processor import VisionProcessor
+    from inference_fixtures import picture
+    from test_inference_vision import QUESTION, data_uri, prompt_ids
+
+    model_dir = build_tiny_vision_model(tmp_path / "vlm")
+    torch.manual_seed(6)
+    peft = get_peft_model(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32),
+                          LoraConfig(init_lora_weights=False, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    peft.save_pretrained(tmp_path / "seeing")
+    models = {"seeing": peft.merge_and_unload().eval(),
+              None: AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()}
+    image = picture(4)
+    ids = prompt_ids(model_dir, QUESTION, [image], expand=True)
+    processor = VisionProcessor(model_dir)
+    inputs = processor.inputs([load_image(image, "test")])
+    x = torch.tensor([ids])
+    expected = {}
+    for name, model in models.items():
+        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=inputs.pixel_values,
+                             image_grid_thw=inputs.image_grid_thw, max_new_tokens=10, do_sample=False,
+                             mm_token_type_ids=(x == processor.image_token_id).int(), output_logits=True,
+                             return_dict_in_generate=True)
+        tokens = out.sequences[0, len(ids):].tolist()
+        expected[name] = (tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
+                                   for step, t in zip(out.logits, tokens, strict=True)])
+    assert expected["seeing"][0] != expected[None][0]  # the adapter changes what the model says
+
+    torch.manual_seed(7)
+    tower = get_peft_model(AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32),
+                           LoraConfig(init_lora_weights=False, r=2, lora_alpha=2, target_modules=["gate_proj"]))
+    tower.save_pretrained(tmp_path / "tower")  # Qwen2.5-VL's vision blocks have a gate_proj too
+    engine = launch_engine(model_dir, "--enable_lora")
+    try:
+        async with SGLangClient(engine.url) as client:
+            await client.load_lora_adapter("seeing", str(tmp_path / "seeing"))
+            body = {"input_ids": ids, "image_data": [data_uri(image)], "return_logprob": True,
+                    "sampling_params": {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}}
+            async with httpx.AsyncClient(base_url=engine.url, timeout=120) as http:
+                answers = await asyncio.gather(*(http.post("/generate", json={**body, "lora_path": name})
+                                                 for name in ("seeing", None)))
+                refused = await http.post("/load_lora_adapter", json={"lora_name": "tower",
+                                                                      "lora_path": str(tmp_path / "tower")})
+    finally:
+        assert engine.stop() == 0, engine.output
+    for name, answer in zip(("seeing", None), answers, strict=True):
+        assert answer.status_code == 200, answer.text
+        payload = answer.json()
+        tokens, logprobs = expected[name]
+        assert payload["output_ids"] == tokens, name
+        got = [entry[0] for entry in payload["meta_info"]["output_token_logprobs"]]
+        assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4, name
+    assert refused.status_code == 400 and "is in the vision tower" in refused.json()["error_message"], refused.text

@@ -219,3 +219,16 @@ def test_bad_lora_flags_are_refused(flags: tuple[str, ...], message: str, db_uri
     output = capsys.readouterr().err + log
     assert code != 0 and message in output, output
     assert "Traceback" not in output, output
+
+
+def test_an_adapter_of_a_vision_tower_is_not_published(db_uri: str, tmp_path: Path,
+                                                         caplog: pytest.LogCaptureFixture) -> None:
+    """``--lora_publish adapter`` of a vision-language policy adapts its language model only (an engine encodes a
+    picture once for every adapter): a target in the tower (Qwen2.5-VL's vision blocks have a gate_proj) is refused
+    at setup, naming the layer."""
+    from agentrl.inference.tiny_model import build_tiny_vision_model
+
+    model = build_tiny_vision_model(tmp_path / "vlm")
+    code, log = train_here(trainer_args(db_uri, model, tmp_path / "out", *FLAGS, "--use_peft", "--lora_target_modules",
+                                        "gate_proj", "--lora_publish", "adapter"), caplog)
+    assert code != 0 and "adapts the vision tower's model.visual.blocks.0.mlp.gate_proj" in log, log

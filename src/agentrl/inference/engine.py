@@ -144,9 +144,6 @@ class InferenceEngine:
         self.model_name = config.served_model_name or Path(path.rstrip("/")).name
         self.tokenizer = policy_tokenizer(path)
         processor = VisionProcessor.of(path)
-        if processor is not None and config.enable_lora:
-            raise ValueError(f"{path}: LoRA adapters are not served for vision-language models "
-                             f"({processor.model_type}); start without --enable_lora")
         model = model_class(None if processor is None else processor.model_type).from_pretrained(
             path, dtype=self.dtype, attn_implementation="sdpa")
         self.model = model.to(self.device).eval()

@@ -8,7 +8,9 @@ whose request named that adapter, so one batch can mix requests of several adapt
 Requests are given their adapter with :meth:`ServedAdapters.assign`; the rows of a forward pass are given by
 :meth:`ServedAdapters.route` (each request's id and token count, in batch order). Adding or removing adapters must
 happen between two forward passes (the batcher pauses its loop). What SGLang refuses, this refuses too: DoRA, adapters
-that add tokens or train whole modules (``modules_to_save``), adapters of non-Linear layers. """
+that add tokens or train whole modules (``modules_to_save``), adapters of non-Linear layers. A vision-language
+model's adapters adapt its language model only: its vision tower encodes a picture once for all requests (the
+embedding cache is keyed by the picture alone), so an adapter of a tower layer is refused."""
 
 from __future__ import annotations
 
@@ -20,6 +22,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from agentrl.vision.processor import VISION_TOWER
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -76,6 +80,10 @@ def read_adapter(name: str, path: str | Path, model: nn.Module) -> Adapter:
                 raise AdapterError(f"{directory}: tensor {key} is not a LoRA A/B weight of a Linear layer")
             continue
         module_name = key[:-len(".lora_A.weight")].removeprefix(_KEY_PREFIX)
+        if VISION_TOWER.search(module_name):
+            raise AdapterError(f"{directory}: adapted layer {module_name} is in the vision tower, which the engine "
+                               f"runs once per picture for every adapter: adapt the language model only, or "
+                               f"publish merged weights")
         module = modules.get(module_name)
         if not isinstance(module, nn.Linear):
             kind = "not in the model" if module is None else f"a {type(module).__name__}, not a Linear layer"

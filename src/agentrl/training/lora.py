@@ -75,6 +75,13 @@ def is_adapted(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None
 
 
+def adapted_modules(model: nn.Module) -> list[str]:
+    """The names of the modules a LoRA adapter adapts."""
+    from peft.tuners.lora import LoraLayer
+
+    return sorted(name for name, module in model.named_modules() if isinstance(module, LoraLayer))
+
+
 def non_linear_targets(model: nn.Module) -> list[str]:
     """Adapted modules whose base layer is not a Linear one (an embedding, a GPT-2 Conv1D): inference servers
     serve adapters of Linear layers only."""

@@ -4,7 +4,6 @@ schedule, built from the trainer's configuration."""
 from __future__ import annotations
 
 import logging
-import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from agentrl.training.parallel import ParallelState
 from agentrl.training.prefix_tree import MIN_SHARED_TOKENS
 from agentrl.training.vision_parallel import vision_language_model
 from agentrl.training.weights import load_sharded
-from agentrl.vision.processor import VisionProcessor
+from agentrl.vision.processor import VISION_TOWER, VisionProcessor
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +90,12 @@ def build_policy(cfg: TrainConfig, parallel: ParallelState, path: str | Path, re
             raise TrainerError(f"--lora_publish adapter: inference servers serve adapters of Linear layers "
                                f"only, and {', '.join(odd[:3])} is not one: leave it out of "
                                "--lora_target_modules or publish merged weights")
+        if cfg.lora_publish == "adapter" and (tower := [n for n in lora.adapted_modules(model)
+                                                        if VISION_TOWER.search(n)]):
+            raise TrainerError(f"--lora_publish adapter: an engine serves adapters of the language model only "
+                               f"(it encodes a picture once for every adapter), and this one adapts the vision "
+                               f"tower's {', '.join(tower[:3])}: name the language model's layers in "
+                               "--lora_target_modules (e.g. q_proj v_proj) or publish merged weights")
     return model
 
 
@@ -145,10 +150,6 @@ def shared_prefix_min(cfg: TrainConfig, model: torch.nn.Module, ref_model: torch
         logger.info("dropout is on: a shared prefix gets one dropout mask per micro-batch instead of one per "
                     "sample (the same expected gradient; --lora_dropout 0 makes it exact)")
     return MIN_SHARED_TOKENS
-
-
-VISION_TOWER = re.compile(r"(^|\.)visual\.")
-"""Names of a Qwen-VL policy's vision tower parameters (``model.visual.*``, also under PEFT's wrapper)."""
 
 
 def build_optimizer(cfg: TrainConfig, model: torch.nn.Module) -> torch.optim.Optimizer:

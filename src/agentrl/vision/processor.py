@@ -15,6 +15,7 @@ trainer rebuilds exactly the engine's pixel values from the stored image bytes.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -27,6 +28,10 @@ if TYPE_CHECKING:
 VISION_MODEL_TYPES = frozenset({"qwen2_vl", "qwen2_5_vl", "qwen3_vl"})
 """Model types whose images ``agentrl`` serves and trains (the Qwen-VL family: one ``<|image_pad|>`` per merged
 patch, multimodal rotary positions)."""
+
+
+VISION_TOWER = re.compile(r"(^|\.)visual\.")
+"""Names of a Qwen-VL model's vision tower parameters and modules (``model.visual.*``, also under PEFT's wrapper)."""
 
 
 class VisionInputError(ValueError):
