@@ -120,7 +120,7 @@ def data_uri(png: bytes) -> str:
 
 SHIPPED_SETS: dict[str, tuple[int, int, str]] = {
     "pictures_rl.jsonl": (480, 10, "pictures"),
-    "pictures_heldout.jsonl": (120, 11, "pictures-heldout"),
+    "pictures_heldout.jsonl": (240, 11, "pictures-heldout"),
     "pictures_warmup.jsonl": (240, 12, "pictures-warmup"),
 }
 """file name in ``assets/tasks`` → (tasks, seed, id prefix)"""
