@@ -179,10 +179,8 @@ async def test_a_vision_language_models_adapters_see_the_pictures(launch_engine:
     from transformers import AutoModelForImageTextToText
 
     from agentrl.inference.tiny_model import build_tiny_vision_model
-    from agentrl.vision.images import load_image
-    from agentrl.vision.processor import VisionProcessor
     from inference_fixtures import picture
-    from test_inference_vision import QUESTION, data_uri, prompt_ids
+    from test_inference_vision import QUESTION, data_uri, prompt_ids, reference
 
     model_dir = build_tiny_vision_model(tmp_path / "vlm")
     torch.manual_seed(6)
@@ -193,18 +191,7 @@ async def test_a_vision_language_models_adapters_see_the_pictures(launch_engine:
               None: AutoModelForImageTextToText.from_pretrained(model_dir, dtype=torch.float32).eval()}
     image = picture(4)
     ids = prompt_ids(model_dir, QUESTION, [image], expand=True)
-    processor = VisionProcessor(model_dir)
-    inputs = processor.inputs([load_image(image, "test")])
-    x = torch.tensor([ids])
-    expected = {}
-    for name, model in models.items():
-        out = model.generate(input_ids=x, attention_mask=torch.ones_like(x), pixel_values=inputs.pixel_values,
-                             image_grid_thw=inputs.image_grid_thw, max_new_tokens=10, do_sample=False,
-                             mm_token_type_ids=(x == processor.image_token_id).int(), output_logits=True,
-                             return_dict_in_generate=True)
-        tokens = out.sequences[0, len(ids):].tolist()
-        expected[name] = (tokens, [torch.log_softmax(step[0].float(), -1)[t].item()
-                                   for step, t in zip(out.logits, tokens, strict=True)])
+    expected = {name: reference(model_dir, ids, [image], 10, model=model) for name, model in models.items()}
     assert expected["seeing"][0] != expected[None][0]  # the adapter changes what the model says
 
     torch.manual_seed(7)
@@ -220,6 +207,8 @@ async def test_a_vision_language_models_adapters_see_the_pictures(launch_engine:
             async with httpx.AsyncClient(base_url=engine.url, timeout=120) as http:
                 answers = await asyncio.gather(*(http.post("/generate", json={**body, "lora_path": name})
                                                  for name in ("seeing", None)))
+                alone = [(await http.post("/generate", json={**body, "lora_path": "seeing"})).json()
+                         for _ in range(3)]  # one at a time: the same bits each time
                 refused = await http.post("/load_lora_adapter", json={"lora_name": "tower",
                                                                       "lora_path": str(tmp_path / "tower")})
     finally:
@@ -231,4 +220,7 @@ async def test_a_vision_language_models_adapters_see_the_pictures(launch_engine:
         assert payload["output_ids"] == tokens, name
         got = [entry[0] for entry in payload["meta_info"]["output_token_logprobs"]]
         assert max(abs(a - b) for a, b in zip(got, logprobs, strict=True)) < 1e-4, name
+    for payload in alone[1:]:  # (batched with a base request, its logprobs differ from these by ~1e-6: routed rows)
+        assert payload["output_ids"] == alone[0]["output_ids"] == answers[0].json()["output_ids"]
+        assert payload["meta_info"]["output_token_logprobs"] == alone[0]["meta_info"]["output_token_logprobs"]
     assert refused.status_code == 400 and "is in the vision tower" in refused.json()["error_message"], refused.text

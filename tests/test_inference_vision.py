@@ -45,9 +45,12 @@ def prompt_ids(model_dir: Path, content: list[dict], images: list[bytes], *, exp
     return processor.expand(ids, [processor.image_tokens(load_image(b, "test")) for b in images])
 
 
-def reference(model_dir: Path, ids: list[int], images: list[bytes], new_tokens: int) -> tuple[list[int], list[float]]:
-    """transformers' greedy ``generate`` on the expanded ids and the images' pixel values: tokens and logprobs."""
-    model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="sdpa").eval()
+def reference(model_dir: Path, ids: list[int], images: list[bytes], new_tokens: int,
+              model: torch.nn.Module | None = None) -> tuple[list[int], list[float]]:
+    """transformers' greedy ``generate`` on the expanded ids and the images' pixel values: tokens and logprobs (of
+    ``model``, by default the one in ``model_dir``)."""
+    if model is None:
+        model = AutoModelForImageTextToText.from_pretrained(model_dir, attn_implementation="sdpa").eval()
     processor = VisionProcessor(model_dir)
     inputs = processor.inputs([load_image(b, "test") for b in images])
     x = torch.tensor([ids])

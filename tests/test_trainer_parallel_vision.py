@@ -14,10 +14,11 @@ from pathlib import Path
 import pytest
 
 from agentrl.inference.tiny_model import build_tiny_vision_model
-from agentrl.store import Store, sync_client, with_database
+from agentrl.store import sync_client, with_database
 from agentrl.train import main
 from trainer_fixtures import (
     check_trainer_logprobs,
+    enqueue,
     load_weights,
     make_vision_samples,
     max_weight_difference,
@@ -37,13 +38,6 @@ LORA = ("--use_peft", "true", "--lora_target_modules", "q_proj", "v_proj", "--lo
 TOLERANCE = 1e-5  # as for a text model (test_trainer_parallel): fp32 sums in another order
 
 
-async def _queue(uri: str, samples: list, pictures: list) -> None:
-    async with Store(uri) as store:
-        for picture in pictures:
-            await store.images.put(picture)
-        assert await store.samples.enqueue(samples) == len(samples)
-
-
 @pytest.fixture
 def database(mongo_server_uri: str):
     """Makes databases holding the given samples and pictures (dropped afterwards)."""
@@ -52,7 +46,7 @@ def database(mongo_server_uri: str):
     def make(samples: list, pictures: list) -> str:
         names.append("t_" + uuid.uuid4().hex[:12])
         uri = with_database(mongo_server_uri, names[-1])
-        asyncio.run(_queue(uri, samples, pictures))
+        asyncio.run(enqueue(uri, samples, pictures=pictures))
         return uri
 
     yield make

@@ -31,10 +31,10 @@ VOCAB_LOW, VOCAB_HIGH = 100, 4000  # ordinary tokens of the embedded tokenizer
 TRAINER_ENV = {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
 
 
-def _behaviour_logprobs(model: torch.nn.Module, input_ids: list[int]) -> list[float]:
+def _behaviour_logprobs(model: torch.nn.Module, input_ids: list[int], **model_kwargs) -> list[float]:
     with torch.no_grad():
         ids = torch.tensor([input_ids])
-        logprobs = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        logprobs = torch.log_softmax(model(input_ids=ids, **model_kwargs).logits[0, :-1].float(), dim=-1)
         picked = logprobs.gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
     return [0.0] + picked.tolist()
 
@@ -115,16 +115,12 @@ def make_vision_samples(model_dir: Path, pictured: Sequence[bool], *, seed: int 
         output = tokens(rng.randint(3, 6))
         input_ids = prompt + output
         loss_mask = [0] * len(prompt) + [1] * len(output)
-        with torch.no_grad():
-            ids = torch.tensor([input_ids])
-            extra = {}
-            if images:
-                inputs = processor.inputs(images)
-                extra = {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.image_grid_thw,
-                         "mm_token_type_ids": (ids == processor.image_token_id).int()}
-            logits = model(input_ids=ids, **extra).logits[0, :-1].float()
-            picked = torch.log_softmax(logits, -1).gather(-1, ids[0, 1:].unsqueeze(-1)).squeeze(-1)
-        behaviour = [0.0] + picked.tolist()
+        extra = {}
+        if images:
+            inputs = processor.inputs(images)
+            extra = {"pixel_values": inputs.pixel_values, "image_grid_thw": inputs.image_grid_thw,
+                     "mm_token_type_ids": (torch.tensor([input_ids]) == processor.image_token_id).int()}
+        behaviour = _behaviour_logprobs(model, input_ids, **extra)
         record_id = f"{prefix}{index}/0/0"
         samples.append(DBRecordData(
             id=f"{record_id}#b0", record_id=record_id, task_id=f"{prefix}{index}", seq=0, input_ids=input_ids,
@@ -152,9 +148,13 @@ def sft_samples(count: int, *, seed: int = 0, length: int = 24, prefix: str = "s
     return samples
 
 
-async def enqueue(db_uri: str, samples: Sequence[DBRecordData], *, services: Sequence[str] = ()) -> None:
-    """Queue ``samples``; register ``services`` (base URLs, e.g. an SGLang stand-in's) as SGLang services."""
+async def enqueue(db_uri: str, samples: Sequence[DBRecordData], *, services: Sequence[str] = (),
+                  pictures: Sequence = ()) -> None:
+    """Queue ``samples``, their ``pictures`` (``LoadedImage``s) stored first; register ``services`` (base URLs, e.g.
+    an SGLang stand-in's) as SGLang services."""
     async with Store(db_uri) as store:
+        for picture in pictures:
+            await store.images.put(picture)
         assert await store.samples.enqueue(list(samples)) == len(samples)
         for url in services:
             await store.services.register(url, kind="sglang")

@@ -70,8 +70,6 @@ def demo_rows(name: str, num: int, seed: int = 0, split: str = "train",
         for tried, data_idx in enumerate(sampled_indices(spec, split, None, seed), start=1):
             try:
                 messages = demonstration(spec, env, data_idx, images=images)
-            except NoPictureError:
-                raise
             except EnvError:  # the oracle cannot solve this task, or the task cannot be loaded: skip it
                 messages = None
             if messages is not None:
@@ -86,8 +84,8 @@ def demo_rows(name: str, num: int, seed: int = 0, split: str = "train",
     return rows
 
 
-class NoPictureError(EnvError):
-    """Demonstrations with pictures asked of an environment that draws none."""
+class NoPictureError(ValueError):
+    """Demonstrations with pictures asked of an environment that draws none (a usage error, not a task to skip)."""
 
 
 def demonstration(spec: EnvSpec, env: Environment, data_idx: int, images: bool = False

@@ -75,20 +75,23 @@ def is_adapted(model: nn.Module) -> bool:
     return getattr(model, "peft_config", None) is not None
 
 
-def adapted_modules(model: nn.Module) -> list[str]:
-    """The names of the modules a LoRA adapter adapts."""
+def unservable_targets(model: nn.Module) -> str | None:
+    """Why an inference server could not serve this model's adapter (``--lora_publish adapter``), or None: it serves
+    LoRA pairs of Linear layers only (not an embedding or a GPT-2 Conv1D), and of a vision-language model's language
+    model only (an engine encodes a picture once for every adapter)."""
     from peft.tuners.lora import LoraLayer
 
-    return sorted(name for name, module in model.named_modules() if isinstance(module, LoraLayer))
+    from agentrl.vision.processor import VISION_TOWER
 
-
-def non_linear_targets(model: nn.Module) -> list[str]:
-    """Adapted modules whose base layer is not a Linear one (an embedding, a GPT-2 Conv1D): inference servers
-    serve adapters of Linear layers only."""
-    from peft.tuners.lora import LoraLayer
-
-    return sorted(name for name, module in model.named_modules()
-                  if isinstance(module, LoraLayer) and not isinstance(module.get_base_layer(), nn.Linear))
+    adapted = [(name, module) for name, module in model.named_modules() if isinstance(module, LoraLayer)]
+    if odd := [name for name, module in adapted if not isinstance(module.get_base_layer(), nn.Linear)]:
+        return (f"inference servers serve adapters of Linear layers only, and {', '.join(odd[:3])} is not one: leave "
+                f"it out of --lora_target_modules or publish merged weights")
+    if tower := [name for name, _ in adapted if VISION_TOWER.search(name)]:
+        return (f"an engine serves adapters of the language model only (it encodes a picture once for every "
+                f"adapter), and this one adapts the vision tower's {', '.join(tower[:3])}: name the language "
+                f"model's layers in --lora_target_modules (e.g. q_proj v_proj) or publish merged weights")
+    return None
 
 
 def trainable_summary(model: nn.Module) -> str:

@@ -86,16 +86,8 @@ def build_policy(cfg: TrainConfig, parallel: ParallelState, path: str | Path, re
         logger.info("LoRA r=%d alpha=%g on %s: %s", lora_config.r, lora_config.lora_alpha,
                     " ".join(sorted(model.peft_config[lora.ADAPTER_NAME].target_modules)),
                     lora.trainable_summary(model))
-        if cfg.lora_publish == "adapter" and (odd := lora.non_linear_targets(model)):
-            raise TrainerError(f"--lora_publish adapter: inference servers serve adapters of Linear layers "
-                               f"only, and {', '.join(odd[:3])} is not one: leave it out of "
-                               "--lora_target_modules or publish merged weights")
-        if cfg.lora_publish == "adapter" and (tower := [n for n in lora.adapted_modules(model)
-                                                        if VISION_TOWER.search(n)]):
-            raise TrainerError(f"--lora_publish adapter: an engine serves adapters of the language model only "
-                               f"(it encodes a picture once for every adapter), and this one adapts the vision "
-                               f"tower's {', '.join(tower[:3])}: name the language model's layers in "
-                               "--lora_target_modules (e.g. q_proj v_proj) or publish merged weights")
+        if cfg.lora_publish == "adapter" and (problem := lora.unservable_targets(model)):
+            raise TrainerError(f"--lora_publish adapter: {problem}")
     return model
 
 

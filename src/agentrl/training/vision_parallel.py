@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves  # transformers registers its ModelOutputs
 
 
 def vision_language_model(model: nn.Module) -> nn.Module | None:
@@ -68,20 +69,6 @@ class BlankPicturePass:
         self._blank_needed = False  # once per forward: the embedding may be called again (placeholder masks)
         pixel_values, grid = blank_picture(self.vlm.config, embeddings.device)
         features = self.vlm.get_image_features(pixel_values, grid)
-        return embeddings + 0.0 * _sum_of_tensors(features).to(embeddings.dtype)
-
-
-def _sum_of_tensors(value: Any) -> torch.Tensor:
-    """The sum of every floating tensor in a model output (nested ModelOutputs, tuples, lists): each output of the
-    tower (Qwen3-VL's deepstack features too) then takes part in backward."""
-    if isinstance(value, torch.Tensor):
-        return value.sum() if value.is_floating_point() else torch.zeros(())
-    if isinstance(value, dict):
-        value = list(value.values())
-    if isinstance(value, (tuple, list)):
-        total = torch.zeros(())
-        for item in value:
-            part = _sum_of_tensors(item)
-            total = total.to(part.device) + part
-        return total
-    return torch.zeros(())
+        # every floating output (Qwen3-VL's deepstack features too) takes part in backward
+        total = sum(t.float().sum() for t in tree_leaves(features) if torch.is_tensor(t) and t.is_floating_point())
+        return embeddings + 0.0 * total.to(embeddings.dtype)
